@@ -1,0 +1,105 @@
+"""One exception hierarchy for deltasync.
+
+Every error a user can cause derives from :class:`DeltasyncError` and carries the
+structured fields that name what is wrong (version, tensor, chunk, key, path), so the
+command line can print one clear line and library users can branch on fields.
+"""
+
+from __future__ import annotations
+
+
+class DeltasyncError(Exception):
+    """Base of every deltasync error. ``exit_code`` is what the command line exits with."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(DeltasyncError):
+    """A bad argument or configuration value."""
+
+    exit_code = 2
+
+
+class RepositoryNotFoundError(DeltasyncError):
+    def __init__(self, url: str) -> None:
+        super().__init__(f"repository not found: {url} (no deltasync.json; publish to it first)")
+        self.url = url
+
+
+class RepositoryFormatError(DeltasyncError):
+    """The repository was written by an incompatible deltasync."""
+
+
+class VersionNotFoundError(DeltasyncError):
+    def __init__(self, version: int, url: str = "") -> None:
+        where = f" in {url}" if url else ""
+        super().__init__(f"version {version} not found{where}")
+        self.version = version
+        self.url = url
+
+
+class VersionConflictError(DeltasyncError):
+    """Another publisher committed the same version id first."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(
+            f"version {version} was committed by another publisher first; "
+            "nothing of this attempt is visible (retry to publish as the next version)"
+        )
+        self.version = version
+
+
+class ObjectNotFoundError(DeltasyncError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"object not found: {key}")
+        self.key = key
+
+
+class ObjectExistsError(DeltasyncError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"object already exists: {key}")
+        self.key = key
+
+
+class CorruptObjectError(DeltasyncError):
+    """A stored object (manifest, pack, blob) cannot be parsed or is truncated."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"corrupt {what}: {detail}")
+        self.what = what
+        self.detail = detail
+
+
+class ChecksumMismatchError(DeltasyncError):
+    """Decoded bits do not match the digest recorded in the manifest."""
+
+    def __init__(self, *, version: int, tensor: str, chunk: int, expected: str, actual: str) -> None:
+        super().__init__(
+            f"checksum mismatch in version {version}, tensor {tensor!r}, chunk {chunk}: "
+            f"expected {expected}, got {actual}"
+        )
+        self.version = version
+        self.tensor = tensor
+        self.chunk = chunk
+        self.expected = expected
+        self.actual = actual
+
+
+class CheckpointError(DeltasyncError):
+    """A checkpoint directory or file is missing, not safetensors, or malformed."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(f"{path}: {detail}")
+        self.path = path
+        self.detail = detail
+
+
+class StoreError(DeltasyncError):
+    """A store backend failed (I/O error, permission, network)."""

@@ -1,0 +1,36 @@
+"""Stores: where a repository's objects live. Backends are private modules re-exported here."""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import urlparse
+
+from deltasync.errors import UsageError
+
+from ._base import Store, check_key
+from ._local import LocalStore
+from ._memory import MemoryStore
+
+__all__ = ["LocalStore", "MemoryStore", "Store", "check_key", "open_store"]
+
+_memory_stores: dict[str, MemoryStore] = {}
+_memory_lock = threading.Lock()
+
+
+def open_store(url: str) -> Store:
+    """Open a store by URL: a plain path or ``file://``, or ``memory://name`` (per process)."""
+    if not url:
+        raise UsageError("empty repository URL")
+    parsed = urlparse(url)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):
+        path = parsed.path if scheme == "file" else url
+        return LocalStore(path)
+    if scheme == "memory":
+        name = url[len("memory://") :]
+        with _memory_lock:
+            store = _memory_stores.get(name)
+            if store is None:
+                store = _memory_stores[name] = MemoryStore(url)
+        return store
+    raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, or memory://)")

@@ -1,0 +1,111 @@
+"""Local filesystem store: one file per key, atomic writes (temp file, fsync, rename)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, StoreError
+
+from ._base import Store
+
+_TMP_SUFFIX = ".tmp-deltasync"
+
+
+class LocalStore(Store):
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.fsync = fsync
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                if byte_range is None:
+                    return f.read()
+                offset, length = byte_range
+                data = os.pread(f.fileno(), length, offset)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError(key) from None
+        except OSError as e:
+            raise StoreError(f"cannot read {self._path(key)}: {e.strerror}") from None
+        if len(data) != length:
+            raise CorruptObjectError(key, f"range {offset}+{length} past end of object (got {len(data)} bytes)")
+        return data
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if if_absent:
+                # link() fails if the name exists: of racing writers exactly one wins.
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise ObjectExistsError(key) from None
+                finally:
+                    tmp.unlink(missing_ok=True)
+            else:
+                os.replace(tmp, path)
+            if self.fsync:
+                self._fsync_dir(path.parent)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if e.errno == errno.ENOSPC:
+                raise StoreError(f"no space left writing {path}") from None
+            raise StoreError(f"cannot write {path}: {e.strerror}") from None
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        # Walk only the directory the prefix names, not the whole tree.
+        head, _, _ = prefix.rpartition("/")
+        start = self.root / head if head else self.root
+        if not start.is_dir():
+            return iter(())
+        keys: list[str] = []
+        for dirpath, _dirnames, filenames in os.walk(start):
+            rel = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if name.endswith(_TMP_SUFFIX):
+                    continue
+                key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        keys.sort()
+        return iter(keys)
+
+    def _delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot delete {self._path(key)}: {e.strerror}") from None
+
+    def _size(self, key: str) -> int:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFoundError(key) from None
+        if not os.path.isfile(self._path(key)):
+            raise ObjectNotFoundError(key)
+        return st.st_size

@@ -1,0 +1,152 @@
+"""The store conformance suite. Every Store implementation runs it:
+
+    class TestMyStore(StoreConformance):
+        @pytest.fixture
+        def store(self) -> Iterator[Store]:
+            yield MyStore(...)
+
+Read-only stores set ``writable = False`` and provide a ``seed`` fixture-friendly
+``populate`` hook instead (the gRPC relay does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, UsageError
+
+from ._base import Store
+
+
+class StoreConformance:
+    """Behaviour every Store must have. Subclasses provide a ``store`` fixture."""
+
+    def test_put_get_roundtrip(self, store: Store) -> None:
+        store.put("a/b/c.bin", b"hello world")
+        assert store.get("a/b/c.bin") == b"hello world"
+        assert store.size("a/b/c.bin") == 11
+        assert store.exists("a/b/c.bin")
+
+    def test_empty_object(self, store: Store) -> None:
+        store.put("empty", b"")
+        assert store.get("empty") == b""
+        assert store.size("empty") == 0
+
+    def test_binary_and_large(self, store: Store) -> None:
+        data = bytes(range(256)) * 40_000  # ~10 MiB
+        store.put("big/object", data)
+        assert store.get("big/object") == data
+
+    def test_byte_range(self, store: Store) -> None:
+        store.put("r", b"0123456789")
+        assert store.get("r", (0, 3)) == b"012"
+        assert store.get("r", (7, 3)) == b"789"
+        assert store.get("r", (4, 0)) == b""
+
+    def test_byte_range_past_end(self, store: Store) -> None:
+        store.put("r", b"0123456789")
+        with pytest.raises(CorruptObjectError):
+            store.get("r", (8, 5))
+
+    def test_negative_range_rejected(self, store: Store) -> None:
+        store.put("r", b"0123")
+        with pytest.raises(UsageError):
+            store.get("r", (-1, 2))
+
+    def test_missing(self, store: Store) -> None:
+        with pytest.raises(ObjectNotFoundError) as info:
+            store.get("nope/missing")
+        assert info.value.key == "nope/missing"
+        with pytest.raises(ObjectNotFoundError):
+            store.get("nope/missing", (0, 1))
+        with pytest.raises(ObjectNotFoundError):
+            store.size("nope/missing")
+        assert not store.exists("nope/missing")
+
+    def test_overwrite(self, store: Store) -> None:
+        store.put("k", b"one")
+        store.put("k", b"two")
+        assert store.get("k") == b"two"
+
+    def test_if_absent(self, store: Store) -> None:
+        store.put("commit", b"first", if_absent=True)
+        with pytest.raises(ObjectExistsError):
+            store.put("commit", b"second", if_absent=True)
+        assert store.get("commit") == b"first"
+
+    def test_if_absent_race_exactly_one_wins(self, store: Store) -> None:
+        winners: list[int] = []
+        losers: list[int] = []
+        barrier = threading.Barrier(8)
+
+        def attempt(i: int) -> None:
+            barrier.wait()
+            try:
+                store.put("race/key", f"writer-{i}".encode(), if_absent=True)
+                winners.append(i)
+            except ObjectExistsError:
+                losers.append(i)
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(winners) == 1
+        assert len(losers) == 7
+        assert store.get("race/key") == f"writer-{winners[0]}".encode()
+
+    def test_list_prefix_sorted(self, store: Store) -> None:
+        for key in ["p/b", "p/a", "p/sub/c", "q/x", "pa"]:
+            store.put(key, b"x")
+        assert list(store.list("p/")) == ["p/a", "p/b", "p/sub/c"]
+        assert list(store.list("p/s")) == ["p/sub/c"]
+        assert list(store.list("zzz/")) == []
+        everything = list(store.list(""))
+        assert everything == sorted(everything)
+        assert {"p/a", "p/b", "p/sub/c", "q/x", "pa"} <= set(everything)
+
+    def test_delete(self, store: Store) -> None:
+        store.put("d/x", b"1")
+        store.delete("d/x")
+        assert not store.exists("d/x")
+        assert list(store.list("d/")) == []
+        store.delete("d/x")  # absent: not an error
+
+    @pytest.mark.parametrize("key", ["", "/abs", "a//b", "../up", "a/../b", "a/./b", "sp ace", "a/", "é"])
+    def test_bad_keys_rejected(self, store: Store, key: str) -> None:
+        with pytest.raises(UsageError):
+            store.put(key, b"x")
+        with pytest.raises(UsageError):
+            store.get(key)
+
+    def test_concurrent_readers_and_writer(self, store: Store) -> None:
+        payloads = {f"c/{i:03d}": bytes([i]) * (1000 + i) for i in range(50)}
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            for key, data in payloads.items():
+                store.put(key, data)
+
+        def reader() -> None:
+            try:
+                for key in store.list("c/"):
+                    data = store.get(key)
+                    assert data == payloads[key]  # never a partial object
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        run_threads([writer, reader, reader])
+        assert not errors
+        assert len(list(store.list("c/"))) == 50
+
+
+def run_threads(targets: list[Callable[[], None]]) -> None:
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
