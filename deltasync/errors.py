@@ -45,6 +45,12 @@ class VersionNotFoundError(DeltasyncError):
         self.url = url
 
 
+class EmptyRepositoryError(VersionNotFoundError):
+    def __init__(self, url: str) -> None:
+        super().__init__(0, url)
+        self.message = f"repository {url} has no committed versions yet"
+
+
 class VersionConflictError(DeltasyncError):
     """Another publisher committed the same version id first."""
 

@@ -1,0 +1,37 @@
+"""deltasync: lossless, compressed weight deltas from an RL trainer to inference fleets."""
+
+from __future__ import annotations
+
+from .codec import PlanesZstdCodec
+from .errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    CorruptObjectError,
+    DeltasyncError,
+    RepositoryNotFoundError,
+    UsageError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
+from .publisher import Publisher, PublisherConfig, PublishResult
+from .repository import Repository
+from .subscriber import Subscriber
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ChecksumMismatchError",
+    "CorruptObjectError",
+    "DeltasyncError",
+    "PlanesZstdCodec",
+    "PublishResult",
+    "Publisher",
+    "PublisherConfig",
+    "Repository",
+    "RepositoryNotFoundError",
+    "Subscriber",
+    "UsageError",
+    "VersionConflictError",
+    "VersionNotFoundError",
+]

@@ -1,0 +1,210 @@
+"""Checkpoint directories: safetensors files (single or sharded) plus any other files.
+
+Safetensors files are parsed by hand rather than loaded, because a rebuild must be byte
+for byte: the header is kept verbatim and tensor bytes are read and written as ranges with
+pread/pwrite, a chunk at a time, so no file is ever held in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import dtypes
+from .errors import CheckpointError
+from .manifest import MAX_HEADER_BYTES
+
+INDEX_NAME = "model.safetensors.index.json"
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    data_offset: int  # inside the data section, which starts right after the header
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    path: Path
+    relpath: str
+    header: bytes  # 8-byte length prefix + JSON, verbatim
+    tensors: tuple[TensorLayout, ...]  # ordered by data_offset
+    size: int
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+@dataclass(frozen=True)
+class CheckpointDir:
+    root: Path
+    files: tuple[str, ...]  # every regular file, relative, '/'-separated, sorted
+    safetensors: dict[str, SafetensorsFile]
+
+
+def read_safetensors(path: Path, relpath: str) -> SafetensorsFile:
+    """Parse and validate a safetensors header; raises CheckpointError naming the file."""
+    name = str(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(name, "not a safetensors file (shorter than its 8-byte header length)")
+            (hlen,) = _U64.unpack(prefix)
+            if hlen > MAX_HEADER_BYTES or hlen > size - 8:
+                raise CheckpointError(name, f"corrupt safetensors header (claims {hlen} bytes in a {size}-byte file)")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise CheckpointError(name, f"cannot read ({e.strerror})") from None
+    try:
+        meta: Any = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(name, "corrupt safetensors header (not JSON)") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(name, "corrupt safetensors header (not a JSON object)")
+    tensors: list[TensorLayout] = []
+    for key, entry in meta.items():
+        if key == "__metadata__":
+            continue
+        tensors.append(_parse_entry(name, key, entry))
+    tensors.sort(key=lambda t: (t.data_offset, t.nbytes))
+    end = 0
+    for t in tensors:
+        if t.data_offset != end:
+            raise CheckpointError(name, f"corrupt safetensors header (tensor {t.name!r} does not start at {end})")
+        end += t.nbytes
+    if 8 + hlen + end != size:
+        raise CheckpointError(
+            name, f"truncated or padded safetensors file ({size} bytes, header says {8 + hlen + end})"
+        )
+    return SafetensorsFile(path, relpath, prefix + raw, tuple(tensors), size)
+
+
+def _parse_entry(name: str, key: str, entry: Any) -> TensorLayout:
+    bad = CheckpointError(name, f"corrupt safetensors header (entry {key!r})")
+    if not isinstance(entry, dict):
+        raise bad
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in dtypes.ITEMSIZE:
+        raise CheckpointError(name, f"unsupported dtype {dtype!r} for tensor {key!r}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise bad
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise bad
+    begin, stop = offsets
+    nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+    if begin < 0 or stop - begin != nbytes:
+        raise CheckpointError(name, f"corrupt safetensors header (tensor {key!r} has {stop - begin} bytes, shape says {nbytes})")
+    return TensorLayout(key, dtype, tuple(shape), nbytes, begin)
+
+
+def scan_checkpoint(path: str | os.PathLike[str]) -> CheckpointDir:
+    """A checkpoint directory (or a single .safetensors file) ready to publish."""
+    root = Path(path)
+    if root.is_file():
+        if root.suffix != ".safetensors":
+            raise CheckpointError(str(root), "not a checkpoint directory or .safetensors file")
+        st = read_safetensors(root, root.name)
+        return CheckpointDir(root.parent, (root.name,), {root.name: st})
+    if not root.exists():
+        raise CheckpointError(str(root), "no such checkpoint directory")
+    if not root.is_dir():
+        raise CheckpointError(str(root), "not a directory")
+    files: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".deltasync"))
+        for fname in filenames:
+            full = Path(dirpath) / fname
+            if fname.startswith(".deltasync") or not full.is_file():
+                continue
+            files.append(full.relative_to(root).as_posix())
+    files.sort()
+    st_files = {rel: read_safetensors(root / rel, rel) for rel in files if rel.endswith(".safetensors")}
+    if not st_files:
+        raise CheckpointError(str(root), "no .safetensors files in this directory")
+    _check_index(root, files)
+    seen: dict[str, str] = {}
+    for rel, st in st_files.items():
+        for t in st.tensors:
+            if t.name in seen:
+                raise CheckpointError(str(root), f"tensor {t.name!r} is in both {seen[t.name]} and {rel}")
+            seen[t.name] = rel
+    return CheckpointDir(root, tuple(files), st_files)
+
+
+def _check_index(root: Path, files: list[str]) -> None:
+    if INDEX_NAME not in files:
+        return
+    try:
+        index = json.loads((root / INDEX_NAME).read_text())
+        shards = set(index["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(str(root / INDEX_NAME), "corrupt index (no weight_map)") from None
+    missing = sorted(s for s in shards if not isinstance(s, str) or s not in files)
+    if missing:
+        raise CheckpointError(str(root / INDEX_NAME), f"names missing shard(s): {', '.join(map(str, missing))}")
+
+
+def build_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[int]]:
+    """A safetensors header for (name, dtype, shape, nbytes) in order; returns header and offsets."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offsets: list[int] = []
+    pos = 0
+    for name, dtype, shape, nbytes in tensors:
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets.append(pos)
+        pos += nbytes
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)  # safetensors pads the header to 8-byte alignment
+    return _U64.pack(len(body)) + body, offsets
+
+
+class FileReader:
+    """Thread-safe positional reads from many files, keeping descriptors open."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    def read(self, path: Path, offset: int, length: int) -> npt.NDArray[np.uint8]:
+        try:
+            data = os.pread(self._fd(path), length, offset)
+        except OSError as e:
+            raise CheckpointError(str(path), f"cannot read ({e.strerror})") from None
+        if len(data) != length:
+            raise CheckpointError(str(path), f"truncated: wanted {length} bytes at {offset}, got {len(data)}")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,198 @@
+"""Manifests: (de)serialisation and validation of everything read from a store.
+
+A manifest from a store or the network is untrusted: :func:`parse_manifest` checks sizes,
+counts, shapes, dtypes, chunk layout, digests and file names before anything uses it, so a
+hostile manifest cannot exhaust memory or name a path outside the output directory.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from . import dtypes
+from .codec import DENSE, FULL, SAME, SPARSE, PlanesZstdCodec, codec_from_spec
+from .digest import DIGEST_SIZE, version_digest
+from .errors import CorruptObjectError
+from .v1 import manifest_pb2 as pb
+
+FORMAT = 1
+
+#: Upper bounds that a valid manifest stays under; anything larger is refused as hostile.
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_TENSORS = 10_000_000
+MAX_TENSOR_BYTES = 1 << 44  # 16 TiB
+MAX_DIMS = 64
+MAX_HEADER_BYTES = 100 << 20
+MAX_FILES = 1_000_000
+
+_SEGMENT = re.compile(r"^[^/\\\x00]+$")
+
+
+def manifest_key(version: int) -> str:
+    return f"manifests/{version:020d}.pb"
+
+
+def version_from_key(key: str) -> int | None:
+    m = re.fullmatch(r"manifests/(\d{20})\.pb", key)
+    return int(m.group(1)) if m else None
+
+
+def check_relpath(path: str) -> str:
+    """A relative '/'-separated path that stays inside its directory."""
+    if not path or path.startswith("/") or len(path) > 4096:
+        raise CorruptObjectError("manifest", f"unsafe file path {path!r}")
+    for seg in path.split("/"):
+        if seg in ("", ".", "..") or not _SEGMENT.match(seg) or seg.startswith(".deltasync"):
+            raise CorruptObjectError("manifest", f"unsafe file path {path!r}")
+    return path
+
+
+@dataclass(frozen=True)
+class ManifestInfo:
+    """Validated manifest plus the codec it names."""
+
+    pb: pb.Manifest
+    codec: PlanesZstdCodec
+
+    @property
+    def version(self) -> int:
+        return self.pb.version
+
+    @property
+    def parent(self) -> int | None:
+        return self.pb.parent if self.pb.has_parent else None
+
+    @property
+    def is_snapshot(self) -> bool:
+        return self.pb.kind == pb.SNAPSHOT
+
+    def tensors_by_name(self) -> dict[str, pb.Tensor]:
+        return {t.name: t for t in self.pb.tensors}
+
+    def chunk_digests(self) -> list[bytes]:
+        return [c.target_digest for t in self.pb.tensors for c in t.chunks]
+
+
+def serialize(manifest: pb.Manifest) -> bytes:
+    return manifest.SerializeToString(deterministic=True)
+
+
+def parse_manifest(data: bytes, *, expect_version: int | None = None) -> ManifestInfo:
+    """Parse and validate; raises CorruptObjectError naming the first problem found."""
+    what = f"manifest {expect_version}" if expect_version is not None else "manifest"
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptObjectError(what, f"{len(data)} bytes is larger than any valid manifest")
+    m = pb.Manifest()
+    try:
+        m.ParseFromString(data)
+    except DecodeError as e:
+        raise CorruptObjectError(what, f"cannot parse ({e})") from None
+    try:
+        return _validate(m, expect_version)
+    except CorruptObjectError as e:
+        raise CorruptObjectError(what, e.detail) from None
+
+
+def _fail(detail: str) -> CorruptObjectError:
+    return CorruptObjectError("manifest", detail)
+
+
+def _validate(m: pb.Manifest, expect_version: int | None) -> ManifestInfo:
+    if m.format == 0 or m.format > FORMAT:
+        raise _fail(f"format {m.format} is not supported by this deltasync (supports {FORMAT})")
+    if expect_version is not None and m.version != expect_version:
+        raise _fail(f"claims version {m.version}")
+    if m.version == 0:
+        raise _fail("version 0 is not a valid version id")
+    if m.kind not in (pb.SNAPSHOT, pb.DELTA):
+        raise _fail(f"unknown version kind {m.kind}")
+    if m.has_parent and m.parent >= m.version:
+        raise _fail(f"parent {m.parent} is not older than version {m.version}")
+    if m.kind == pb.DELTA and not m.has_parent:
+        raise _fail("delta without a parent")
+    if m.snapshot > m.version or (m.kind == pb.SNAPSHOT and m.snapshot != m.version):
+        raise _fail(f"bad nearest snapshot {m.snapshot}")
+    codec = codec_from_spec(m.codec.name, m.codec.codec_version, m.codec.zstd_level, m.codec.chunk_bytes)
+    if len(m.tensors) > MAX_TENSORS or len(m.files) > MAX_FILES:
+        raise _fail("too many tensors or files")
+    pack_sizes = [p.size for p in m.packs]
+    for p in m.packs:
+        if not re.fullmatch(r"packs/[0-9a-f]{32}\.pack", p.key):
+            raise _fail(f"bad pack key {p.key!r}")
+    files: dict[str, pb.File] = {}
+    for f in m.files:
+        check_relpath(f.path)
+        if f.path in files:
+            raise _fail(f"file {f.path!r} listed twice")
+        files[f.path] = f
+        if len(f.digest) != DIGEST_SIZE:
+            raise _fail(f"file {f.path!r} has a bad digest")
+        if f.kind == pb.File.SAFETENSORS:
+            if len(f.header) > MAX_HEADER_BYTES or len(f.header) < 8:
+                raise _fail(f"file {f.path!r} has a bad header size")
+        elif f.kind == pb.File.BLOB:
+            if any(len(d) != DIGEST_SIZE for d in f.blob_parts):
+                raise _fail(f"file {f.path!r} has a bad blob digest")
+        else:
+            raise _fail(f"file {f.path!r} has unknown kind {f.kind}")
+    raw = 0
+    names: set[str] = set()
+    for t in m.tensors:
+        _validate_tensor(t, codec, files, pack_sizes, names, is_snapshot=m.kind == pb.SNAPSHOT)
+        raw += t.nbytes
+    if raw != m.raw_bytes:
+        raise _fail(f"raw_bytes {m.raw_bytes} does not match the tensors ({raw})")
+    info = ManifestInfo(m, codec)
+    if version_digest(info.chunk_digests()) != m.version_digest:
+        raise _fail("version digest does not match its chunk digests")
+    return info
+
+
+def _validate_tensor(
+    t: pb.Tensor,
+    codec: PlanesZstdCodec,
+    files: dict[str, pb.File],
+    pack_sizes: list[int],
+    names: set[str],
+    *,
+    is_snapshot: bool,
+) -> None:
+    where = f"tensor {t.name!r}"
+    if not t.name or len(t.name) > 4096 or "\x00" in t.name:
+        raise _fail(f"bad tensor name {t.name!r}")
+    if t.name in names:
+        raise _fail(f"{where} listed twice")
+    names.add(t.name)
+    if t.dtype not in dtypes.ITEMSIZE:
+        raise _fail(f"{where} has unknown dtype {t.dtype!r}")
+    if len(t.shape) > MAX_DIMS or any(d > MAX_TENSOR_BYTES for d in t.shape):
+        raise _fail(f"{where} has a bad shape")
+    nbytes = math.prod(t.shape) * dtypes.itemsize(t.dtype)
+    if nbytes != t.nbytes or nbytes > MAX_TENSOR_BYTES:
+        raise _fail(f"{where}: shape {list(t.shape)} of {t.dtype} is not {t.nbytes} bytes")
+    if t.file:
+        if t.file not in files or files[t.file].kind != pb.File.SAFETENSORS:
+            raise _fail(f"{where} is in unknown file {t.file!r}")
+    width = dtypes.element_width(t.dtype)
+    ranges = codec.chunk_ranges(t.nbytes, width)
+    if len(t.chunks) != len(ranges):
+        raise _fail(f"{where} has {len(t.chunks)} chunks, expected {len(ranges)}")
+    for i, c in enumerate(t.chunks):
+        if len(c.target_digest) != DIGEST_SIZE:
+            raise _fail(f"{where} chunk {i} has a bad target digest")
+        if c.encoding == SAME:
+            if c.length or len(c.base_digest) != DIGEST_SIZE or c.base_digest != c.target_digest:
+                raise _fail(f"{where} chunk {i}: bad same chunk")
+        elif c.encoding in (SPARSE, DENSE, FULL):
+            if c.encoding != FULL and len(c.base_digest) != DIGEST_SIZE:
+                raise _fail(f"{where} chunk {i} has a bad base digest")
+            if c.pack >= len(pack_sizes) or c.offset + c.length > pack_sizes[c.pack]:
+                raise _fail(f"{where} chunk {i} points outside its pack")
+        else:
+            raise _fail(f"{where} chunk {i} has unknown encoding {c.encoding}")
+        if is_snapshot and c.encoding != FULL:
+            raise _fail(f"{where} chunk {i}: a snapshot holds only full chunks")

@@ -1,0 +1,187 @@
+"""A repository: the layout of versions inside a Store, and the commit protocol.
+
+Layout (all keys relative to the store root)::
+
+    deltasync.json                  format marker, written once
+    packs/<xxh3-128>.pack           immutable, content-addressed encoded chunks
+    blobs/<xxh3-128>                zstd of one part of a non-tensor file, content-addressed
+    manifests/<version:020d>.pb     one per committed version: its presence is the commit
+    refs/latest                     the newest committed version id (a hint; manifests rule)
+
+Commit order (DESIGN.md invariant 2): packs and blobs, then the manifest with a conditional
+put, then ``refs/latest``. A reader only trusts versions whose manifest exists.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import zstandard
+
+from .digest import digest
+from .errors import (
+    CorruptObjectError,
+    EmptyRepositoryError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    RepositoryFormatError,
+    RepositoryNotFoundError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
+from .manifest import ManifestInfo, manifest_key, parse_manifest, serialize, version_from_key
+from .storage import Store, open_store
+from .v1 import manifest_pb2 as pb
+
+REPO_FORMAT = 1
+MARKER = "deltasync.json"
+LATEST = "refs/latest"
+BLOB_PART_BYTES = 64 << 20
+
+
+def blob_key(d: bytes) -> str:
+    return f"blobs/{d.hex()}"
+
+
+class Repository:
+    """Versions in a store. Safe for one publisher and many concurrent readers."""
+
+    def __init__(self, store: Store | str) -> None:
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.url = self.store.url
+        self._manifests: dict[int, ManifestInfo] = {}
+        self._lock = threading.Lock()
+
+    # -- existence ---------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self.store.exists(MARKER)
+
+    def ensure_exists(self) -> None:
+        """Raise RepositoryNotFoundError / RepositoryFormatError unless this is a repository."""
+        try:
+            raw = self.store.get(MARKER)
+        except ObjectNotFoundError:
+            raise RepositoryNotFoundError(self.url) from None
+        try:
+            fmt = json.loads(raw)["format"]
+        except (ValueError, KeyError, TypeError):
+            raise CorruptObjectError(MARKER, "not a deltasync repository marker") from None
+        if fmt != REPO_FORMAT:
+            raise RepositoryFormatError(f"repository {self.url} has format {fmt}; this deltasync reads {REPO_FORMAT}")
+
+    def create(self) -> None:
+        """Mark the store as a repository (idempotent)."""
+        try:
+            self.store.put(MARKER, json.dumps({"format": REPO_FORMAT}).encode(), if_absent=True)
+        except ObjectExistsError:
+            self.ensure_exists()
+
+    # -- versions ----------------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        """Committed version ids, ascending."""
+        out = [v for k in self.store.list("manifests/") if (v := version_from_key(k)) is not None]
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        """The newest committed version, or None for an empty repository."""
+        try:
+            hint = int(self.store.get(LATEST).decode().strip())
+        except (ObjectNotFoundError, ValueError, UnicodeDecodeError):
+            hint = 0
+        # The ref is a hint: a publisher may die between manifest and ref. Manifests rule.
+        versions = self.versions()
+        newest = versions[-1] if versions else None
+        if newest is None:
+            return None
+        return max(newest, hint) if hint in versions else newest
+
+    def manifest(self, version: int) -> ManifestInfo:
+        """The validated manifest of ``version`` (cached: versions are immutable)."""
+        with self._lock:
+            cached = self._manifests.get(version)
+        if cached is not None:
+            return cached
+        try:
+            raw = self.store.get(manifest_key(version))
+        except ObjectNotFoundError:
+            if not self.exists():
+                raise RepositoryNotFoundError(self.url) from None
+            raise VersionNotFoundError(version, self.url) from None
+        info = parse_manifest(raw, expect_version=version)
+        with self._lock:
+            self._manifests[version] = info
+        return info
+
+    def resolve(self, version: int | None) -> int:
+        """``version``, or the latest when None; raises if there is none."""
+        self.ensure_exists()
+        if version is None:
+            latest = self.latest()
+            if latest is None:
+                raise EmptyRepositoryError(self.url)
+            return latest
+        self.manifest(version)
+        return version
+
+    def chain(self, version: int, *, stop_at: int | None = None) -> list[ManifestInfo]:
+        """Manifests from the nearest snapshot (or ``stop_at``) up to ``version``, oldest first."""
+        out: list[ManifestInfo] = []
+        v: int | None = version
+        while v is not None:
+            info = self.manifest(v)
+            out.append(info)
+            if info.is_snapshot or v == stop_at:
+                break
+            v = info.parent
+            if v is None:
+                raise CorruptObjectError(f"manifest {info.version}", "delta chain ends without a snapshot")
+        out.reverse()
+        return out
+
+    def commit(self, manifest: pb.Manifest) -> ManifestInfo:
+        """Commit a version whose packs and blobs are already durable.
+
+        Of racing publishers of the same id exactly one succeeds; the others get
+        VersionConflictError and nothing of theirs becomes visible.
+        """
+        data = serialize(manifest)
+        info = parse_manifest(data, expect_version=manifest.version)  # never commit what we can't read
+        try:
+            self.store.put(manifest_key(manifest.version), data, if_absent=True)
+        except ObjectExistsError:
+            raise VersionConflictError(manifest.version) from None
+        with self._lock:
+            self._manifests[manifest.version] = info
+        latest = self.latest()
+        if latest is None or manifest.version >= latest:
+            self.store.put(LATEST, f"{manifest.version}\n".encode())
+        return info
+
+    # -- blobs -------------------------------------------------------------------------------
+
+    def put_blob(self, data: bytes) -> tuple[bytes, int]:
+        """Store one part of a non-tensor file; returns (digest, stored bytes written)."""
+        d = digest(data)
+        key = blob_key(d)
+        if self.store.exists(key):
+            return d, 0  # deduplicated across versions
+        packed = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data)
+        self.store.put(key, packed)
+        return d, len(packed)
+
+    def get_blob(self, d: bytes, *, max_size: int = BLOB_PART_BYTES) -> bytes:
+        key = blob_key(d)
+        packed = self.store.get(key)
+        try:
+            size = zstandard.frame_content_size(packed)
+            if size < 0 or size > max_size:
+                raise CorruptObjectError(key, f"blob claims {size} bytes")
+            data = zstandard.ZstdDecompressor().decompress(packed, max_output_size=max_size)
+        except zstandard.ZstdError as e:
+            raise CorruptObjectError(key, f"cannot decompress ({e})") from None
+        if digest(data) != d:
+            raise CorruptObjectError(key, "blob content does not match its digest")
+        return data
