@@ -320,6 +320,10 @@ class Subscriber:
         if d.digest() != f.digest:
             raise CorruptObjectError(f"file {f.path}", "rebuilt bytes do not match the manifest digest")
 
+    def check(self, version: int) -> None:
+        """Rebuild ``version`` chunk by chunk from its snapshot, verifying every step; output discarded."""
+        self._run(self.repo.manifest(version), None, lambda t, off, data: None)
+
     # -- the shared chunk pipeline -----------------------------------------------------------
 
     def _run(self, info: ManifestInfo, local: _LocalBits | None, sink: Callable[[pb.Tensor, int, Bits], None]) -> None:

@@ -18,7 +18,8 @@ _memory_lock = threading.Lock()
 
 
 def open_store(url: str) -> Store:
-    """Open a store by URL: a plain path or ``file://``, or ``memory://name`` (per process)."""
+    """Open a store by URL: a plain path or ``file://``, ``memory://name`` (per process), or
+    ``s3://bucket/prefix`` (AWS configuration from the environment; see :class:`S3Store`)."""
     if not url:
         raise UsageError("empty repository URL")
     parsed = urlparse(url)
@@ -33,4 +34,8 @@ def open_store(url: str) -> Store:
             if store is None:
                 store = _memory_stores[name] = MemoryStore(url)
         return store
-    raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, or memory://)")
+    if scheme == "s3":
+        from ._s3 import S3Store  # boto3 is imported only when an s3:// URL is opened
+
+        return S3Store(url)
+    raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, memory:// or s3://)")

@@ -1,0 +1,1 @@
+"""The deltasync command line (``deltasync.cli``)."""

@@ -1,0 +1,223 @@
+"""The ``deltasync`` command line: thin click commands over the library.
+
+Heavy imports (numpy, torch, zstd) happen inside commands so ``--help`` is instant. Every
+DeltasyncError becomes one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from deltasync.errors import DeltasyncError, UsageError
+
+
+def _default_cache(repo: str) -> Path:
+    base = os.environ.get("DELTASYNC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deltasync"
+    )
+    key = repo if "://" in repo else os.path.abspath(repo)
+    return Path(base) / "publish" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _progress(quiet: bool) -> bool | None:
+    return False if quiet else None  # None: only on a terminal
+
+
+def _parse_meta(items: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--meta expects KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="deltasync")
+def cli() -> None:
+    """deltasync: lossless, compressed weight deltas from an RL trainer to inference fleets."""
+
+
+repo_option = click.option("--repo", required=True, metavar="URL", help="Repository: a path, file://, or memory://.")
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+workers_option = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
+                              help="Threads for encoding/decoding (0: one per core).")
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@repo_option
+@click.option("--base", "base_dir", type=click.Path(path_type=Path), default=None,
+              help="Directory holding the repository's latest version (e.g. the previous checkpoint).")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path), default=None,
+              help="Local copy of the latest version kept for diffing [default: ~/.cache/deltasync/publish/<repo>].")
+@click.option("--no-cache", is_flag=True, help="Keep no local copy (each version without --base is a snapshot).")
+@click.option("--version", "version", type=click.IntRange(min=1), default=None, help="Version id [default: latest+1].")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--max-delta-fraction", type=click.FloatRange(min=0, min_open=True, max=10), default=0.5,
+              show_default=True, help="Store a snapshot when a delta exceeds this fraction of one.")
+@click.option("--chunk-mib", type=click.FloatRange(min=0.001, max=1024), default=4.0, show_default=True)
+@click.option("--zstd-level", type=click.IntRange(1, 22), default=3, show_default=True)
+@click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Producer metadata (repeatable).")
+@workers_option
+@quiet_option
+def publish(
+    checkpoint: Path, repo: str, base_dir: Path | None, cache_dir: Path | None, no_cache: bool,
+    version: int | None, snapshot_every: int, max_delta_fraction: float, chunk_mib: float,
+    zstd_level: int, meta: tuple[str, ...], workers: int, quiet: bool,
+) -> None:
+    """Publish a checkpoint directory (safetensors, single or sharded) as a new version."""
+    from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
+
+    chunk_bytes = int(chunk_mib * (1 << 20)) // 8 * 8
+    config = PublisherConfig(
+        codec=PlanesZstdCodec(chunk_bytes=chunk_bytes, zstd_level=zstd_level),
+        workers=workers, snapshot_every=snapshot_every, max_delta_fraction=max_delta_fraction,
+        progress=_progress(quiet),
+    )
+    pub = Publisher(repo, config)
+    cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
+    pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta))
+    r = pub.last_result
+    assert r is not None
+    parent = f" parent {r.parent}" if r.parent is not None else ""
+    click.echo(
+        f"published version {r.version} ({r.kind}{parent}): {_mib(r.raw_bytes)} raw, "
+        f"{_mib(r.stored_bytes)} stored, {r.ratio:.1f}x, {r.seconds:.2f}s"
+    )
+
+
+@cli.command()
+@repo_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
+def log(repo: str, as_json: bool) -> None:
+    """List versions: id, kind, parent, raw size, stored size, ratio, time."""
+    from deltasync import Repository
+
+    r = Repository(repo)
+    r.ensure_exists()
+    rows: list[dict[str, Any]] = []
+    for v in r.versions():
+        m = r.manifest(v).pb
+        rows.append({
+            "version": v,
+            "kind": "snapshot" if m.kind == 1 else "delta",
+            "parent": m.parent if m.has_parent else None,
+            "raw_bytes": m.raw_bytes,
+            "stored_bytes": m.stored_bytes,
+            "ratio": round(m.raw_bytes / m.stored_bytes, 2) if m.stored_bytes else None,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix)),
+        })
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    click.echo(f"{'version':>8}  {'kind':8}  {'parent':>6}  {'raw':>10}  {'stored':>10}  {'ratio':>8}  time")
+    for row in rows:
+        ratio = f"{row['ratio']:.1f}x" if row["ratio"] is not None else "inf"
+        parent = str(row["parent"]) if row["parent"] is not None else "-"
+        click.echo(
+            f"{row['version']:>8}  {row['kind']:8}  {parent:>6}  {_mib(row['raw_bytes']):>10}  "
+            f"{_mib(row['stored_bytes']):>10}  {ratio:>8}  {row['time']}"
+        )
+
+
+@cli.command()
+@repo_option
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to bring to the version.")
+@click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
+@workers_option
+@quiet_option
+def pull(repo: str, out: Path, version: int | None, workers: int, quiet: bool) -> None:
+    """Rebuild a version into a directory, byte for byte, verifying every chunk."""
+    from deltasync import Subscriber
+
+    sub = Subscriber(repo, workers=workers, progress=_progress(quiet))
+    start = time.monotonic()
+    v = sub.pull_to_dir(out, version)
+    plan = sub.last_plan
+    how = "from snapshot" if plan is None or plan.base is None else f"from local version {plan.base}"
+    fetched = _mib(plan.fetch_bytes) if plan else "?"
+    click.echo(f"pulled version {v} into {out} ({how}, {fetched} fetched, {time.monotonic() - start:.2f}s)")
+
+
+@cli.command()
+@repo_option
+@click.option("--version", "version", type=click.IntRange(min=1), default=None,
+              help="Verify one version [default: every version].")
+@workers_option
+@quiet_option
+def verify(repo: str, version: int | None, workers: int, quiet: bool) -> None:
+    """Check every object, digest and chain of the repository."""
+    from deltasync.verify import verify_repository
+
+    report = verify_repository(repo, version=version, workers=workers, progress=_progress(quiet))
+    for line in report.notes:
+        click.echo(f"note: {line}")
+    click.echo(
+        f"verified {len(report.versions)} version(s), {report.chunks} chunks, "
+        f"{report.packs} packs, {report.blobs} blobs: ok"
+    )
+
+
+@cli.command()
+@repo_option
+@click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
+def inspect(repo: str, version: int | None) -> None:
+    """Describe one version: lineage, codec, files, tensors and how their chunks are encoded."""
+    from deltasync.inspect import describe_version
+
+    for line in describe_version(repo, version):
+        click.echo(line)
+
+
+@cli.command()
+@click.option("--dir", "workdir", type=click.Path(path_type=Path), default=Path("deltasync-demo"), show_default=True)
+@click.option("--steps", type=click.IntRange(2, 50), default=5, show_default=True)
+@quiet_option
+def demo(workdir: Path, steps: int, quiet: bool) -> None:
+    """Train a tiny transformer for a few steps, publish each checkpoint, pull and verify."""
+    from deltasync.demo import run_demo
+
+    run_demo(workdir, steps=steps, echo=click.echo, progress=_progress(quiet))
+
+
+def _mib(n: int) -> str:
+    from deltasync.progress import human_bytes
+
+    return human_bytes(n)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rc = cli.main(args=argv, prog_name="deltasync", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("deltasync: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except DeltasyncError as e:
+        click.echo(f"deltasync: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        click.echo(f"deltasync: error: {e.strerror or e}{where}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("deltasync: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()
