@@ -23,7 +23,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -37,7 +37,7 @@ SPARSE = pb.SPARSE
 DENSE = pb.DENSE
 FULL = pb.FULL
 
-ENCODING_NAMES = {SAME: "same", SPARSE: "sparse", DENSE: "dense", FULL: "full"}
+ENCODING_NAMES: dict[Encoding, str] = {SAME: "same", SPARSE: "sparse", DENSE: "dense", FULL: "full"}
 
 _UINT: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT: dict[int, type[np.signedinteger]] = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -51,9 +51,12 @@ _U64 = struct.Struct("<Q")
 Bytes = npt.NDArray[np.uint8]
 
 
+Encoding: TypeAlias = pb.Encoding
+
+
 @dataclass(frozen=True)
 class EncodedChunk:
-    encoding: int
+    encoding: Encoding
     payload: bytes
 
 
@@ -119,7 +122,8 @@ def _zigzag(diff: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np
 def _unzigzag(zz: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np.unsignedinteger]:
     u = _UINT[width]
     one = u(1)
-    return (zz >> one) ^ (u(0) - (zz & one))
+    out: npt.NDArray[np.unsignedinteger] = (zz >> one) ^ (u(0) - (zz & one))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,9 +159,16 @@ class PlanesZstdCodec:
 
     # -- public API: validation, then the private hooks -------------------------------------
 
+    def chunk_step(self, width: int) -> int:
+        """Bytes per chunk for elements of ``width`` bytes (whole elements)."""
+        return max(width, self.chunk_bytes - self.chunk_bytes % width)
+
+    def chunk_count(self, nbytes: int, width: int) -> int:
+        return -(-nbytes // self.chunk_step(width))
+
     def chunk_ranges(self, nbytes: int, width: int) -> list[tuple[int, int]]:
         """(offset, length) of each chunk of a tensor of ``nbytes`` bytes."""
-        step = max(width, self.chunk_bytes - self.chunk_bytes % width)
+        step = self.chunk_step(width)
         return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
     def encode(self, target: Bytes, base: Bytes | None, width: int) -> EncodedChunk:
@@ -266,8 +277,8 @@ class PlanesZstdCodec:
             mask[changed] = True
             bitmap = np.packbits(mask, bitorder="little").tobytes()
             position_options.append((_BITMAP, 0, cctx.compress(bitmap)))
-        coding, gap_width, positions = min(position_options, key=lambda o: len(o[2]))
-        header = _SPARSE_HEADER.pack(transform, coding, gap_width, 0, len(changed), len(positions))
+        coding, gap_width_used, positions = min(position_options, key=lambda o: len(o[2]))
+        header = _SPARSE_HEADER.pack(transform, coding, gap_width_used, 0, len(changed), len(positions))
         return header + positions + values, transform
 
     def _encode_gaps(self, gaps: npt.NDArray[np.intp]) -> bytes:
@@ -328,6 +339,8 @@ class PlanesZstdCodec:
             raise CorruptObjectError("sparse chunk", "position section runs past the payload")
         pos_raw, val_raw = body[:pos_len], body[pos_len:]
         if coding == _GAPS:
+            if gap_width != 1:
+                raise CorruptObjectError("sparse chunk", f"bad gap width {gap_width}")
             gaps = self._decode_gaps(pos_raw, count)
             idx = np.cumsum(gaps, dtype=np.int64) + np.arange(count, dtype=np.int64)
         elif coding == _BITMAP:

@@ -54,7 +54,7 @@ def run_demo(workdir: Path, *, steps: int = 5, echo: Callable[[str], None] = pri
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         last_ckpt = ckpt_dir / f"step-{step:04d}"
         last_ckpt.mkdir(parents=True)

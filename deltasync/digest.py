@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from typing_extensions import Buffer
-
 import xxhash
+from typing import Any, Union
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
 
 DIGEST_SIZE = 16
 
+#: What digests accept: any contiguous buffer, numpy arrays included.
+BytesLike = Union[Buffer, npt.NDArray[Any]]
 
-def digest(data: Buffer) -> bytes:
+
+def _buffer(data: BytesLike) -> Buffer:
+    return data.data if isinstance(data, np.ndarray) else data
+
+
+def digest(data: BytesLike) -> bytes:
     """xxh3-128 of ``data`` (any buffer: bytes, memoryview, contiguous numpy array)."""
-    return bytes(xxhash.xxh3_128_digest(data))
+    return bytes(xxhash.xxh3_128_digest(_buffer(data)))
 
 
 def version_digest(chunk_digests: Iterable[bytes]) -> bytes:
@@ -34,8 +44,8 @@ class StreamDigest:
     def __init__(self) -> None:
         self._h = xxhash.xxh3_128()
 
-    def update(self, data: Buffer) -> None:
-        self._h.update(data)
+    def update(self, data: BytesLike) -> None:
+        self._h.update(_buffer(data))
 
     def digest(self) -> bytes:
         return bytes(self._h.digest())

@@ -17,7 +17,7 @@ from . import dtypes
 from .codec import DENSE, FULL, SAME, SPARSE, PlanesZstdCodec, codec_from_spec
 from .digest import DIGEST_SIZE, version_digest
 from .errors import CorruptObjectError
-from .v1 import manifest_pb2 as pb
+from .v1 import manifest_pb2 as v1pb
 
 FORMAT = 1
 
@@ -55,7 +55,7 @@ def check_relpath(path: str) -> str:
 class ManifestInfo:
     """Validated manifest plus the codec it names."""
 
-    pb: pb.Manifest
+    pb: v1pb.Manifest
     codec: PlanesZstdCodec
 
     @property
@@ -68,16 +68,16 @@ class ManifestInfo:
 
     @property
     def is_snapshot(self) -> bool:
-        return self.pb.kind == pb.SNAPSHOT
+        return self.pb.kind == v1pb.SNAPSHOT
 
-    def tensors_by_name(self) -> dict[str, pb.Tensor]:
+    def tensors_by_name(self) -> dict[str, v1pb.Tensor]:
         return {t.name: t for t in self.pb.tensors}
 
     def chunk_digests(self) -> list[bytes]:
         return [c.target_digest for t in self.pb.tensors for c in t.chunks]
 
 
-def serialize(manifest: pb.Manifest) -> bytes:
+def serialize(manifest: v1pb.Manifest) -> bytes:
     return manifest.SerializeToString(deterministic=True)
 
 
@@ -86,7 +86,7 @@ def parse_manifest(data: bytes, *, expect_version: int | None = None) -> Manifes
     what = f"manifest {expect_version}" if expect_version is not None else "manifest"
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptObjectError(what, f"{len(data)} bytes is larger than any valid manifest")
-    m = pb.Manifest()
+    m = v1pb.Manifest()
     try:
         m.ParseFromString(data)
     except DecodeError as e:
@@ -101,20 +101,20 @@ def _fail(detail: str) -> CorruptObjectError:
     return CorruptObjectError("manifest", detail)
 
 
-def _validate(m: pb.Manifest, expect_version: int | None) -> ManifestInfo:
+def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
     if m.format == 0 or m.format > FORMAT:
         raise _fail(f"format {m.format} is not supported by this deltasync (supports {FORMAT})")
     if expect_version is not None and m.version != expect_version:
         raise _fail(f"claims version {m.version}")
     if m.version == 0:
         raise _fail("version 0 is not a valid version id")
-    if m.kind not in (pb.SNAPSHOT, pb.DELTA):
+    if m.kind not in (v1pb.SNAPSHOT, v1pb.DELTA):
         raise _fail(f"unknown version kind {m.kind}")
     if m.has_parent and m.parent >= m.version:
         raise _fail(f"parent {m.parent} is not older than version {m.version}")
-    if m.kind == pb.DELTA and not m.has_parent:
+    if m.kind == v1pb.DELTA and not m.has_parent:
         raise _fail("delta without a parent")
-    if m.snapshot > m.version or (m.kind == pb.SNAPSHOT and m.snapshot != m.version):
+    if m.snapshot > m.version or (m.kind == v1pb.SNAPSHOT and m.snapshot != m.version):
         raise _fail(f"bad nearest snapshot {m.snapshot}")
     codec = codec_from_spec(m.codec.name, m.codec.codec_version, m.codec.zstd_level, m.codec.chunk_bytes)
     if len(m.tensors) > MAX_TENSORS or len(m.files) > MAX_FILES:
@@ -123,7 +123,7 @@ def _validate(m: pb.Manifest, expect_version: int | None) -> ManifestInfo:
     for p in m.packs:
         if not re.fullmatch(r"packs/[0-9a-f]{32}\.pack", p.key):
             raise _fail(f"bad pack key {p.key!r}")
-    files: dict[str, pb.File] = {}
+    files: dict[str, v1pb.File] = {}
     for f in m.files:
         check_relpath(f.path)
         if f.path in files:
@@ -131,10 +131,10 @@ def _validate(m: pb.Manifest, expect_version: int | None) -> ManifestInfo:
         files[f.path] = f
         if len(f.digest) != DIGEST_SIZE:
             raise _fail(f"file {f.path!r} has a bad digest")
-        if f.kind == pb.File.SAFETENSORS:
+        if f.kind == v1pb.File.SAFETENSORS:
             if len(f.header) > MAX_HEADER_BYTES or len(f.header) < 8:
                 raise _fail(f"file {f.path!r} has a bad header size")
-        elif f.kind == pb.File.BLOB:
+        elif f.kind == v1pb.File.BLOB:
             if any(len(d) != DIGEST_SIZE for d in f.blob_parts):
                 raise _fail(f"file {f.path!r} has a bad blob digest")
         else:
@@ -142,7 +142,7 @@ def _validate(m: pb.Manifest, expect_version: int | None) -> ManifestInfo:
     raw = 0
     names: set[str] = set()
     for t in m.tensors:
-        _validate_tensor(t, codec, files, pack_sizes, names, is_snapshot=m.kind == pb.SNAPSHOT)
+        _validate_tensor(t, codec, files, pack_sizes, names, is_snapshot=m.kind == v1pb.SNAPSHOT)
         raw += t.nbytes
     if raw != m.raw_bytes:
         raise _fail(f"raw_bytes {m.raw_bytes} does not match the tensors ({raw})")
@@ -153,9 +153,9 @@ def _validate(m: pb.Manifest, expect_version: int | None) -> ManifestInfo:
 
 
 def _validate_tensor(
-    t: pb.Tensor,
+    t: v1pb.Tensor,
     codec: PlanesZstdCodec,
-    files: dict[str, pb.File],
+    files: dict[str, v1pb.File],
     pack_sizes: list[int],
     names: set[str],
     *,
@@ -174,13 +174,11 @@ def _validate_tensor(
     nbytes = math.prod(t.shape) * dtypes.itemsize(t.dtype)
     if nbytes != t.nbytes or nbytes > MAX_TENSOR_BYTES:
         raise _fail(f"{where}: shape {list(t.shape)} of {t.dtype} is not {t.nbytes} bytes")
-    if t.file:
-        if t.file not in files or files[t.file].kind != pb.File.SAFETENSORS:
-            raise _fail(f"{where} is in unknown file {t.file!r}")
-    width = dtypes.element_width(t.dtype)
-    ranges = codec.chunk_ranges(t.nbytes, width)
-    if len(t.chunks) != len(ranges):
-        raise _fail(f"{where} has {len(t.chunks)} chunks, expected {len(ranges)}")
+    if t.file and (t.file not in files or files[t.file].kind != v1pb.File.SAFETENSORS):
+        raise _fail(f"{where} is in unknown file {t.file!r}")
+    expected_chunks = codec.chunk_count(t.nbytes, dtypes.element_width(t.dtype))
+    if len(t.chunks) != expected_chunks:
+        raise _fail(f"{where} has {len(t.chunks)} chunks, expected {expected_chunks}")
     for i, c in enumerate(t.chunks):
         if len(c.target_digest) != DIGEST_SIZE:
             raise _fail(f"{where} chunk {i} has a bad target digest")

@@ -2,7 +2,7 @@
 
 Chunks are encoded on a thread pool (zstd and numpy release the GIL) with a bounded window
 of chunks in flight, appended in order to packs that upload in the background, and the
-manifest is committed last. Memory stays O(chunk size × workers + pack size).
+manifest is committed last. Memory stays O(chunk size * workers + pack size).
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ class Subscriber:
 
             def sink(t: pb.Tensor, off: int, data: Bits) -> None:
                 fname, data_offset = placement[t.name]
-                os.pwrite(fds[fname], data, header_len[fname] + data_offset + off)
+                os.pwrite(fds[fname], data.data, header_len[fname] + data_offset + off)
                 digests[fname].update(data)
 
             self._run(info, local, sink)
