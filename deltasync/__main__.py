@@ -1,0 +1,5 @@
+"""``python -m deltasync`` is the ``deltasync`` command."""
+
+from deltasync.cli.main import main
+
+main()
