@@ -22,10 +22,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
 
-import boto3  # type: ignore[import-untyped]
-import botocore.session  # type: ignore[import-untyped]
-from botocore.config import Config  # type: ignore[import-untyped]
-from botocore.exceptions import (  # type: ignore[import-untyped]
+import boto3
+import botocore.session
+from botocore.config import Config
+from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     ConnectionClosedError,
@@ -316,9 +316,8 @@ class S3Store(Store):
         if self._part_checksums:
             create["ChecksumAlgorithm"] = "CRC32"
         full = self._root + key
-        upload_id = self._call(
-            "start a multipart upload of", key, self._client.create_multipart_upload, Key=full, **create
-        )["UploadId"]
+        started = self._call("start a multipart upload of", key, self._client.create_multipart_upload, Key=full, **create)
+        upload_id = started["UploadId"]
         futures: list[Future[dict[str, Any]]] = []
         try:
             pool = self._executor()
@@ -453,8 +452,7 @@ class S3Store(Store):
             return StoreError(f"cannot {action} {where}: {detail}")
         if isinstance(e, NoCredentialsError):
             return StoreError(
-                f"no AWS credentials found to {action} {where} "
-                "(set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+                f"no AWS credentials found to {action} {where} (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
             )
         if isinstance(e, EndpointConnectionError):
             return StoreError(f"cannot reach S3 endpoint {self._client.meta.endpoint_url} to {action} {where}")

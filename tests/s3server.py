@@ -69,7 +69,7 @@ class _MotoServer:
     middleware above, a port chosen by the OS and no access log)."""
 
     def __init__(self) -> None:
-        from moto.server import DomainDispatcherApplication, create_backend_app
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import WSGIRequestHandler, make_server
 
         class QuietHandler(WSGIRequestHandler):

@@ -4,10 +4,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deltasync.storage import LocalStore, MemoryStore, Store, open_store
-from deltasync.storage.testing import StoreConformance
 
 from deltasync.errors import UsageError
+from deltasync.storage import LocalStore, MemoryStore, Store, open_store
+from deltasync.storage.testing import StoreConformance
 
 
 class TestLocalStore(StoreConformance):
