@@ -116,7 +116,8 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
         raise _fail("delta without a parent")
     if m.snapshot > m.version or (m.kind == v1pb.SNAPSHOT and m.snapshot != m.version):
         raise _fail(f"bad nearest snapshot {m.snapshot}")
-    codec = codec_from_spec(m.codec.name, m.codec.codec_version, m.codec.zstd_level, m.codec.chunk_bytes)
+    c = m.codec
+    codec = codec_from_spec(c.name, c.codec_version, c.zstd_level, c.chunk_bytes, c.full_zstd_level)
     if len(m.tensors) > MAX_TENSORS or len(m.files) > MAX_FILES:
         raise _fail("too many tensors or files")
     pack_sizes = [p.size for p in m.packs]

@@ -25,7 +25,7 @@ from . import dtypes
 from .checkpoint import CheckpointDir, FileReader, scan_checkpoint
 from .codec import FULL, SAME, EncodedChunk, PlanesZstdCodec
 from .digest import StreamDigest, digest, version_digest
-from .errors import CheckpointError, UsageError
+from .errors import CheckpointError, ObjectExistsError, UsageError
 from .manifest import FORMAT, ManifestInfo
 from .progress import Progress
 from .repository import BLOB_PART_BYTES, Repository
@@ -119,30 +119,40 @@ class _Packer:
         self.store = store
         self.pack_bytes = pack_bytes
         self.packs: list[pb.Pack] = []
-        self._buf = bytearray()
+        self._parts: list[bytes] = []
+        self._size = 0
         self._uploads: deque[Future[None]] = deque()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltasync-upload")
+        self._created: set[str] = set()  # keys this attempt wrote, the only ones abandon() may delete
         self.stored = 0
 
     def add(self, payload: bytes) -> tuple[int, int]:
-        offset = len(self._buf)
-        self._buf += payload
+        offset = self._size
+        self._parts.append(payload)
+        self._size += len(payload)
         index = len(self.packs)
-        if len(self._buf) >= self.pack_bytes:
+        if self._size >= self.pack_bytes:
             self.flush()
         return index, offset
 
     def flush(self) -> None:
-        if not self._buf:
+        if not self._parts:
             return
-        data = bytes(self._buf)
-        self._buf = bytearray()
+        data = b"".join(self._parts)
+        self._parts, self._size = [], 0
         key = f"packs/{digest(data).hex()}.pack"
         self.packs.append(pb.Pack(key=key, size=len(data)))
         self.stored += len(data)
         while len(self._uploads) >= 2:  # bound memory: at most two packs waiting to upload
             self._uploads.popleft().result()
-        self._uploads.append(self._pool.submit(self.store.put, key, data))
+        self._uploads.append(self._pool.submit(self._upload, key, data))
+
+    def _upload(self, key: str, data: bytes) -> None:
+        try:
+            self.store.put(key, data, if_absent=True)
+        except ObjectExistsError:
+            return  # content-addressed: these very bytes are stored, maybe for a committed version
+        self._created.add(key)
 
     def finish(self) -> None:
         self.flush()
@@ -157,9 +167,9 @@ class _Packer:
         for f in self._uploads:
             f.cancel()
         self._pool.shutdown(wait=True)
-        for p in self.packs:
+        for key in self._created:
             with contextlib.suppress(Exception):
-                self.store.delete(p.key)
+                self.store.delete(key)
 
 
 class Publisher:
@@ -457,7 +467,8 @@ class Publisher:
             has_parent=parent is not None,
             snapshot=version if is_snapshot else self.repo.manifest(parent or 0).pb.snapshot,
             codec=pb.CodecSpec(name=codec.name, codec_version=codec.codec_version,
-                               zstd_level=codec.zstd_level, chunk_bytes=codec.chunk_bytes),
+                               zstd_level=codec.zstd_level, chunk_bytes=codec.chunk_bytes,
+                               full_zstd_level=codec.full_zstd_level),
             files=files,
             tensors=tensors,
             packs=packer.packs,

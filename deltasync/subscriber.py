@@ -203,13 +203,13 @@ class Subscriber:
             local = _LocalBits(self._mem_version, read_mem)
         out = {t.name: np.empty(t.nbytes, dtype=np.uint8) for t in info.pb.tensors}
 
-        def sink(t: pb.Tensor, off: int, data: Bits) -> None:
-            out[t.name][off : off + len(data)] = data
-
-        self._run(info, local, sink)
+        # Workers write straight into the output arrays: first touches of fresh memory then
+        # happen in parallel, not one chunk at a time on the consuming thread.
+        self._run(info, local, lambda t, off, data: None, dest=out)
         self._mem_version, self._mem_bits = target, out
-        # The caller gets its own copies: our arrays are the base of the next pull.
-        return {t.name: bits_to_tensor(out[t.name].copy(), t.dtype, tuple(t.shape)) for t in info.pb.tensors}
+        # The tensors share memory with the base of the next pull. That is safe: a caller who
+        # changes them only costs that pull a repair, since every base chunk is digest-checked.
+        return {t.name: bits_to_tensor(out[t.name], t.dtype, tuple(t.shape)) for t in info.pb.tensors}
 
     # -- directories -------------------------------------------------------------------------
 
@@ -326,7 +326,16 @@ class Subscriber:
 
     # -- the shared chunk pipeline -----------------------------------------------------------
 
-    def _run(self, info: ManifestInfo, local: _LocalBits | None, sink: Callable[[pb.Tensor, int, Bits], None]) -> None:
+    def _run(
+        self,
+        info: ManifestInfo,
+        local: _LocalBits | None,
+        sink: Callable[[pb.Tensor, int, Bits], None],
+        *,
+        dest: dict[str, Bits] | None = None,
+    ) -> None:
+        """Materialise every chunk of ``info`` in order: into ``dest`` arrays by tensor name
+        (written by the workers), and through ``sink`` (called in order on this thread)."""
         plan, chain = self.plan(info.version, local.version if local is not None else None)
         self.last_plan = plan
         use_local = local if plan.base is not None else None
@@ -341,6 +350,12 @@ class Subscriber:
         codec = info.codec
 
         def job(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
+            bits = materialise(t, idx, off, length)
+            if dest is not None:
+                dest[t.name][off : off + length] = bits
+            return bits
+
+        def materialise(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
             width = dtypes.element_width(t.dtype)
             target = t.chunks[idx]
             base: Bits | None = None

@@ -30,16 +30,18 @@ SNAPSHOT: VersionKind
 DELTA: VersionKind
 
 class CodecSpec(_message.Message):
-    __slots__ = ("name", "codec_version", "zstd_level", "chunk_bytes")
+    __slots__ = ("name", "codec_version", "zstd_level", "chunk_bytes", "full_zstd_level")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CODEC_VERSION_FIELD_NUMBER: _ClassVar[int]
     ZSTD_LEVEL_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FULL_ZSTD_LEVEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     codec_version: int
     zstd_level: int
     chunk_bytes: int
-    def __init__(self, name: _Optional[str] = ..., codec_version: _Optional[int] = ..., zstd_level: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    full_zstd_level: int
+    def __init__(self, name: _Optional[str] = ..., codec_version: _Optional[int] = ..., zstd_level: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., full_zstd_level: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("pack", "offset", "length", "encoding", "base_digest", "target_digest")
