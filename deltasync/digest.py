@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import xxhash
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 from typing_extensions import Buffer
 
 DIGEST_SIZE = 16
 
 #: What digests accept: any contiguous buffer, numpy arrays included.
-BytesLike = Union[Buffer, npt.NDArray[Any]]
+BytesLike: TypeAlias = Buffer | npt.NDArray[Any]
 
 
 def _buffer(data: BytesLike) -> Buffer:
