@@ -386,6 +386,8 @@ def codec_from_spec(
     """The codec a manifest was written with; refuses codecs this build cannot decode."""
     if name != PlanesZstdCodec.name or codec_version != PlanesZstdCodec.codec_version:
         raise CorruptObjectError("manifest", f"unknown codec {name!r} version {codec_version}")
+    # 0 is protobuf's "unset": manifests written before full_zstd_level existed used zstd_level.
+    full_zstd_level = full_zstd_level or zstd_level
     try:
         return PlanesZstdCodec(zstd_level=zstd_level, chunk_bytes=chunk_bytes, full_zstd_level=full_zstd_level)
     except UsageError as e:

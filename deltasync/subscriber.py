@@ -27,7 +27,7 @@ from . import dtypes
 from .checkpoint import FileReader, build_header
 from .codec import FULL, SAME, EncodedChunk
 from .digest import StreamDigest, digest
-from .errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError
+from .errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError, ObjectNotFoundError
 from .manifest import ManifestInfo, check_relpath
 from .progress import Progress
 from .repository import Repository
@@ -421,6 +421,9 @@ class Subscriber:
                 bits = info.codec.decode(EncodedChunk(c.encoding, payload), bits, width, length)
             except CorruptObjectError as e:
                 raise CorruptObjectError(where, e.detail) from None
+            except ObjectNotFoundError:
+                # A committed version names this pack: its absence is damage, as verify reports it.
+                raise CorruptObjectError(where, "pack is missing") from None
             actual = digest(bits)
             if actual != c.target_digest:
                 raise ChecksumMismatchError(
