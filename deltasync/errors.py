@@ -109,3 +109,12 @@ class CheckpointError(DeltasyncError):
 
 class StoreError(DeltasyncError):
     """A store backend failed (I/O error, permission, network)."""
+
+
+class SignatureError(DeltasyncError):
+    """A manifest is unsigned, or its signature does not verify, while trusted keys are configured."""
+
+    def __init__(self, version: int, detail: str) -> None:
+        super().__init__(f"version {version}: {detail}")
+        self.version = version
+        self.detail = detail

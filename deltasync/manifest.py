@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -17,6 +18,7 @@ from . import dtypes
 from .codec import DENSE, FULL, SAME, SPARSE, PlanesZstdCodec, codec_from_spec
 from .digest import DIGEST_SIZE, version_digest
 from .errors import CorruptObjectError
+from .slices import entry_key, intersect
 from .v1 import manifest_pb2 as v1pb
 
 FORMAT = 1
@@ -70,19 +72,33 @@ class ManifestInfo:
     def is_snapshot(self) -> bool:
         return self.pb.kind == v1pb.SNAPSHOT
 
-    def tensors_by_name(self) -> dict[str, v1pb.Tensor]:
-        return {t.name: t for t in self.pb.tensors}
+    def entries(self) -> dict[str, v1pb.Tensor]:
+        """Tensor entries by key: the name, or name and offsets for slices (see ``key_of``)."""
+        return {key_of(t): t for t in self.pb.tensors}
 
     def chunk_digests(self) -> list[bytes]:
         return [c.target_digest for t in self.pb.tensors for c in t.chunks]
+
+
+def key_of(t: v1pb.Tensor) -> str:
+    return entry_key(t.name, t.slice_offsets)
 
 
 def serialize(manifest: v1pb.Manifest) -> bytes:
     return manifest.SerializeToString(deterministic=True)
 
 
-def parse_manifest(data: bytes, *, expect_version: int | None = None) -> ManifestInfo:
-    """Parse and validate; raises CorruptObjectError naming the first problem found."""
+def parse_manifest(
+    data: bytes,
+    *,
+    expect_version: int | None = None,
+    authenticate: Callable[[v1pb.Manifest], None] | None = None,
+) -> ManifestInfo:
+    """Parse and validate; raises CorruptObjectError naming the first problem found.
+
+    ``authenticate`` (a signature check) sees the parsed message before any validation, so
+    with a trusted key configured only manifests from that key are ever looked at further.
+    """
     what = f"manifest {expect_version}" if expect_version is not None else "manifest"
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptObjectError(what, f"{len(data)} bytes is larger than any valid manifest")
@@ -91,6 +107,8 @@ def parse_manifest(data: bytes, *, expect_version: int | None = None) -> Manifes
         m.ParseFromString(data)
     except DecodeError as e:
         raise CorruptObjectError(what, f"cannot parse ({e})") from None
+    if authenticate is not None:
+        authenticate(m)
     try:
         return _validate(m, expect_version)
     except CorruptObjectError as e:
@@ -116,6 +134,8 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
         raise _fail("delta without a parent")
     if m.snapshot > m.version or (m.kind == v1pb.SNAPSHOT and m.snapshot != m.version):
         raise _fail(f"bad nearest snapshot {m.snapshot}")
+    if len(m.signature) not in (0, 64) or len(m.signing_key_id) not in (0, 8):  # ed25519; see signing.py
+        raise _fail("bad signature or signing key id length")
     c = m.codec
     codec = codec_from_spec(c.name, c.codec_version, c.zstd_level, c.chunk_bytes, c.full_zstd_level)
     if len(m.tensors) > MAX_TENSORS or len(m.files) > MAX_FILES:
@@ -147,10 +167,43 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
         raw += t.nbytes
     if raw != m.raw_bytes:
         raise _fail(f"raw_bytes {m.raw_bytes} does not match the tensors ({raw})")
+    _validate_slice_sets(m)
     info = ManifestInfo(m, codec)
     if version_digest(info.chunk_digests()) != m.version_digest:
         raise _fail("version digest does not match its chunk digests")
     return info
+
+
+def _validate_slice_sets(m: v1pb.Manifest) -> None:
+    sliced: dict[str, list[v1pb.Tensor]] = {}
+    for t in m.tensors:
+        if t.full_shape:
+            sliced.setdefault(t.name, []).append(t)
+    for name, parts in sliced.items():
+        if len({tuple(p.full_shape) for p in parts}) > 1 or len({p.dtype for p in parts}) > 1:
+            raise _fail(f"slices of tensor {name!r} disagree on shape or dtype")
+        if sum(math.prod(p.shape) for p in parts) > math.prod(parts[0].full_shape):
+            raise _fail(f"slices of tensor {name!r} overlap")
+        if len(parts) <= 256:
+            for i, a in enumerate(parts):
+                for b in parts[i + 1 :]:
+                    if math.prod(a.shape) and math.prod(b.shape) and intersect(
+                        a.slice_offsets, a.shape, b.slice_offsets, b.shape
+                    ):
+                        raise _fail(f"slices of tensor {name!r} overlap")
+
+
+def _validate_slice(t: v1pb.Tensor, where: str, names: set[str]) -> None:
+    if t.file:
+        raise _fail(f"{where}: slices cannot live in checkpoint files")
+    if t.name in names:
+        raise _fail(f"{where} is both whole and sliced")
+    if not (len(t.full_shape) == len(t.slice_offsets) == len(t.shape)) or not t.shape:
+        raise _fail(f"{where}: slice rank does not match its tensor")
+    for full, off, ext in zip(t.full_shape, t.slice_offsets, t.shape, strict=True):
+        if full > MAX_TENSOR_BYTES or off + ext > full:
+            raise _fail(f"{where}: slice at {list(t.slice_offsets)} lies outside {list(t.full_shape)}")
+    names.add(f"{t.name}@")  # marks the name as sliced, so a whole entry of it is refused
 
 
 def _validate_tensor(
@@ -165,9 +218,14 @@ def _validate_tensor(
     where = f"tensor {t.name!r}"
     if not t.name or len(t.name) > 4096 or "\x00" in t.name:
         raise _fail(f"bad tensor name {t.name!r}")
-    if t.name in names:
+    key = key_of(t)
+    if key in names:
         raise _fail(f"{where} listed twice")
-    names.add(t.name)
+    names.add(key)
+    if t.full_shape or t.slice_offsets:
+        _validate_slice(t, where, names)
+    elif f"{t.name}@" in names:
+        raise _fail(f"{where} is both whole and sliced")
     if t.dtype not in dtypes.ITEMSIZE:
         raise _fail(f"{where} has unknown dtype {t.dtype!r}")
     if len(t.shape) > MAX_DIMS or any(d > MAX_TENSOR_BYTES for d in t.shape):

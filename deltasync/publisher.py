@@ -26,9 +26,11 @@ from .checkpoint import CheckpointDir, FileReader, scan_checkpoint
 from .codec import FULL, SAME, EncodedChunk, PlanesZstdCodec
 from .digest import StreamDigest, digest, version_digest
 from .errors import CheckpointError, ObjectExistsError, UsageError
-from .manifest import FORMAT, ManifestInfo
+from .manifest import FORMAT, ManifestInfo, key_of
 from .progress import Progress
-from .repository import BLOB_PART_BYTES, Repository
+from .repository import BLOB_PART_BYTES, Repository, open_repository
+from .signing import PrivateKeyLike
+from .slices import entry_key
 from .storage import Store
 from .tensors import tensor_bits
 from .v1 import manifest_pb2 as pb
@@ -95,6 +97,23 @@ class _SourceTensor:
     file: str
     data_offset: int
     read: Reader
+    offsets: tuple[int, ...] = ()  # for slices of a larger tensor
+    full_shape: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return entry_key(self.name, self.offsets)
+
+
+@dataclass
+class _Encoded:
+    """One rank's (or the whole) encoded tensors, with the packs already durable."""
+
+    tensors: list[pb.Tensor]
+    packs: list[pb.Pack]
+    stored: int
+    raw: int
+    created: set[str]  # pack keys this attempt wrote (the only ones an abandon may delete)
 
 
 @dataclass
@@ -123,7 +142,7 @@ class _Packer:
         self._size = 0
         self._uploads: deque[Future[None]] = deque()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltasync-upload")
-        self._created: set[str] = set()  # keys this attempt wrote, the only ones abandon() may delete
+        self.created: set[str] = set()  # keys this attempt wrote, the only ones abandon() may delete
         self.stored = 0
 
     def add(self, payload: bytes) -> tuple[int, int]:
@@ -152,7 +171,7 @@ class _Packer:
             self.store.put(key, data, if_absent=True)
         except ObjectExistsError:
             return  # content-addressed: these very bytes are stored, maybe for a committed version
-        self._created.add(key)
+        self.created.add(key)
 
     def finish(self) -> None:
         self.flush()
@@ -167,7 +186,7 @@ class _Packer:
         for f in self._uploads:
             f.cancel()
         self._pool.shutdown(wait=True)
-        for key in self._created:
+        for key in self.created:
             with contextlib.suppress(Exception):
                 self.store.delete(key)
 
@@ -182,8 +201,15 @@ class Publisher:
     download. A new Publisher (or one whose last attempt failed) starts with a snapshot.
     """
 
-    def __init__(self, repo: str | Store | Repository, config: PublisherConfig | None = None) -> None:
-        self.repo = repo if isinstance(repo, Repository) else Repository(repo)
+    def __init__(
+        self,
+        repo: str | Store | Repository,
+        config: PublisherConfig | None = None,
+        *,
+        signing_key: PrivateKeyLike | None = None,
+    ) -> None:
+        """``signing_key``: an ed25519 key (or its PEM file) that signs every manifest."""
+        self.repo = open_repository(repo, signing_key=signing_key)
         self.config = config or PublisherConfig()
         self._bits: dict[str, Bits] = {}
         self._bits_version: int | None = None
@@ -223,9 +249,10 @@ class Publisher:
         info = self.repo.manifest(parent)
         out: dict[str, _BaseTensor] = {}
         for t in info.pb.tensors:
-            arr = self._bits.get(t.name)
+            key = key_of(t)
+            arr = self._bits.get(key)
             if arr is not None and arr.nbytes == t.nbytes:
-                out[t.name] = _BaseTensor(
+                out[key] = _BaseTensor(
                     dtypes.element_width(t.dtype), t.nbytes, [c.target_digest for c in t.chunks],
                     _array_reader(arr), verify=False,
                 )
@@ -392,10 +419,28 @@ class Publisher:
         blob_bytes: int,
         start: float,
     ) -> PublishResult:
+        encoded = self._encode(sources, files, bases, keep, base_arrays, limit, f"publish v{version}")
+        return self._commit(version, parent, not bases, files, encoded, blob_bytes, metadata, start)
+
+    def _encode(
+        self,
+        sources: list[_SourceTensor],
+        files: list[pb.File],
+        bases: dict[str, _BaseTensor],
+        keep: dict[str, Bits] | None,
+        base_arrays: dict[str, Bits] | None,
+        limit: int | None,
+        label: str,
+    ) -> _Encoded:
+        """Encode every chunk (against ``bases`` where present) into durable packs.
+
+        Raises _DeltaTooLarge once the payload passes ``limit``; whatever it uploaded is removed.
+        With ``keep``, each tensor's bits are copied into ``keep[key]`` (reusing
+        ``base_arrays[key]`` in place when the size allows) to be the next version's base.
+        """
         codec = self.config.codec
-        is_snapshot = not bases
         raw_total = sum(s.nbytes for s in sources)
-        progress = Progress(f"publish v{version}", raw_total, enabled=self.config.progress)
+        progress = Progress(label, raw_total, enabled=self.config.progress)
         packer = _Packer(self.repo.store, self.config.pack_bytes)
         # Tensors of one file in file order, so each file's digest streams as chunks complete.
         order = sorted(range(len(sources)), key=lambda i: (sources[i].file, sources[i].data_offset)) \
@@ -411,16 +456,16 @@ class Publisher:
                 s = sources[i]
                 width = dtypes.element_width(s.dtype)
                 t = pb.Tensor(name=s.name, dtype=s.dtype, shape=s.shape, nbytes=s.nbytes, file=s.file,
-                              data_offset=s.data_offset)
+                              data_offset=s.data_offset, full_shape=s.full_shape, slice_offsets=s.offsets)
                 tensors.append(t)
-                base = bases.get(s.name)
+                base = bases.get(s.key)
                 if base is not None and (base.width != width or base.nbytes != s.nbytes):
                     base = None  # added, resized or retyped: this tensor starts over in full
                 dest: Bits | None = None
                 if keep is not None:
-                    reuse = base_arrays.get(s.name) if base_arrays is not None else None
+                    reuse = base_arrays.get(s.key) if base_arrays is not None else None
                     dest = reuse if reuse is not None and reuse.nbytes == s.nbytes else np.empty(s.nbytes, np.uint8)
-                    keep[s.name] = dest
+                    keep[s.key] = dest
                 for idx, (off, length) in enumerate(codec.chunk_ranges(s.nbytes, width)):
                     yield t, _encode_job(codec, s, base, idx, off, length, width, dest)
 
@@ -460,10 +505,28 @@ class Publisher:
             raise
         pool.shutdown(wait=True)
         progress.finish()
-
         for f in files:
             if f.kind == pb.File.SAFETENSORS:
                 f.digest = file_digests[f.path].digest()
+        return _Encoded(tensors, packer.packs, packer.stored, raw_total, set(packer.created))
+
+    def _abandon(self, encoded: _Encoded) -> None:
+        for key in encoded.created:
+            with contextlib.suppress(Exception):
+                self.repo.store.delete(key)
+
+    def _commit(
+        self,
+        version: int,
+        parent: int | None,
+        is_snapshot: bool,
+        files: list[pb.File],
+        encoded: _Encoded,
+        blob_bytes: int,
+        metadata: Mapping[str, str] | None,
+        start: float,
+    ) -> PublishResult:
+        codec = self.config.codec
         manifest = pb.Manifest(
             format=FORMAT,
             version=version,
@@ -475,20 +538,20 @@ class Publisher:
                                zstd_level=codec.zstd_level, chunk_bytes=codec.chunk_bytes,
                                full_zstd_level=codec.full_zstd_level),
             files=files,
-            tensors=tensors,
-            packs=packer.packs,
-            raw_bytes=raw_total,
-            stored_bytes=packer.stored + blob_bytes,
+            tensors=encoded.tensors,
+            packs=encoded.packs,
+            raw_bytes=encoded.raw,
+            stored_bytes=encoded.stored + blob_bytes,
             created_unix=time.time(),
             metadata=dict(metadata or {}),
         )
-        manifest.version_digest = version_digest(c.target_digest for t in tensors for c in t.chunks)
+        manifest.version_digest = version_digest(c.target_digest for t in encoded.tensors for c in t.chunks)
         self.repo.commit(manifest)
         result = PublishResult(
             version=version,
             kind="snapshot" if is_snapshot else "delta",
             parent=parent,
-            raw_bytes=raw_total,
+            raw_bytes=encoded.raw,
             stored_bytes=manifest.stored_bytes,
             seconds=time.monotonic() - start,
         )

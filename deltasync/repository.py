@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Iterable
 
 import zstandard
 
@@ -27,10 +28,12 @@ from .errors import (
     ObjectNotFoundError,
     RepositoryFormatError,
     RepositoryNotFoundError,
+    UsageError,
     VersionConflictError,
     VersionNotFoundError,
 )
 from .manifest import ManifestInfo, manifest_key, parse_manifest, serialize, version_from_key
+from .signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_signing_key, sign_manifest
 from .storage import Store, open_store
 from .v1 import manifest_pb2 as pb
 
@@ -44,12 +47,38 @@ def blob_key(d: bytes) -> str:
     return f"blobs/{d.hex()}"
 
 
+def open_repository(
+    repo: Store | str | Repository,
+    *,
+    signing_key: PrivateKeyLike | None = None,
+    trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+) -> Repository:
+    """``repo`` as a Repository with these keys (a Repository passed in keeps its own)."""
+    if isinstance(repo, Repository):
+        if signing_key is not None or trusted_keys is not None:
+            raise UsageError("give signing_key / trusted_keys to the Repository, not alongside it")
+        return repo
+    return Repository(repo, signing_key=signing_key, trusted_keys=trusted_keys)
+
+
 class Repository:
     """Versions in a store. Safe for one publisher and many concurrent readers."""
 
-    def __init__(self, store: Store | str) -> None:
+    def __init__(
+        self,
+        store: Store | str,
+        *,
+        signing_key: PrivateKeyLike | None = None,
+        trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+    ) -> None:
+        """``signing_key`` (an ed25519 key or its PEM file) signs every manifest committed here.
+        With ``trusted_keys`` (one or several: key rotation; none or empty: no check) a manifest
+        is refused with SignatureError unless one of them signed it, before it is used."""
         self.store = open_store(store) if isinstance(store, str) else store
         self.url = self.store.url
+        self.signing_key = load_signing_key(signing_key) if signing_key is not None else None
+        trusted = TrustedKeys.of(trusted_keys) if trusted_keys is not None else None
+        self.trusted_keys = trusted or None
         self._manifests: dict[int, ManifestInfo] = {}
         self._lock = threading.Lock()
 
@@ -110,10 +139,16 @@ class Repository:
             if not self.exists():
                 raise RepositoryNotFoundError(self.url) from None
             raise VersionNotFoundError(version, self.url) from None
-        info = parse_manifest(raw, expect_version=version)
+        info = parse_manifest(raw, expect_version=version, authenticate=self._authenticator(version))
         with self._lock:
             self._manifests[version] = info
         return info
+
+    def _authenticator(self, version: int) -> Callable[[pb.Manifest], None] | None:
+        trusted = self.trusted_keys
+        if trusted is None:
+            return None
+        return lambda m: trusted.verify(m, version)
 
     def resolve(self, version: int | None) -> int:
         """``version``, or the latest when None; raises if there is none."""
@@ -147,8 +182,11 @@ class Repository:
         Of racing publishers of the same id exactly one succeeds; the others get
         VersionConflictError and nothing of theirs becomes visible.
         """
+        if self.signing_key is not None:
+            sign_manifest(manifest, self.signing_key)
         data = serialize(manifest)
-        info = parse_manifest(data, expect_version=manifest.version)  # never commit what we can't read
+        # Never commit what we can't read (a signer not among our own trusted keys included).
+        info = parse_manifest(data, expect_version=manifest.version, authenticate=self._authenticator(manifest.version))
         try:
             self.store.put(manifest_key(manifest.version), data, if_absent=True)
         except ObjectExistsError:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +28,12 @@ from . import dtypes
 from .checkpoint import FileReader, build_header
 from .codec import FULL, SAME, EncodedChunk
 from .digest import StreamDigest, digest
-from .errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError, ObjectNotFoundError
-from .manifest import ManifestInfo, check_relpath
+from .errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
+from .manifest import ManifestInfo, check_relpath, key_of
 from .progress import Progress
-from .repository import Repository
+from .repository import Repository, open_repository
+from .signing import PublicKeyLike
+from .slices import Region, byte_span, check_region, copy_region, intersect, runs
 from .storage import Store
 from .tensors import bits_to_tensor
 from .v1 import manifest_pb2 as pb
@@ -82,16 +85,29 @@ def install_staged(out: Path, staging: Path, info: ManifestInfo) -> None:
     """Move verified files from ``staging`` into ``out``; drop files the old version had."""
     old = read_local_state(out)
     new_files = _output_files(info)
+    if old is not None:
+        # Drop the old version's extra files first, and the directories that leaves empty,
+        # so that a path which is a directory in one version and a file in the other installs.
+        for rel in sorted(set(old.files) - set(new_files)):
+            with contextlib.suppress(OSError, DeltasyncError):
+                check_relpath(rel)
+                (out / rel).unlink()
+                _prune_empty_dirs(out, (out / rel).parent)
     for rel in new_files:
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / rel, dest)
-    if old is not None:
-        for rel in set(old.files) - set(new_files):
-            with contextlib.suppress(OSError, DeltasyncError):
-                check_relpath(rel)
-                (out / rel).unlink()
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def _prune_empty_dirs(out: Path, d: Path) -> None:
+    """Remove ``d`` and its parents below ``out`` while they are empty."""
+    while d != out and out in d.parents:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (or not ours to remove): stop here
+            return
+        d = d.parent
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -111,10 +127,10 @@ class _Chain:
     def __init__(self, infos: list[ManifestInfo]) -> None:
         self.infos = infos
         self.by_version = {i.version: i for i in infos}
-        self.tensors = {i.version: i.tensors_by_name() for i in infos}
+        self.tensors = {i.version: i.entries() for i in infos}
 
     def steps(self, name: str, idx: int, stop_at: int | None) -> tuple[list[tuple[ManifestInfo, pb.Chunk]], bool]:
-        """Records needed for chunk ``idx`` of ``name``, newest first; True if they end at ``stop_at``."""
+        """Records needed for chunk ``idx`` of entry ``name``, newest first; True if they end at ``stop_at``."""
         out: list[tuple[ManifestInfo, pb.Chunk]] = []
         for info in reversed(self.infos):
             if info.version == stop_at:
@@ -130,14 +146,25 @@ class _Chain:
             f"version {self.infos[-1].version}", f"tensor {name!r} chunk {idx} has no full copy in its chain"
         )
 
-    def cost(self, stop_at: int | None) -> int:
+    def cost(self, stop_at: int | None, want: Want | None) -> int:
         target = self.infos[-1]
         total = 0
         for t in target.pb.tensors:
-            for idx in range(len(t.chunks)):
-                steps, _ = self.steps(t.name, idx, stop_at)
+            key = key_of(t)
+            for idx in _wanted(want, key, len(t.chunks)):
+                steps, _ = self.steps(key, idx, stop_at)
                 total += sum(c.length for _, c in steps)
         return total
+
+
+#: Chunks to materialise: entry key -> chunk indices (None: every chunk of every entry).
+Want = dict[str, list[int]]
+
+
+def _wanted(want: Want | None, key: str, n_chunks: int) -> Iterable[int]:
+    if want is None:
+        return range(n_chunks)
+    return want.get(key, ())
 
 
 # -- where the local bits come from -------------------------------------------------------------
@@ -159,9 +186,15 @@ class Subscriber:
     """
 
     def __init__(
-        self, repo: str | Store | Repository, *, workers: int = 0, progress: bool | None = None
+        self,
+        repo: str | Store | Repository,
+        *,
+        workers: int = 0,
+        progress: bool | None = None,
+        trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
     ) -> None:
-        self.repo = repo if isinstance(repo, Repository) else Repository(repo)
+        """``trusted_keys``: ed25519 public keys (or PEM files); versions not signed by one are refused."""
+        self.repo = open_repository(repo, trusted_keys=trusted_keys)
         self.workers = workers or os.cpu_count() or 1
         self.progress = progress
         self._mem_version: int | None = None
@@ -170,17 +203,17 @@ class Subscriber:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def plan(self, target: int, local: int | None) -> tuple[Plan, _Chain]:
+    def plan(self, target: int, local: int | None, want: Want | None = None) -> tuple[Plan, _Chain]:
         """The cheaper of: the chain from ``local``, or the nearest snapshot and its chain."""
         full_chain = _Chain(self.repo.chain(target))
-        best = Plan(target, None, tuple(full_chain.by_version), full_chain.cost(None))
+        best = Plan(target, None, tuple(full_chain.by_version), full_chain.cost(None, want))
         chain = full_chain
         if local is not None and local <= target:
             with contextlib.suppress(DeltasyncError):
                 inc = self.repo.chain(target, stop_at=local)
                 if inc[0].version == local:
                     inc_chain = _Chain(inc)
-                    cost = inc_chain.cost(local)
+                    cost = inc_chain.cost(local, want)
                     if cost <= best.fetch_bytes:
                         best = Plan(target, local, tuple(inc_chain.by_version), cost)
                         chain = inc_chain
@@ -188,28 +221,42 @@ class Subscriber:
 
     # -- library -----------------------------------------------------------------------------
 
-    def pull(self, version: int | None = None) -> dict[str, torch.Tensor]:
-        """The tensors of ``version`` (default: latest), bit-identical to what was published."""
+    def pull(
+        self,
+        version: int | None = None,
+        *,
+        tensors: Iterable[str] | None = None,
+        regions: Mapping[str, Region] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Tensors of ``version`` (default: latest), bit-identical to what was published.
+
+        By default every tensor; ``tensors`` pulls only those names and ``regions`` only a
+        hyper-rectangle of a tensor (what one tensor-parallel inference rank holds), each
+        fetching just the chunks that hold those bytes. Tensors published as slices by
+        several ranks come back whole (parts no rank published read as zeros).
+        """
         target = self.repo.resolve(version)
         info = self.repo.manifest(target)
         local: _LocalBits | None = None
         if self._mem_version is not None:
             bits = self._mem_bits
 
-            def read_mem(name: str, off: int, length: int) -> Bits | None:
-                arr = bits.get(name)
+            def read_mem(key: str, off: int, length: int) -> Bits | None:
+                arr = bits.get(key)
                 return arr[off : off + length] if arr is not None and off + length <= arr.nbytes else None
 
             local = _LocalBits(self._mem_version, read_mem)
-        out = {t.name: np.empty(t.nbytes, dtype=np.uint8) for t in info.pb.tensors}
-
+        want, requests = _select(info, tensors, regions)
+        entries = info.entries()
+        # np.empty commits no memory until touched: a partial pull costs only what it fills.
+        out = {key: np.empty(entries[key].nbytes, dtype=np.uint8) for key in (want or entries)}
         # Workers write straight into the output arrays: first touches of fresh memory then
         # happen in parallel, not one chunk at a time on the consuming thread.
-        self._run(info, local, lambda t, off, data: None, dest=out)
+        self._run(info, local, lambda t, off, data: None, dest=out, want=want)
         self._mem_version, self._mem_bits = target, out
         # The tensors share memory with the base of the next pull. That is safe: a caller who
         # changes them only costs that pull a repair, since every base chunk is digest-checked.
-        return {t.name: bits_to_tensor(out[t.name], t.dtype, tuple(t.shape)) for t in info.pb.tensors}
+        return {name: _assemble(req, out) for name, req in requests.items()}
 
     # -- directories -------------------------------------------------------------------------
 
@@ -251,9 +298,10 @@ class Subscriber:
             for t in held.pb.tensors:
                 layout[t.name] = (root / t.file, headers[t.file] + t.data_offset, t.nbytes)
         else:
-            header, offsets = build_header([(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in held.pb.tensors])
-            for t, o in zip(held.pb.tensors, offsets, strict=True):
-                layout[t.name] = (root / LIBRARY_FILE, len(header) + o, t.nbytes)
+            header, placement = _library_layout(held)
+            for t in held.pb.tensors:
+                if not t.full_shape:  # slices are scattered in the file: rebuilt, not reused
+                    layout[t.name] = (root / LIBRARY_FILE, len(header) + placement[t.name], t.nbytes)
 
         def read_file(name: str, off: int, length: int) -> Bits | None:
             entry = layout.get(name)
@@ -268,10 +316,14 @@ class Subscriber:
 
     def _pull_files(self, info: ManifestInfo, staging: Path, local: _LocalBits | None) -> None:
         files = list(info.pb.files)
+        sizes: dict[str, int] = {}
         if not files:  # a version published from a state dict: one safetensors file
-            header, offsets = build_header([(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in info.pb.tensors])
+            header, offsets = _library_layout(info)
             files = [pb.File(path=LIBRARY_FILE, kind=pb.File.SAFETENSORS, header=header)]
-            placement = {t.name: (LIBRARY_FILE, o) for t, o in zip(info.pb.tensors, offsets, strict=True)}
+            placement = {name: (LIBRARY_FILE, o) for name, o in offsets.items()}
+            sizes[LIBRARY_FILE] = len(header) + sum(
+                math.prod(_logical_shape(t)) * dtypes.itemsize(t.dtype) for t in _first_of_each_name(info)
+            )
         else:
             placement = {t.name: (t.file, t.data_offset) for t in info.pb.tensors}
         fds: dict[str, int] = {}
@@ -285,6 +337,8 @@ class Subscriber:
                     continue
                 fd = fds[f.path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.write(fd, f.header)
+                if f.path in sizes:
+                    os.ftruncate(fd, sizes[f.path])  # parts of sliced tensors no rank published stay zero
                 digests[f.path] = StreamDigest()
                 digests[f.path].update(f.header)
 
@@ -292,7 +346,13 @@ class Subscriber:
 
             def sink(t: pb.Tensor, off: int, data: Bits) -> None:
                 fname, data_offset = placement[t.name]
-                os.pwrite(fds[fname], data.data, header_len[fname] + data_offset + off)
+                start = header_len[fname] + data_offset
+                if t.full_shape:
+                    itemsize = dtypes.itemsize(t.dtype)
+                    for dst, src, n in runs(t.full_shape, t.slice_offsets, t.shape, itemsize, off, off + len(data)):
+                        os.pwrite(fds[fname], data[src : src + n].data, start + dst)
+                    return  # library versions carry no file digest: every chunk is verified
+                os.pwrite(fds[fname], data.data, start + off)
                 digests[fname].update(data)
 
             self._run(info, local, sink)
@@ -333,10 +393,12 @@ class Subscriber:
         sink: Callable[[pb.Tensor, int, Bits], None],
         *,
         dest: dict[str, Bits] | None = None,
+        want: Want | None = None,
     ) -> None:
-        """Materialise every chunk of ``info`` in order: into ``dest`` arrays by tensor name
-        (written by the workers), and through ``sink`` (called in order on this thread)."""
-        plan, chain = self.plan(info.version, local.version if local is not None else None)
+        """Materialise the chunks of ``info`` (all, or those in ``want``) in order: into
+        ``dest`` arrays by entry key (written by the workers), and through ``sink`` (called in
+        order on this thread)."""
+        plan, chain = self.plan(info.version, local.version if local is not None else None, want)
         self.last_plan = plan
         use_local = local if plan.base is not None else None
         snapshot_chain: list[_Chain] = [chain] if plan.base is None else []
@@ -352,7 +414,7 @@ class Subscriber:
         def job(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
             bits = materialise(t, idx, off, length)
             if dest is not None:
-                dest[t.name][off : off + length] = bits
+                dest[key_of(t)][off : off + length] = bits
             return bits
 
         def materialise(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
@@ -360,24 +422,27 @@ class Subscriber:
             target = t.chunks[idx]
             base: Bits | None = None
             steps: list[tuple[ManifestInfo, pb.Chunk]] | None = None
+            key = key_of(t)
             if local is not None:
-                held = local.read(t.name, off, length)
+                held = local.read(key, off, length)
                 if held is not None:
                     held_digest = digest(held)
                     if held_digest == target.target_digest:
                         return held  # already there (idempotent, resumable)
                     if use_local is not None:
-                        inc, at_local = chain.steps(t.name, idx, use_local.version)
+                        inc, at_local = chain.steps(key, idx, use_local.version)
                         if at_local and inc and inc[-1][1].base_digest == held_digest:
                             base, steps = held, inc
             if steps is None:
-                steps, _ = full_chain().steps(t.name, idx, None)
+                steps, _ = full_chain().steps(key, idx, None)
             return self._apply(t, idx, length, width, base, steps)
 
         def jobs() -> Iterator[tuple[pb.Tensor, int, Callable[[], Bits]]]:
             for t in info.pb.tensors:
                 width = dtypes.element_width(t.dtype)
-                for idx, (off, length) in enumerate(codec.chunk_ranges(t.nbytes, width)):
+                ranges = codec.chunk_ranges(t.nbytes, width)
+                for idx in _wanted(want, key_of(t), len(ranges)):
+                    off, length = ranges[idx]
                     yield t, off, _bind(job, t, idx, off, length)
 
         window: deque[tuple[pb.Tensor, int, Future[Bits]]] = deque()
@@ -442,3 +507,93 @@ class Subscriber:
 
 def _bind(fn: Callable[[pb.Tensor, int, int, int], Bits], t: pb.Tensor, idx: int, off: int, length: int) -> Callable[[], Bits]:
     return lambda: fn(t, idx, off, length)
+
+
+@dataclass
+class _Request:
+    """One tensor the caller asked for: the whole logical tensor, or a region of it."""
+
+    dtype: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    parts: list[pb.Tensor]  # manifest entries that may hold some of it
+
+
+def _logical_shape(t: pb.Tensor) -> tuple[int, ...]:
+    return tuple(t.full_shape) if t.full_shape else tuple(t.shape)
+
+
+def _select(
+    info: ManifestInfo, tensors: Iterable[str] | None, regions: Mapping[str, Region] | None
+) -> tuple[Want | None, dict[str, _Request]]:
+    groups: dict[str, list[pb.Tensor]] = {}
+    for t in info.pb.tensors:
+        groups.setdefault(t.name, []).append(t)
+
+    def parts_of(name: str) -> list[pb.Tensor]:
+        parts = groups.get(name)
+        if parts is None:
+            raise UsageError(f"version {info.version} has no tensor {name!r}")
+        return parts
+
+    requests: dict[str, _Request] = {}
+    if tensors is None and regions is None:
+        for name, parts in groups.items():
+            shape = _logical_shape(parts[0])
+            requests[name] = _Request(parts[0].dtype, (0,) * len(shape), shape, parts)
+        return None, requests
+    want: dict[str, set[int]] = {}
+    for name in tensors or ():
+        parts = parts_of(name)
+        shape = _logical_shape(parts[0])
+        requests[name] = _Request(parts[0].dtype, (0,) * len(shape), shape, parts)
+        for t in parts:
+            want.setdefault(key_of(t), set()).update(range(len(t.chunks)))
+    for name, region in (regions or {}).items():
+        if name in requests:
+            raise UsageError(f"tensor {name!r} is asked for both whole and as a region")
+        parts = parts_of(name)
+        offsets, shape = tuple(region.offsets), tuple(region.shape)
+        check_region(_logical_shape(parts[0]), offsets, shape)
+        requests[name] = _Request(parts[0].dtype, offsets, shape, parts)
+        itemsize = dtypes.itemsize(parts[0].dtype)
+        for t in parts:
+            e_off = tuple(t.slice_offsets) or (0,) * len(t.shape)
+            inter = intersect(e_off, tuple(t.shape), offsets, shape)
+            if inter is None or not t.chunks:
+                continue
+            start, end = byte_span(e_off, tuple(t.shape), inter[0], inter[1], itemsize)
+            step = info.codec.chunk_step(dtypes.element_width(t.dtype))
+            want.setdefault(key_of(t), set()).update(range(start // step, (end - 1) // step + 1))
+    return {key: sorted(idx) for key, idx in want.items()}, requests
+
+
+def _assemble(req: _Request, out: dict[str, Bits]) -> torch.Tensor:
+    only = req.parts[0]
+    if len(req.parts) == 1 and not only.full_shape and req.shape == tuple(only.shape):
+        return bits_to_tensor(out[key_of(only)], req.dtype, req.shape)  # the entry itself, no copy
+    itemsize = dtypes.itemsize(req.dtype)
+    buf = np.zeros(math.prod(req.shape) * itemsize, dtype=np.uint8)
+    for t in req.parts:
+        e_off = tuple(t.slice_offsets) or (0,) * len(t.shape)
+        inter = intersect(e_off, tuple(t.shape), req.offsets, req.shape)
+        if inter is not None:
+            copy_region(out[key_of(t)], e_off, tuple(t.shape), buf, req.offsets, req.shape, inter[0], inter[1], itemsize)
+    return bits_to_tensor(buf, req.dtype, req.shape)
+
+
+def _first_of_each_name(info: ManifestInfo) -> list[pb.Tensor]:
+    seen: dict[str, pb.Tensor] = {}
+    for t in info.pb.tensors:
+        seen.setdefault(t.name, t)
+    return list(seen.values())
+
+
+def _library_layout(info: ManifestInfo) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header of a version published from a state dict, and each tensor's
+    data offset in it (sliced tensors appear once, whole, in their logical shape)."""
+    firsts = _first_of_each_name(info)
+    header, offsets = build_header([
+        (t.name, t.dtype, _logical_shape(t), math.prod(_logical_shape(t)) * dtypes.itemsize(t.dtype)) for t in firsts
+    ])
+    return header, {t.name: o for t, o in zip(firsts, offsets, strict=True)}

@@ -60,7 +60,7 @@ class Chunk(_message.Message):
     def __init__(self, pack: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., base_digest: _Optional[bytes] = ..., target_digest: _Optional[bytes] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes", "file", "data_offset", "chunks")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "file", "data_offset", "chunks", "full_shape", "slice_offsets")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,8 @@ class Tensor(_message.Message):
     FILE_FIELD_NUMBER: _ClassVar[int]
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FULL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SLICE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +77,9 @@ class Tensor(_message.Message):
     file: str
     data_offset: int
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., file: _Optional[str] = ..., data_offset: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+    full_shape: _containers.RepeatedScalarFieldContainer[int]
+    slice_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., file: _Optional[str] = ..., data_offset: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., full_shape: _Optional[_Iterable[int]] = ..., slice_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class File(_message.Message):
     __slots__ = ("path", "kind", "size", "digest", "header", "blob_parts")
@@ -110,7 +114,7 @@ class Pack(_message.Message):
     def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("format", "version", "kind", "parent", "has_parent", "snapshot", "codec", "files", "tensors", "packs", "version_digest", "raw_bytes", "stored_bytes", "created_unix", "metadata", "signature")
+    __slots__ = ("format", "version", "kind", "parent", "has_parent", "snapshot", "codec", "files", "tensors", "packs", "version_digest", "raw_bytes", "stored_bytes", "created_unix", "metadata", "signature", "signing_key_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +138,7 @@ class Manifest(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNING_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     format: int
     version: int
     kind: VersionKind
@@ -150,4 +155,5 @@ class Manifest(_message.Message):
     created_unix: float
     metadata: _containers.ScalarMap[str, str]
     signature: bytes
-    def __init__(self, format: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[_Union[VersionKind, str]] = ..., parent: _Optional[int] = ..., has_parent: _Optional[bool] = ..., snapshot: _Optional[int] = ..., codec: _Optional[_Union[CodecSpec, _Mapping]] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., packs: _Optional[_Iterable[_Union[Pack, _Mapping]]] = ..., version_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    signing_key_id: bytes
+    def __init__(self, format: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[_Union[VersionKind, str]] = ..., parent: _Optional[int] = ..., has_parent: _Optional[bool] = ..., snapshot: _Optional[int] = ..., codec: _Optional[_Union[CodecSpec, _Mapping]] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., packs: _Optional[_Iterable[_Union[Pack, _Mapping]]] = ..., version_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., signature: _Optional[bytes] = ..., signing_key_id: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,270 @@
+"""``deltasync gc``: retention of versions and collection of unreferenced objects.
+
+**What is kept.** Retained versions are the last ``keep_last``, every version whose id is a
+multiple of ``keep_every`` (if given) and always the latest. Required versions are the
+retained ones plus every ancestor on each retained version's chain back to its nearest
+snapshot (:meth:`Repository.chain`), so every retained version stays pullable. Everything
+else is deleted. gc only ever deletes under ``manifests/``, ``packs/`` and ``blobs/`` (plus
+its own ``gc/pending.json``); ``refs/latest``, the marker and any other prefix are left alone.
+
+**Order.** Readers must never see a broken committed version, so:
+
+1. Manifests of unrequired versions go first, newest first. A delta's ancestors are older
+   than it, so at every instant each manifest still present has its whole chain present:
+   a concurrent ``log``/``verify``/pull sees a smaller repository, never a delta whose
+   snapshot is gone. A required version's chain is never touched.
+2. Then packs and blobs referenced by no remaining manifest. The manifest list is read
+   again just before each phase, so a version committed while gc runs keeps its chain and
+   its objects.
+
+**Orphans and publishers in flight.** A pack or blob that no manifest references is either
+left by a publisher that died before committing, or the upload of a publisher that has not
+committed *yet*. Stores have no modification times (local, memory and S3 all look alike
+here), so gc uses two phases: each run records the unreferenced objects it sees, with the
+time it first saw them, in ``gc/pending.json``; a later run deletes only those recorded at
+least ``grace_seconds`` earlier and still unreferenced. An orphan therefore needs two runs
+to go, even with a grace of 0. Objects that only versions deleted in this very run
+referenced were committed, not in flight, and go at once. The grace must be longer than
+the slowest publish (and than clock skew between the hosts running gc).
+
+Limit: packs and blobs are content-addressed and a publisher skips uploading an object that
+already exists. A publisher that reuses an object gc is deleting at that moment (one only
+deleted versions or a crashed publish referenced, e.g. a retried step reproducing the very
+packs of its crashed attempt) can commit a version that names a missing object, which
+``verify`` reports. Run gc when no publisher is retrying a crashed step, or keep the grace
+well above the time a retry takes.
+
+**Concurrent pulls.** A pull of a retained version reads only that version's chain (a plan
+from a locally held version walks back from the target and stops at the held version or
+the nearest snapshot, so it stays inside the chain), and gc never deletes those manifests
+or any object they reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
+from .manifest import ManifestInfo, manifest_key
+from .progress import human_bytes
+from .repository import Repository, blob_key
+from .storage import Store
+from .v1 import manifest_pb2 as pb
+
+PENDING = "gc/pending.json"
+DEFAULT_GRACE_SECONDS = 3600.0
+_COLLECTED = ("packs/", "blobs/")
+_OBJECT_KEY = re.compile(r"(packs/[0-9a-f]{32}\.pack|blobs/[0-9a-f]{32})")
+_DELETE_THREADS = 16
+
+
+@dataclass
+class GcReport:
+    """What a gc run kept and deleted (or, with ``dry_run``, would delete)."""
+
+    dry_run: bool
+    versions_kept: list[int] = field(default_factory=list)
+    versions_deleted: list[int] = field(default_factory=list)
+    packs_deleted: list[str] = field(default_factory=list)
+    blobs_deleted: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    pending: list[str] = field(default_factory=list)
+    """Unreferenced objects recorded (or still waiting) for a later run: maybe a publish in flight."""
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        verb = "would delete" if self.dry_run else "deleted"
+        line = (
+            f"{'gc (dry run)' if self.dry_run else 'gc'}: kept {len(self.versions_kept)} version(s), "
+            f"{verb} {len(self.versions_deleted)} version(s), {len(self.packs_deleted)} pack(s), "
+            f"{len(self.blobs_deleted)} blob(s), {human_bytes(self.bytes_freed)} "
+            f"{'to free' if self.dry_run else 'freed'}"
+        )
+        if self.pending:
+            line += f"; {len(self.pending)} unreferenced object(s) wait for the grace period"
+        return line
+
+
+def collect(
+    repo: str | Store | Repository,
+    *,
+    keep_last: int,
+    keep_every: int | None = None,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    dry_run: bool = False,
+    clock: Callable[[], float] = time.time,
+) -> GcReport:
+    """Delete versions outside the retention policy and objects nothing references.
+
+    ``keep_last`` (>= 1) newest versions, every version whose id is a multiple of
+    ``keep_every`` and the latest are kept, with the chains they need. Unreferenced objects
+    not freed by this run are deleted only once an earlier run recorded them at least
+    ``grace_seconds`` ago. ``clock`` gives the wall-clock time (seconds since the epoch).
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise UsageError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1):
+        raise UsageError(f"keep_every must be an integer >= 1, got {keep_every!r}")
+    if not isinstance(grace_seconds, int | float) or not math.isfinite(grace_seconds) or grace_seconds < 0:
+        raise UsageError(f"grace_seconds must be a finite number >= 0, got {grace_seconds!r}")
+    r = repo if isinstance(repo, Repository) else Repository(repo)
+    r.ensure_exists()
+    return _Collector(r, dry_run).run(keep_last, keep_every, float(grace_seconds), clock)
+
+
+class _Collector:
+    def __init__(self, repo: Repository, dry_run: bool) -> None:
+        self.repo = repo
+        self.store = repo.store
+        self.report = GcReport(dry_run=dry_run)
+        self.required: set[int] = set()
+        self.seen: set[int] = set()  # every version listed so far
+
+    def run(self, keep_last: int, keep_every: int | None, grace: float, clock: Callable[[], float]) -> GcReport:
+        report = self.report
+        versions = self.repo.versions()
+        self.seen.update(versions)
+        retained = set(versions[-keep_last:])
+        if keep_every is not None:
+            retained.update(v for v in versions if v % keep_every == 0)
+        # Nothing is deleted before every retained chain is known to be whole.
+        for v in sorted(retained):
+            self._require(v)
+        doomed = sorted(set(versions) - self.required, reverse=True)  # newest first: see module docstring
+
+        # Objects of the doomed versions, read before their manifests go.
+        freed_sizes: dict[str, int | None] = {}
+        for v in doomed:
+            try:
+                info = self.repo.manifest(v)
+            except CorruptObjectError as e:
+                report.notes.append(f"{e}; its objects are collected as orphans")
+                continue
+            freed_sizes.update(_references(info))
+
+        # Phase 1: manifests.
+        self._refresh()
+        doomed = [v for v in doomed if v not in self.required]
+        for v in doomed:
+            key = manifest_key(v)
+            report.bytes_freed += self._manifest_bytes(v)
+            if not report.dry_run:
+                self.store.delete(key)
+            report.versions_deleted.append(v)
+        deleted = set(doomed)
+
+        # Phase 2: objects. List them before the manifests: an object uploaded after this
+        # listing is not a candidate; one listed before is referenced by every manifest
+        # committed by the time the manifests are read below.
+        listed = [k for prefix in _COLLECTED for k in self.store.list(prefix) if _OBJECT_KEY.fullmatch(k)]
+        self._refresh()
+        referenced: set[str] = set()
+        for v in sorted(self.seen - deleted):
+            referenced.update(_references(self.repo.manifest(v)))
+        report.versions_kept = sorted(self.seen - deleted)
+
+        now = clock()
+        pending = self._load_pending()
+        to_delete: dict[str, int | None] = {}  # key -> size if known
+        new_pending: dict[str, float] = {}
+        for key in listed:
+            if key in referenced:
+                continue
+            if key in freed_sizes:
+                to_delete[key] = freed_sizes[key]
+                continue
+            first_seen = pending.get(key)
+            if first_seen is not None and now - first_seen >= grace:
+                to_delete[key] = None
+            else:
+                new_pending[key] = now if first_seen is None else first_seen
+        report.pending = sorted(new_pending)
+
+        for key, size in _map(lambda item: self._delete_object(*item), sorted(to_delete.items())):
+            if size is None:
+                continue  # already gone (another gc, or an abandoned publish cleaning up)
+            report.bytes_freed += size
+            (report.packs_deleted if key.startswith("packs/") else report.blobs_deleted).append(key)
+        if not report.dry_run and (new_pending or pending):
+            self._save_pending(new_pending)
+        return report
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _require(self, version: int) -> None:
+        for info in self.repo.chain(version):
+            self.required.add(info.version)
+
+    def _refresh(self) -> None:
+        """Keep the chains of versions committed since gc started (a publisher at work)."""
+        for v in self.repo.versions():
+            if v not in self.seen:
+                self.seen.add(v)
+                try:
+                    self._require(v)
+                except DeltasyncError:
+                    # Its chain already lacks a deleted manifest (committed on top of a
+                    # version gc deleted): nothing left to protect but its own objects.
+                    self.required.add(v)
+
+    def _manifest_bytes(self, version: int) -> int:
+        try:
+            return self.store.size(manifest_key(version))
+        except ObjectNotFoundError:
+            return 0
+
+    def _delete_object(self, key: str, size: int | None) -> tuple[str, int | None]:
+        try:
+            actual = self.store.size(key) if size is None else size
+        except ObjectNotFoundError:
+            return key, None
+        if not self.report.dry_run:
+            self.store.delete(key)
+        return key, actual
+
+    def _load_pending(self) -> dict[str, float]:
+        """Objects earlier runs saw unreferenced, with when first seen. Damage resets the clock."""
+        try:
+            raw = json.loads(self.store.get(PENDING))
+            objects = raw["objects"]
+            if raw.get("format") != 1 or not isinstance(objects, dict):
+                raise ValueError
+        except ObjectNotFoundError:
+            return {}
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            self.report.notes.append(f"{PENDING} was unreadable; unreferenced objects start a new grace period")
+            return {}
+        return {
+            k: float(t)
+            for k, t in objects.items()
+            if isinstance(k, str) and _OBJECT_KEY.fullmatch(k) and isinstance(t, int | float) and math.isfinite(t)
+        }
+
+    def _save_pending(self, pending: dict[str, float]) -> None:
+        if not pending:
+            self.store.delete(PENDING)
+            return
+        body = {"format": 1, "objects": dict(sorted(pending.items()))}
+        self.store.put(PENDING, json.dumps(body, indent=0).encode())
+
+
+def _references(info: ManifestInfo) -> dict[str, int | None]:
+    """Object keys a manifest names, with their size where the manifest records it (packs)."""
+    out: dict[str, int | None] = {p.key: p.size for p in info.pb.packs}
+    for f in info.pb.files:
+        if f.kind == pb.File.BLOB:
+            for part in f.blob_parts:
+                out[blob_key(part)] = None
+    return out
+
+
+def _map(fn: Callable[[tuple[str, int | None]], tuple[str, int | None]],
+         items: Iterable[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
+    with ThreadPoolExecutor(max_workers=_DELETE_THREADS, thread_name_prefix="deltasync-gc") as pool:
+        return list(pool.map(fn, items))

@@ -1,0 +1,176 @@
+"""Signed manifests: ed25519 keys on disk, signing on commit, verification on read.
+
+The signature covers the manifest serialized deterministically with its ``signature``
+field cleared (``signing_key_id`` included), so it binds every field a reader uses:
+files, tensors, chunk digests, packs, parent and version id. A signed manifest moved to
+another version's key is still refused, because its own ``version`` field disagrees.
+
+Keys are PEM files: PKCS8 for the private key (unencrypted, mode 0600), SubjectPublicKeyInfo
+for the public key. A key is named by its id, the first 8 bytes of the sha256 of the raw
+32-byte public key, which every signed manifest records; a reader may trust several keys
+at once, so a publisher can rotate keys without breaking subscribers that follow it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .errors import SignatureError, UsageError
+from .v1 import manifest_pb2 as pb
+
+KEY_ID_BYTES = 8
+SIGNATURE_BYTES = 64
+
+#: A private key, or the path of its PEM file.
+PrivateKeyLike: TypeAlias = "Ed25519PrivateKey | str | os.PathLike[str]"
+#: A public key, or the path of its PEM file.
+PublicKeyLike: TypeAlias = "Ed25519PublicKey | str | os.PathLike[str]"
+
+
+def key_id(public_key: Ed25519PublicKey) -> bytes:
+    """The id recorded in manifests signed by this key's private half."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).digest()[:KEY_ID_BYTES]
+
+
+# -- keys on disk --------------------------------------------------------------------------------
+
+
+def generate_keypair(prefix: str | os.PathLike[str]) -> tuple[Path, Path, bytes]:
+    """Write a new key pair to ``PREFIX.key`` (0600) and ``PREFIX.pub``; refuses to overwrite.
+
+    Returns (private key path, public key path, key id).
+    """
+    base = os.fspath(prefix)
+    key_path, pub_path = Path(base + ".key"), Path(base + ".pub")
+    for p in (key_path, pub_path):
+        if os.path.lexists(p):
+            raise UsageError(f"{p} already exists; refusing to overwrite a key")
+    private = Ed25519PrivateKey.generate()
+    key_pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    pub_pem = private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    _write_new(key_path, key_pem, 0o600)
+    try:
+        _write_new(pub_path, pub_pem, 0o644)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            key_path.unlink()
+        raise
+    return key_path, pub_path, key_id(private.public_key())
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise UsageError(f"{path} already exists; refusing to overwrite a key") from None
+    try:
+        os.fchmod(fd, mode)  # the umask must not widen or narrow what we asked for
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_pem(path: str | os.PathLike[str]) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read key {os.fspath(path)}: {e.strerror or e}") from None
+
+
+def load_signing_key(key: PrivateKeyLike) -> Ed25519PrivateKey:
+    """An ed25519 private key, or one read from a PEM (PKCS8, unencrypted) file."""
+    if isinstance(key, Ed25519PrivateKey):
+        return key
+    try:
+        loaded = serialization.load_pem_private_key(_read_pem(key), password=None)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{os.fspath(key)}: not an unencrypted PEM private key ({e})") from None
+    if not isinstance(loaded, Ed25519PrivateKey):
+        raise UsageError(f"{os.fspath(key)}: not an ed25519 private key")
+    return loaded
+
+
+def load_public_key(key: PublicKeyLike) -> Ed25519PublicKey:
+    """An ed25519 public key, or one read from a PEM (SubjectPublicKeyInfo) file."""
+    if isinstance(key, Ed25519PublicKey):
+        return key
+    pem = _read_pem(key)
+    if b"PRIVATE KEY" in pem:
+        raise UsageError(f"{os.fspath(key)}: is a private key; trust the public half (the .pub file)")
+    try:
+        loaded = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{os.fspath(key)}: not a PEM public key ({e})") from None
+    if not isinstance(loaded, Ed25519PublicKey):
+        raise UsageError(f"{os.fspath(key)}: not an ed25519 public key")
+    return loaded
+
+
+# -- signing and verifying -----------------------------------------------------------------------
+
+
+def signed_payload(manifest: pb.Manifest) -> bytes:
+    """The bytes a signature covers: the deterministic serialization without ``signature``."""
+    signature = manifest.signature
+    manifest.ClearField("signature")
+    try:
+        return manifest.SerializeToString(deterministic=True)
+    finally:
+        if signature:
+            manifest.signature = signature
+
+
+def sign_manifest(manifest: pb.Manifest, key: Ed25519PrivateKey) -> None:
+    """Set ``signing_key_id`` and ``signature`` of ``manifest`` in place."""
+    manifest.signing_key_id = key_id(key.public_key())
+    manifest.ClearField("signature")
+    manifest.signature = key.sign(signed_payload(manifest))
+
+
+@dataclass(frozen=True)
+class TrustedKeys:
+    """The public keys a reader accepts manifests from, by key id (several: key rotation)."""
+
+    keys: Mapping[bytes, Ed25519PublicKey]
+
+    @classmethod
+    def of(cls, keys: PublicKeyLike | Iterable[PublicKeyLike]) -> TrustedKeys:
+        one = isinstance(keys, (Ed25519PublicKey, str, os.PathLike))
+        items: Iterable[PublicKeyLike] = [keys] if one else keys  # type: ignore[list-item,assignment]
+        loaded = [load_public_key(k) for k in items]
+        return cls({key_id(k): k for k in loaded})
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def verify(self, manifest: pb.Manifest, version: int) -> None:
+        """Raise SignatureError unless ``manifest`` is signed by one of these keys."""
+        if not manifest.signature:
+            raise SignatureError(version, "unsigned manifest (a trusted key is configured)")
+        kid = manifest.signing_key_id
+        public = self.keys.get(kid)
+        if public is None:
+            shown = kid[:32].hex() or "(none)"
+            raise SignatureError(version, f"signed by unknown key {shown}")
+        if len(manifest.signature) != SIGNATURE_BYTES:
+            raise SignatureError(version, "signature does not verify")
+        try:
+            public.verify(manifest.signature, signed_payload(manifest))
+        except InvalidSignature:
+            raise SignatureError(version, "signature does not verify") from None

@@ -1,0 +1,65 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetRequest(_message.Message):
+    __slots__ = ("key", "offset", "length", "has_range")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HAS_RANGE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    length: int
+    has_range: bool
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., has_range: _Optional[bool] = ...) -> None: ...
+
+class GetChunk(_message.Message):
+    __slots__ = ("data", "object_size")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    object_size: int
+    def __init__(self, data: _Optional[bytes] = ..., object_size: _Optional[int] = ...) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class StatResponse(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("after_version",)
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    after_version: int
+    def __init__(self, after_version: _Optional[int] = ...) -> None: ...
+
+class VersionEvent(_message.Message):
+    __slots__ = ("version", "latest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    latest: int
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ...) -> None: ...
