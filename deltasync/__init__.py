@@ -13,8 +13,10 @@ from .errors import (
     VersionConflictError,
     VersionNotFoundError,
 )
+from .distributed import DistributedPublisher, DistributedPublishError
 from .publisher import Publisher, PublisherConfig, PublishResult
 from .repository import Repository
+from .slices import Region, Slice
 from .subscriber import Subscriber
 
 __version__ = "0.1.0"
@@ -24,12 +26,16 @@ __all__ = [
     "ChecksumMismatchError",
     "CorruptObjectError",
     "DeltasyncError",
+    "DistributedPublishError",
+    "DistributedPublisher",
     "PlanesZstdCodec",
     "PublishResult",
     "Publisher",
     "PublisherConfig",
+    "Region",
     "Repository",
     "RepositoryNotFoundError",
+    "Slice",
     "Subscriber",
     "UsageError",
     "VersionConflictError",

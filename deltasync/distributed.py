@@ -1,0 +1,262 @@
+"""Many trainer ranks, one version.
+
+Under torch.distributed each rank holds part of the state: whole tensors, or slices of
+tensors (``deltasync.Slice``) as FSDP and tensor parallelism produce them. Every rank
+encodes and uploads its own chunks in parallel against its own previous bits; rank 0
+commits the one manifest once every rank's packs are durable. A rank that fails makes the
+version fail on every rank: nothing is committed, each rank abandons what it uploaded, and
+every rank raises the same error, so the next attempt (a snapshot) starts clean.
+
+Coordination uses small object collectives on a gloo group of its own, with its own
+timeout, so a rank that dies surfaces as an error after ``timeout`` seconds, not a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from . import dtypes
+from .errors import DeltasyncError, UsageError
+from .publisher import Publisher, PublisherConfig, PublishResult, _array_reader, _Encoded, _SourceTensor
+from .repository import Repository
+from .slices import Slice
+from .storage import Store
+from .tensors import tensor_bits
+from .v1 import manifest_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+
+class DistributedPublishError(DeltasyncError):
+    """Publishing failed on some rank; nothing was committed."""
+
+    def __init__(self, version: int | None, failures: dict[int, str]) -> None:
+        first = min(failures)
+        where = f"version {version}" if version is not None else "publish"
+        more = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+        super().__init__(f"{where} failed on rank {first}: {failures[first]}{more}; nothing was committed")
+        self.version = version
+        self.failures = failures
+
+
+@dataclass
+class _Decision:
+    version: int = 0
+    parent: int | None = None
+    delta: bool = False
+    limit: int | None = None
+    owners: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+
+class DistributedPublisher:
+    """Publish one version from every rank of a torch.distributed job.
+
+    >>> pub = DistributedPublisher("s3://bucket/run-7")       # on every rank
+    >>> v = pub.publish({"layers.0.w": Slice(local, offsets=(rank * 1024, 0), full_shape=(4096, 4096))})
+
+    All ranks must call ``publish`` together. A tensor held whole by several ranks (a
+    replicated norm, say) is encoded once, by the lowest rank holding it.
+    """
+
+    def __init__(
+        self,
+        repo: str | Store | Repository,
+        config: PublisherConfig | None = None,
+        *,
+        group: Any = None,
+        timeout: float = 600.0,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise UsageError("DistributedPublisher needs an initialised torch.distributed process group")
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        # Our own gloo group: object collectives work on any backend's ranks, and the timeout is ours.
+        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self._pub = Publisher(repo, config)
+        self.last_result: PublishResult | None = None  # set on rank 0 after each commit
+
+    @property
+    def repo(self) -> Repository:
+        return self._pub.repo
+
+    # -- collectives (every failure becomes a DeltasyncError) ----------------------------------
+
+    def _all_gather(self, obj: object) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:
+            raise DeltasyncError(f"rank group failed during publish (a rank died or timed out): {e}") from None
+        return out
+
+    def _broadcast(self, obj: object) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        except RuntimeError as e:
+            raise DeltasyncError(f"rank group failed during publish (a rank died or timed out): {e}") from None
+        return box[0]
+
+    # -- publish -------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        state: Mapping[str, torch.Tensor | Slice],
+        *,
+        version: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> int:
+        """Commit this rank's part of ``state`` with every other rank's; returns the version id."""
+        start = time.monotonic()
+        sources: list[_SourceTensor] = []
+        error: str | None = None
+        try:
+            sources = _sources(state)
+        except Exception as e:
+            error = str(e)
+        metas = self._all_gather({"keys": [s.key for s in sources], "base": self._pub._bits_version, "error": error})
+        failures = {r: m["error"] for r, m in enumerate(metas) if m["error"]}
+        if failures:
+            raise DistributedPublishError(version, failures)
+
+        decision = self._decide(metas, version) if self.rank == 0 else None
+        decision = self._broadcast(decision)
+        assert isinstance(decision, _Decision)
+        if decision.error:
+            raise DistributedPublishError(version, {0: decision.error})
+        mine = [s for s in sources if decision.owners.get(s.key) == self.rank]
+
+        self._pub._bits_version = None  # the in-memory base is rewritten in place below
+        delta = decision.delta
+        while True:
+            new_bits: dict[str, Any] = {}
+            encoded, error = self._encode_mine(mine, decision, delta, new_bits)
+            results = self._all_gather(_wire(encoded, error))
+            outcome = self._finish(results, decision, delta, metadata, start) if self.rank == 0 else None
+            outcome = self._broadcast(outcome)
+            if outcome == "snapshot":
+                if encoded is not None:
+                    self._pub._abandon(encoded)
+                delta = False  # the delta came out larger than a snapshot's worth: store a snapshot
+                continue
+            if isinstance(outcome, int):
+                self._pub._bits = new_bits
+                self._pub._bits_version = outcome
+                self.last_result = self._pub.last_result
+                return outcome
+            if encoded is not None:
+                self._pub._abandon(encoded)
+            assert isinstance(outcome, dict)
+            raise DistributedPublishError(decision.version, outcome)
+
+    def _decide(self, metas: list[dict[str, Any]], version: int | None) -> _Decision:
+        try:
+            repo = self._pub.repo
+            repo.create()
+            latest = repo.latest()
+            if version is None:
+                version = (latest or 0) + 1
+            elif version < 1 or (latest is not None and version <= latest):
+                raise UsageError(f"version {version} is not newer than the latest version {latest}")
+            owners: dict[str, int] = {}
+            for r, m in enumerate(metas):
+                for key in m["keys"]:
+                    owners.setdefault(key, r)
+            decision = _Decision(version=version, parent=latest, owners=owners)
+            if latest is not None and all(m["base"] == latest for m in metas):
+                chain = repo.chain(latest)
+                if len(chain) < self._pub.config.snapshot_every:
+                    decision.delta = True
+                    decision.limit = int(self._pub.config.max_delta_fraction * chain[0].pb.stored_bytes)
+            return decision
+        except DeltasyncError as e:
+            return _Decision(error=str(e))
+
+    def _encode_mine(
+        self, mine: list[_SourceTensor], decision: _Decision, delta: bool, new_bits: dict[str, Any]
+    ) -> tuple[_Encoded | None, str | None]:
+        try:
+            bases = self._pub._memory_bases(decision.parent) if delta else {}
+            encoded = self._pub._encode(
+                mine, [], bases, new_bits, self._pub._bits, None, f"publish v{decision.version} rank {self.rank}"
+            )
+            return encoded, None
+        except Exception as e:
+            return None, f"{type(e).__name__}: {e}" if not isinstance(e, DeltasyncError) else str(e)
+
+    def _finish(
+        self,
+        results: list[dict[str, Any]],
+        decision: _Decision,
+        delta: bool,
+        metadata: Mapping[str, str] | None,
+        start: float,
+    ) -> int | str | dict[int, str]:
+        failures = {r: res["error"] for r, res in enumerate(results) if res["error"]}
+        if failures:
+            return failures
+        stored = sum(res["stored"] for res in results)
+        if delta and decision.limit is not None and stored > decision.limit:
+            return "snapshot"
+        tensors: list[pb.Tensor] = []
+        packs: list[pb.Pack] = []
+        for res in results:
+            base_index = len(packs)
+            packs.extend(pb.Pack(key=k, size=s) for k, s in res["packs"])
+            for raw in res["tensors"]:
+                t = pb.Tensor.FromString(raw)
+                for c in t.chunks:
+                    if c.length:
+                        c.pack += base_index
+                tensors.append(t)
+        merged = _Encoded(tensors, packs, stored, sum(res["raw"] for res in results), set())
+        try:
+            result = self._pub._commit(decision.version, decision.parent, not delta, [], merged, 0, metadata, start)
+        except DeltasyncError as e:
+            return {0: str(e)}
+        return result.version
+
+
+def _wire(encoded: _Encoded | None, error: str | None) -> dict[str, Any]:
+    if encoded is None:
+        return {"error": error or "unknown failure", "tensors": [], "packs": [], "stored": 0, "raw": 0}
+    return {
+        "error": None,
+        "tensors": [t.SerializeToString() for t in encoded.tensors],
+        "packs": [(p.key, p.size) for p in encoded.packs],
+        "stored": encoded.stored,
+        "raw": encoded.raw,
+    }
+
+
+def _sources(state: Mapping[str, torch.Tensor | Slice]) -> list[_SourceTensor]:
+    out: list[_SourceTensor] = []
+    for name, value in state.items():
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"state keys must be non-empty strings, got {name!r}")
+        if isinstance(value, Slice):
+            t, offsets, full = value.tensor, tuple(value.offsets), tuple(value.full_shape)
+            if not full:
+                raise UsageError(f"slice of {name!r} needs a full_shape with at least one dimension")
+        else:
+            t, offsets, full = value, (), ()
+        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
+            raise UsageError(f"state[{name!r}] is not a tensor")
+        bits = tensor_bits(t)
+        out.append(_SourceTensor(
+            name, dtypes.from_torch(t.dtype), tuple(t.shape), bits.nbytes, "", 0, _array_reader(bits), offsets, full
+        ))
+    return out
