@@ -51,6 +51,10 @@ repo_option = click.option("--repo", required=True, metavar="URL", help="Reposit
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 workers_option = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
                               help="Threads for encoding/decoding (0: one per core).")
+trusted_key_option = click.option(
+    "--trusted-key", "trusted_keys", multiple=True, type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
+    help="Refuse versions not signed by this ed25519 public key (PEM, see keygen; repeatable for key rotation).",
+)
 
 
 @cli.command()
@@ -68,12 +72,14 @@ workers_option = click.option("--workers", type=click.IntRange(min=0), default=0
 @click.option("--chunk-mib", type=click.FloatRange(min=0.001, max=1024), default=4.0, show_default=True)
 @click.option("--zstd-level", type=click.IntRange(1, 22), default=3, show_default=True)
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Producer metadata (repeatable).")
+@click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Sign the manifest with this ed25519 private key (PEM, see keygen).")
 @workers_option
 @quiet_option
 def publish(
     checkpoint: Path, repo: str, base_dir: Path | None, cache_dir: Path | None, no_cache: bool,
     version: int | None, snapshot_every: int, max_delta_fraction: float, chunk_mib: float,
-    zstd_level: int, meta: tuple[str, ...], workers: int, quiet: bool,
+    zstd_level: int, meta: tuple[str, ...], signing_key: Path | None, workers: int, quiet: bool,
 ) -> None:
     """Publish a checkpoint directory (safetensors, single or sharded) as a new version."""
     from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
@@ -84,7 +90,7 @@ def publish(
         workers=workers, snapshot_every=snapshot_every, max_delta_fraction=max_delta_fraction,
         progress=_progress(quiet),
     )
-    pub = Publisher(repo, config)
+    pub = Publisher(repo, config, signing_key=signing_key)
     cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
     pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta))
     r = pub.last_result
@@ -99,11 +105,12 @@ def publish(
 @cli.command()
 @repo_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
-def log(repo: str, as_json: bool) -> None:
+@trusted_key_option
+def log(repo: str, as_json: bool, trusted_keys: tuple[Path, ...]) -> None:
     """List versions: id, kind, parent, raw size, stored size, ratio, time."""
     from deltasync import Repository
 
-    r = Repository(repo)
+    r = Repository(repo, trusted_keys=trusted_keys)
     r.ensure_exists()
     rows: list[dict[str, Any]] = []
     for v in r.versions():
@@ -135,13 +142,14 @@ def log(repo: str, as_json: bool) -> None:
 @repo_option
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to bring to the version.")
 @click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
+@trusted_key_option
 @workers_option
 @quiet_option
-def pull(repo: str, out: Path, version: int | None, workers: int, quiet: bool) -> None:
+def pull(repo: str, out: Path, version: int | None, trusted_keys: tuple[Path, ...], workers: int, quiet: bool) -> None:
     """Rebuild a version into a directory, byte for byte, verifying every chunk."""
     from deltasync import Subscriber
 
-    sub = Subscriber(repo, workers=workers, progress=_progress(quiet))
+    sub = Subscriber(repo, workers=workers, progress=_progress(quiet), trusted_keys=trusted_keys)
     start = time.monotonic()
     v = sub.pull_to_dir(out, version)
     plan = sub.last_plan
@@ -154,13 +162,16 @@ def pull(repo: str, out: Path, version: int | None, workers: int, quiet: bool) -
 @repo_option
 @click.option("--version", "version", type=click.IntRange(min=1), default=None,
               help="Verify one version [default: every version].")
+@trusted_key_option
 @workers_option
 @quiet_option
-def verify(repo: str, version: int | None, workers: int, quiet: bool) -> None:
+def verify(repo: str, version: int | None, trusted_keys: tuple[Path, ...], workers: int, quiet: bool) -> None:
     """Check every object, digest and chain of the repository."""
+    from deltasync import Repository
     from deltasync.verify import verify_repository
 
-    report = verify_repository(repo, version=version, workers=workers, progress=_progress(quiet))
+    r = Repository(repo, trusted_keys=trusted_keys)
+    report = verify_repository(r, version=version, workers=workers, progress=_progress(quiet))
     for line in report.notes:
         click.echo(f"note: {line}")
     click.echo(
@@ -172,12 +183,67 @@ def verify(repo: str, version: int | None, workers: int, quiet: bool) -> None:
 @cli.command()
 @repo_option
 @click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
-def inspect(repo: str, version: int | None) -> None:
+@trusted_key_option
+def inspect(repo: str, version: int | None, trusted_keys: tuple[Path, ...]) -> None:
     """Describe one version: lineage, codec, files, tensors and how their chunks are encoded."""
+    from deltasync import Repository
     from deltasync.inspect import describe_version
 
-    for line in describe_version(repo, version):
+    for line in describe_version(Repository(repo, trusted_keys=trusted_keys), version):
         click.echo(line)
+
+
+@cli.command()
+@click.option("--out", "prefix", required=True, metavar="PREFIX",
+              help="Write PREFIX.key (private, mode 0600) and PREFIX.pub (public); never overwrites.")
+def keygen(prefix: str) -> None:
+    """Create an ed25519 key pair: publish --signing-key PREFIX.key, pull --trusted-key PREFIX.pub."""
+    from deltasync.signing import generate_keypair
+
+    key, pub, kid = generate_keypair(prefix)
+    click.echo(f"wrote {key} (private: keep it with the publisher) and {pub} (public: for subscribers), key id {kid.hex()}")
+
+
+@cli.command()
+@repo_option
+@click.option("--keep-last", type=int, required=True, metavar="N", help="Keep the N newest versions (N >= 1).")
+@click.option("--keep-every", type=int, default=None, metavar="M", help="Also keep every version whose id is a multiple of M.")
+@click.option("--grace", type=float, default=3600.0, show_default=True, metavar="SECONDS",
+              help="Delete unreferenced objects (maybe a publish in flight) only once an earlier gc saw them this long ago.")
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+def gc(repo: str, keep_last: int, keep_every: int | None, grace: float, dry_run: bool) -> None:
+    """Delete old versions (keeping the chains retained versions need) and unreferenced packs and blobs."""
+    from deltasync.gc import collect
+
+    report = collect(repo, keep_last=keep_last, keep_every=keep_every, grace_seconds=grace, dry_run=dry_run)
+    click.echo(report.summary())
+
+
+@cli.command()
+@click.option("--repo", required=True, metavar="URL",
+              help="Upstream repository: a path, file://, s3://bucket/prefix, or grpc://host:port of another relay.")
+@click.option("--listen", required=True, metavar="HOST:PORT", help="Address to serve on (port 0: any free port).")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path), default=None,
+              help="Cache directory (LMDB index + object files), kept across restarts [default: a temporary one].")
+@click.option("--cache-max-bytes", default=None, metavar="SIZE",
+              help="Evict least recently used objects beyond this size, e.g. 500G [default: no limit].")
+@click.option("--poll-interval", type=click.FloatRange(0.01, 60), default=0.5, show_default=True, metavar="SECONDS",
+              help="How often the upstream is checked for a new version.")
+def serve(repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float) -> None:
+    """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
+    import logging
+
+    from deltasync.relay import build_server, parse_size, run_until_signalled
+
+    logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
+    limit = parse_size(cache_max_bytes) if cache_max_bytes is not None else None
+    server = build_server(repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval)
+
+    def ready() -> None:
+        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}); SIGTERM stops")
+
+    run_until_signalled(server, on_ready=ready)
+    click.echo("relay stopped")
 
 
 @cli.command()

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
+from .errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError, VersionNotFoundError
 from .manifest import ManifestInfo, manifest_key
 from .progress import human_bytes
 from .repository import Repository, blob_key
@@ -163,11 +163,14 @@ class _Collector:
         # listing is not a candidate; one listed before is referenced by every manifest
         # committed by the time the manifests are read below.
         listed = [k for prefix in _COLLECTED for k in self.store.list(prefix) if _OBJECT_KEY.fullmatch(k)]
-        self._refresh()
+        remaining = sorted(set(self._refresh()) - deleted)
         referenced: set[str] = set()
-        for v in sorted(self.seen - deleted):
-            referenced.update(_references(self.repo.manifest(v)))
-        report.versions_kept = sorted(self.seen - deleted)
+        for v in remaining:
+            try:
+                referenced.update(_references(self.repo.manifest(v)))
+            except VersionNotFoundError:
+                continue  # deleted meanwhile (another gc): what it named is no longer needed
+        report.versions_kept = remaining
 
         now = clock()
         pending = self._load_pending()
@@ -201,9 +204,10 @@ class _Collector:
         for info in self.repo.chain(version):
             self.required.add(info.version)
 
-    def _refresh(self) -> None:
-        """Keep the chains of versions committed since gc started (a publisher at work)."""
-        for v in self.repo.versions():
+    def _refresh(self) -> list[int]:
+        """The versions now committed; keeps the chains of those committed since gc started."""
+        versions = self.repo.versions()
+        for v in versions:
             if v not in self.seen:
                 self.seen.add(v)
                 try:
@@ -212,6 +216,7 @@ class _Collector:
                     # Its chain already lacks a deleted manifest (committed on top of a
                     # version gc deleted): nothing left to protect but its own objects.
                     self.required.add(v)
+        return versions
 
     def _manifest_bytes(self, version: int) -> int:
         try:

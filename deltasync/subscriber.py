@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +29,15 @@ from . import dtypes
 from .checkpoint import FileReader, build_header
 from .codec import FULL, SAME, EncodedChunk
 from .digest import StreamDigest, digest
-from .errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
+from .errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    CorruptObjectError,
+    DeltasyncError,
+    ObjectNotFoundError,
+    UsageError,
+)
+from .fetch import PackFetcher
 from .manifest import ManifestInfo, check_relpath, key_of
 from .progress import Progress
 from .repository import Repository, open_repository
@@ -85,6 +94,7 @@ def install_staged(out: Path, staging: Path, info: ManifestInfo) -> None:
     """Move verified files from ``staging`` into ``out``; drop files the old version had."""
     old = read_local_state(out)
     new_files = _output_files(info)
+    _refuse_symlinks(out, [*new_files, *(old.files if old is not None else ())])
     if old is not None:
         # Drop the old version's extra files first, and the directories that leaves empty,
         # so that a path which is a directory in one version and a file in the other installs.
@@ -98,6 +108,20 @@ def install_staged(out: Path, staging: Path, info: ManifestInfo) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / rel, dest)
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def _refuse_symlinks(out: Path, rels: list[str]) -> None:
+    """Refuse to write or delete through a directory symlink inside ``out``: it could point
+    anywhere. (A symlink in place of a file is replaced by the file, never followed.)"""
+    seen: set[str] = set()
+    for rel in rels:
+        parts = rel.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            d = "/".join(parts[:i])
+            if d not in seen:
+                seen.add(d)
+                if (out / d).is_symlink():
+                    raise CheckpointError(str(out / d), "is a symbolic link; deltasync does not write through links")
 
 
 def _prune_empty_dirs(out: Path, d: Path) -> None:
@@ -410,6 +434,17 @@ class Subscriber:
 
         progress = Progress(f"pull v{info.version}", info.pb.raw_bytes, enabled=self.progress)
         codec = info.codec
+        fetcher = PackFetcher(self.repo.store)
+        for t in info.pb.tensors:
+            key = key_of(t)
+            for idx in _wanted(want, key, len(t.chunks)):
+                for step_info, c in chain.steps(key, idx, plan.base)[0]:
+                    if c.encoding != SAME:
+                        fetcher.expect(step_info.pb.packs[c.pack].key, step_info.pb.packs[c.pack].size, c.length)
+        # I/O threads may outnumber cores (remote stores want many requests in flight); the
+        # semaphore keeps decoding to one thread per worker.
+        cpu = threading.Semaphore(self.workers)
+        threads = max(self.workers, self.repo.store.io_concurrency)
 
         def job(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
             bits = materialise(t, idx, off, length)
@@ -435,7 +470,7 @@ class Subscriber:
                             base, steps = held, inc
             if steps is None:
                 steps, _ = full_chain().steps(key, idx, None)
-            return self._apply(t, idx, length, width, base, steps)
+            return self._apply(t, idx, length, width, base, steps, fetcher, cpu)
 
         def jobs() -> Iterator[tuple[pb.Tensor, int, Callable[[], Bits]]]:
             for t in info.pb.tensors:
@@ -446,11 +481,11 @@ class Subscriber:
                     yield t, off, _bind(job, t, idx, off, length)
 
         window: deque[tuple[pb.Tensor, int, Future[Bits]]] = deque()
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="deltasync-pull") as pool:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltasync-pull") as pool:
             try:
                 for t, off, fn in jobs():
                     window.append((t, off, pool.submit(fn)))
-                    if len(window) >= 2 * self.workers:
+                    if len(window) >= 2 * threads:
                         wt, woff, fut = window.popleft()
                         data = fut.result()
                         sink(wt, woff, data)
@@ -474,21 +509,43 @@ class Subscriber:
         width: int,
         base: Bits | None,
         steps: list[tuple[ManifestInfo, pb.Chunk]],
+        fetcher: PackFetcher,
+        cpu: threading.Semaphore,
     ) -> Bits:
-        bits = base
-        for info, c in reversed(steps):  # oldest first
+        payloads: list[bytes] = []
+        for info, c in reversed(steps):  # oldest first; all I/O before taking a CPU slot
             if c.encoding == SAME:
-                continue  # bits are unchanged; the digest below still checks the final result
+                payloads.append(b"")
+                continue
             pack = info.pb.packs[c.pack]
-            where = f"version {info.version}, tensor {t.name!r}, chunk {idx} (pack {pack.key})"
             try:
-                payload = self.repo.store.get(pack.key, (c.offset, c.length))
-                bits = info.codec.decode(EncodedChunk(c.encoding, payload), bits, width, length)
+                payloads.append(fetcher.get(pack.key, c.offset, c.length))
             except CorruptObjectError as e:
-                raise CorruptObjectError(where, e.detail) from None
+                raise CorruptObjectError(_where(info, t, idx, pack.key), e.detail) from None
             except ObjectNotFoundError:
                 # A committed version names this pack: its absence is damage, as verify reports it.
-                raise CorruptObjectError(where, "pack is missing") from None
+                raise CorruptObjectError(_where(info, t, idx, pack.key), "pack is missing") from None
+        with cpu:
+            return self._decode_steps(t, idx, length, width, base, steps, payloads)
+
+    def _decode_steps(
+        self,
+        t: pb.Tensor,
+        idx: int,
+        length: int,
+        width: int,
+        base: Bits | None,
+        steps: list[tuple[ManifestInfo, pb.Chunk]],
+        payloads: list[bytes],
+    ) -> Bits:
+        bits = base
+        for (info, c), payload in zip(reversed(steps), payloads, strict=True):
+            if c.encoding == SAME:
+                continue  # bits are unchanged; the digest below still checks the final result
+            try:
+                bits = info.codec.decode(EncodedChunk(c.encoding, payload), bits, width, length)
+            except CorruptObjectError as e:
+                raise CorruptObjectError(_where(info, t, idx, info.pb.packs[c.pack].key), e.detail) from None
             actual = digest(bits)
             if actual != c.target_digest:
                 raise ChecksumMismatchError(
@@ -503,6 +560,10 @@ class Subscriber:
                 version=steps[0][0].version, tensor=t.name, chunk=idx, expected=final.hex(), actual=digest(bits).hex()
             )
         return bits
+
+
+def _where(info: ManifestInfo, t: pb.Tensor, idx: int, pack_key: str) -> str:
+    return f"version {info.version}, tensor {t.name!r}, chunk {idx} (pack {pack_key})"
 
 
 def _bind(fn: Callable[[pb.Tensor, int, int, int], Bits], t: pb.Tensor, idx: int, off: int, length: int) -> Callable[[], Bits]:

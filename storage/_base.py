@@ -30,6 +30,8 @@ class Store(ABC):
 
     #: URL this store was opened from (for messages).
     url: str = ""
+    #: Requests worth keeping in flight at once (readers size their I/O threads by it).
+    io_concurrency: int = 4
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.

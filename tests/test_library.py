@@ -340,7 +340,7 @@ def test_tensors_added_removed_reshaped_retyped(repo_url: str) -> None:
         pub.publish(s)
     repo = Repository(repo_url)
     assert "".join(kind(repo, v) for v in repo.versions()) == "SDD"
-    t2 = repo.manifest(2).tensors_by_name()
+    t2 = repo.manifest(2).entries()
     assert "removed" not in t2
     assert all(c.encoding == SAME for c in t2["kept"].chunks)
     for name in ("added", "resized", "retyped_other_width"):  # nothing to diff against: full
@@ -497,7 +497,7 @@ def test_changing_chunk_size_between_versions(repo_url: str, tmp_path: Path) -> 
     v2 = pub.publish_dir(tmp_path / "c2", base_dir=tmp_path / "c1")
     info = Repository(repo_url).manifest(v2)
     assert not info.is_snapshot  # "small" is one chunk either way: still a delta
-    tensors = info.tensors_by_name()
+    tensors = info.entries()
     assert {c.encoding for c in tensors["w"].chunks} == {FULL}
     assert FULL not in {c.encoding for c in tensors["small"].chunks}
     # Library versions too: a Publisher with another chunk size starts over.
