@@ -19,7 +19,8 @@ from .storage import Store
 class _Usage:
     size: int
     needed: int = 0
-    readers: int = 0
+    readers: int = 0  # expected reads still to come
+    expected: int = 0  # expected reads in all
 
 
 class PackFetcher:
@@ -44,10 +45,11 @@ class PackFetcher:
             u = self._usage[key] = _Usage(pack_size)
         u.needed += length
         u.readers += 1
+        u.expected += 1
 
     def _whole(self, key: str) -> bool:
         u = self._usage.get(key)
-        return u is not None and u.readers > 1 and u.needed >= self.whole_fraction * u.size and u.size <= self.max_cached
+        return u is not None and u.expected > 1 and u.needed >= self.whole_fraction * u.size and u.size <= self.max_cached
 
     def get(self, key: str, offset: int, length: int) -> bytes:
         if not self._whole(key):
