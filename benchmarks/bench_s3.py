@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows: list[str] = []
         raw = 0
         versions: list[FlatModel] = []
-        for i, model in enumerate(synthetic_stream(layout, stats, args.deltas, seed=1)):
+        for model in synthetic_stream(layout, stats, args.deltas, seed=1):
             state = state_of(model)
             raw = model.nbytes
             t_enc = time.perf_counter()
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, up = counter.measure(lambda: client.put_object(Bucket=bucket, Key="single/blob", Body=blob))
         got, down = counter.measure(lambda: client.get_object(Bucket=bucket, Key="single/blob")["Body"].read())
         assert got == blob
-        del got, blob
+        got = b""
         print(f"\nmodel: {raw / 2**30:.2f} GiB bf16, {len(layout)} tensors")
         for line in rows:
             print(line)
