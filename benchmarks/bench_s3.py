@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_s3 [--size-gib 1.0] [--deltas 2] [--quick]
 
-A moto S3 server runs in this process on 127.0.0.1 (real HTTP through boto3). The model is
+A moto S3 server runs in its own process on 127.0.0.1 (real HTTP through boto3). The model is
 the core benchmark's synthetic RL-like stream (lr 1e-6 change statistics measured on a
 real AdamW run of a small transformer), transformer-shaped bf16 of at least ``--size-gib``.
 Per version it prints wall time, throughput (model bytes / wall), stored bytes and HTTP
@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -65,17 +68,23 @@ class RequestCounter:
         return out, Timed(time.perf_counter() - t0, self.count - before)
 
 
-def start_moto() -> tuple[Any, str]:
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    return server, f"http://{host}:{port}"
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's S3 server in a process of its own (so it does not share our GIL) on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto server did not start")
 
 
 def state_of(model: FlatModel) -> dict[str, torch.Tensor]:
@@ -167,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"single-stream PUT of the raw model: {up.seconds:7.2f}s {raw / up.seconds / GB:6.2f} GB/s {up.requests} req")
         print(f"single-stream GET of the raw model: {down.seconds:7.2f}s {raw / down.seconds / GB:6.2f} GB/s {down.requests} req")
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(timeout=30)
     return 0
 
 

@@ -1,0 +1,296 @@
+"""The ``deltasync`` command line, end to end in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint, write_safetensors
+
+from deltasync import Repository
+
+SUBCOMMANDS = ["publish", "log", "pull", "verify", "inspect", "demo"]
+
+
+def all_subcommands(help_text: str) -> list[str]:
+    """Every subcommand ``deltasync --help`` lists (commands added later get checked too)."""
+    listed = help_text.split("Commands:", 1)[1].splitlines()
+    names = {line.split()[0] for line in listed if line.startswith("  ") and line.strip()}
+    return sorted(names | set(SUBCOMMANDS))
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+
+
+@dataclass
+class Env:
+    tmp: Path
+    env: dict[str, str]
+
+    def run(self, *args: str | Path, ok: bool = True) -> Result:
+        p = subprocess.run(
+            [sys.executable, "-m", "deltasync.cli.main", *map(str, args)],
+            capture_output=True, text=True, cwd=self.tmp, env=self.env, timeout=120,
+        )
+        r = Result(p.returncode, p.stdout, p.stderr)
+        if ok:
+            assert r.rc == 0, f"{args}: rc {r.rc}\n{r.out}\n{r.err}"
+            assert r.err == "", f"{args}: unexpected stderr {r.err!r}"  # no progress when not a terminal
+        return r
+
+    def fails(self, *args: str | Path, match: str) -> Result:
+        """A user error: exactly one line on stderr, no traceback, non-zero exit."""
+        r = self.run(*args, ok=False)
+        assert r.rc != 0, f"{args} succeeded:\n{r.out}"
+        assert "Traceback" not in r.err, r.err
+        lines = r.err.splitlines()
+        assert len(lines) == 1, r.err
+        assert lines[0].startswith("deltasync: error: "), lines[0]
+        assert match in lines[0], lines[0]
+        return r
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Iterator[Env]:
+    env = dict(os.environ)
+    env["DELTASYNC_CACHE"] = str(tmp_path / "default-cache")  # never the user's ~/.cache
+    env.pop("DELTASYNC_TEST_S3_URL", None)
+    yield Env(tmp_path, env)
+
+
+@pytest.fixture
+def steps(tmp_path: Path) -> list[Path]:
+    """Three sharded checkpoints of one run, ~1% of elements changing per step."""
+    state = make_state(0)
+    out: list[Path] = []
+    for step in range(1, 4):
+        if step > 1:
+            state = step_state(state, seed=step)
+        out.append(write_checkpoint(tmp_path / f"step-{step}", state, shards=2, step=step,
+                                    metadata={"step": str(step)}))
+    return out
+
+
+def publish_all(cli: Env, steps: list[Path], repo: str = "repo") -> None:
+    for ckpt in steps:
+        cli.run("publish", ckpt, "--repo", repo, "--chunk-mib", "0.0625")
+
+
+# -- the happy path -------------------------------------------------------------------------------
+
+
+def test_publish_log_pull_verify_inspect(cli: Env, steps: list[Path]) -> None:
+    r = cli.run("publish", steps[0], "--repo", "repo", "--chunk-mib", "0.0625", "--meta", "run=abc",
+                "--meta", "step=1")
+    assert r.out.startswith("published version 1 (snapshot):"), r.out
+    r = cli.run("publish", steps[1], "--repo", "repo", "--chunk-mib", "0.0625")  # default cache → delta
+    assert r.out.startswith("published version 2 (delta parent 1):"), r.out
+    r = cli.run("publish", steps[2], "--repo", "repo", "--base", steps[1], "--quiet")
+    assert r.out.startswith("published version 3 (delta parent 2):"), r.out
+
+    r = cli.run("log", "--repo", "repo")
+    lines = r.out.splitlines()
+    assert lines[0].split()[:6] == ["version", "kind", "parent", "raw", "stored", "ratio"]
+    rows = [line.split() for line in lines[1:]]
+    assert [row[0] for row in rows] == ["1", "2", "3"]
+    assert [row[1] for row in rows] == ["snapshot", "delta", "delta"]
+    assert [row[2] for row in rows] == ["-", "1", "2"]
+    assert all(row[7].endswith("x") for row in rows)  # ratio column: "<raw> KiB <stored> KiB <r>x"
+
+    r = cli.run("log", "--repo", "repo", "--json")
+    entries = [json.loads(line) for line in r.out.splitlines()]
+    assert [e["version"] for e in entries] == [1, 2, 3]
+    assert [e["kind"] for e in entries] == ["snapshot", "delta", "delta"]
+    assert [e["parent"] for e in entries] == [None, 1, 2]
+    repo = Repository(str(cli.tmp / "repo"))
+    for e in entries:
+        m = repo.manifest(e["version"]).pb
+        assert e["raw_bytes"] == m.raw_bytes and e["stored_bytes"] == m.stored_bytes
+        assert e["ratio"] == pytest.approx(m.raw_bytes / m.stored_bytes, abs=0.01)
+        assert set(e) >= {"version", "kind", "parent", "raw_bytes", "stored_bytes", "ratio", "time"}
+    assert entries[1]["ratio"] > 10 * entries[0]["ratio"]  # a 1% step is far smaller than a snapshot
+
+    r = cli.run("pull", "--repo", "repo", "--out", "serving")
+    assert r.out.startswith("pulled version 3 into serving (from snapshot"), r.out
+    assert tree_digests(cli.tmp / "serving") == tree_digests(steps[2])
+    r = cli.run("pull", "--repo", "repo", "--out", "serving", "--version", "1", "--workers", "2")
+    assert r.out.startswith("pulled version 1 into serving"), r.out
+    assert tree_digests(cli.tmp / "serving") == tree_digests(steps[0])
+    r = cli.run("pull", "--repo", "repo", "--out", "serving", "--version", "2", "-q")
+    assert "(from local version 1," in r.out, r.out
+    assert tree_digests(cli.tmp / "serving") == tree_digests(steps[1])
+
+    r = cli.run("verify", "--repo", "repo")
+    assert r.out.strip().endswith(": ok") and "verified 3 version(s)" in r.out, r.out
+    r = cli.run("verify", "--repo", "repo", "--version", "2", "--quiet")
+    assert "verified 1 version(s)" in r.out, r.out
+
+    r = cli.run("inspect", "--repo", "repo")
+    assert r.out.startswith("version 3: delta, parent 2, nearest snapshot 1"), r.out
+    assert "file model-00001-of-00002.safetensors (safetensors" in r.out
+    assert "file config.json (blob, 1 part(s)" in r.out
+    assert "model.embed_tokens.weight" in r.out
+    r = cli.run("inspect", "--repo", "repo", "--version", "1")
+    assert r.out.startswith("version 1: snapshot, parent -, nearest snapshot 1"), r.out
+    assert "metadata run=abc, step=1" in r.out
+
+
+def test_no_cache_and_explicit_cache(cli: Env, steps: list[Path]) -> None:
+    cli.run("publish", steps[0], "--repo", "repo", "--no-cache")
+    r = cli.run("publish", steps[1], "--repo", "repo", "--no-cache")
+    assert "(snapshot" in r.out  # without a base every version is self-contained
+    r = cli.run("publish", steps[2], "--repo", "repo", "--cache", "mycache")  # filled from the repository
+    assert "(delta parent 2)" in r.out
+    assert tree_digests(cli.tmp / "mycache") == tree_digests(steps[2])
+    assert not (cli.tmp / "default-cache").exists()
+
+
+def test_console_script(cli: Env, steps: list[Path]) -> None:
+    exe = shutil.which("deltasync")
+    if exe is None:
+        pytest.skip("the deltasync console script is not installed")
+    p = subprocess.run([exe, "--version"], capture_output=True, text=True, env=cli.env, timeout=60)
+    assert p.returncode == 0 and "0.1.0" in p.stdout
+    publish_all(cli, steps[:1])
+    p = subprocess.run([exe, "log", "--repo", "repo", "--json"], capture_output=True, text=True,
+                       cwd=cli.tmp, env=cli.env, timeout=60)
+    assert p.returncode == 0 and json.loads(p.stdout)["version"] == 1
+
+
+def test_help(cli: Env) -> None:
+    r = cli.run("--help")
+    assert "Usage: deltasync" in r.out
+    for sub in SUBCOMMANDS:
+        assert sub in r.out
+    for sub in all_subcommands(r.out):
+        r = cli.run(sub, "--help")
+        assert r.out.startswith(f"Usage: deltasync {sub}"), r.out
+        r = cli.run(sub, "-h")
+        assert r.out.startswith(f"Usage: deltasync {sub}"), r.out
+
+
+# -- user errors ----------------------------------------------------------------------------------
+
+
+def test_checkpoint_errors(cli: Env, steps: list[Path]) -> None:
+    cli.fails("publish", "nothere", "--repo", "repo", match="nothere: no such checkpoint directory")
+    (cli.tmp / "plain").mkdir()
+    (cli.tmp / "plain" / "config.json").write_text("{}")
+    cli.fails("publish", "plain", "--repo", "repo", match="no .safetensors files")
+    cli.fails("publish", "plain/config.json", "--repo", "repo", match="not a checkpoint directory")
+    bad = cli.tmp / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", 8) + b"{garbage")
+    cli.fails("publish", "bad", "--repo", "repo", match="bad/model.safetensors: corrupt safetensors header")
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    cli.fails("publish", "bad", "--repo", "repo", match="bad/model.safetensors: corrupt safetensors header")
+    (steps[0] / "model-00002-of-00002.safetensors").unlink()
+    cli.fails("publish", steps[0], "--repo", "repo", match="missing shard(s): model-00002-of-00002.safetensors")
+    assert not (cli.tmp / "repo").exists()
+
+
+def test_repository_and_version_errors(cli: Env, steps: list[Path]) -> None:
+    (cli.tmp / "empty").mkdir()
+    for args in (["log"], ["pull", "--out", "o"], ["verify"], ["inspect"]):
+        cli.fails(*args, "--repo", "empty", match="repository not found: empty")
+        cli.fails(*args, "--repo", "missing", match="repository not found: missing")
+    assert not (cli.tmp / "missing").exists()  # reading never creates a repository
+    Repository(str(cli.tmp / "fresh")).create()
+    cli.fails("pull", "--repo", "fresh", "--out", "o", match="has no committed versions yet")
+
+    publish_all(cli, steps[:2])
+    cli.fails("pull", "--repo", "repo", "--out", "o", "--version", "9", match="version 9 not found")
+    cli.fails("verify", "--repo", "repo", "--version", "9", match="version 9 not found")
+    cli.fails("inspect", "--repo", "repo", "--version", "9", match="version 9 not found")
+    cli.fails("publish", steps[2], "--repo", "repo", "--version", "2", match="not newer than the latest version 2")
+    cli.fails("publish", steps[2], "--repo", "repo", "--meta", "novalue", match="--meta expects KEY=VALUE")
+    cli.fails("publish", steps[2], "--repo", "repo", "--meta", "=x", match="--meta expects KEY=VALUE")
+    assert Repository(str(cli.tmp / "repo")).versions() == [1, 2]
+
+
+def test_checksum_mismatch(cli: Env, tmp_path: Path) -> None:
+    # Random bytes do not compress, so zstd stores them verbatim: a flipped byte decodes
+    # cleanly to wrong bits, which only the digest catches.
+    rng = np.random.default_rng(0)
+    ckpt = tmp_path / "ckpt"
+    write_safetensors(ckpt / "model.safetensors",
+                      {"noise": torch.from_numpy(rng.integers(0, 256, 1 << 16, dtype=np.uint8))})
+    cli.run("publish", ckpt, "--repo", "repo")
+    cli.run("pull", "--repo", "repo", "--out", "serving")
+    before = tree_digests(tmp_path / "serving", include_state=True)
+    pack = next((tmp_path / "repo" / "packs").iterdir())
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    pack.write_bytes(bytes(data))
+    cli.fails("verify", "--repo", "repo", match="checksum mismatch in version 1, tensor 'noise', chunk 0")
+    cli.fails("pull", "--repo", "repo", "--out", "fresh", match="checksum mismatch in version 1, tensor 'noise'")
+    (tmp_path / "serving" / "model.safetensors").unlink()
+    cli.fails("pull", "--repo", "repo", "--out", "serving", match="checksum mismatch in version 1")
+    after = tree_digests(tmp_path / "serving", include_state=True)
+    assert after == {k: v for k, v in before.items() if k != "model.safetensors"}
+
+
+def test_usage_errors_are_clicks(cli: Env) -> None:
+    r = cli.run("pull", "--out", "o", ok=False)
+    assert r.rc == 2 and "Missing option '--repo'" in r.err and "Traceback" not in r.err
+    r = cli.run("frobnicate", ok=False)
+    assert r.rc == 2 and "No such command" in r.err
+
+
+# -- progress -------------------------------------------------------------------------------------
+
+
+def _run_on_terminal(cli: Env, *args: str | Path) -> tuple[int, str]:
+    """Run with stderr on a pseudo-terminal (stdout captured); returns (rc, terminal output)."""
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "deltasync.cli.main", *map(str, args)],
+            stdout=subprocess.DEVNULL, stderr=slave, cwd=cli.tmp, env=cli.env,
+        )
+        os.close(slave)
+        chunks: list[bytes] = []
+        while True:
+            ready, _, _ = select.select([master], [], [], 60)
+            if not ready:
+                break
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        rc = p.wait(timeout=60)
+    finally:
+        os.close(master)
+    return rc, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_only_on_a_terminal(cli: Env, steps: list[Path]) -> None:
+    rc, term = _run_on_terminal(cli, "publish", steps[0], "--repo", "repo")
+    assert rc == 0 and "publish v1:" in term and "100.0%" in term, term
+    rc, term = _run_on_terminal(cli, "publish", steps[1], "--repo", "repo", "--quiet")
+    assert rc == 0 and term == "", term
+    rc, term = _run_on_terminal(cli, "pull", "--repo", "repo", "--out", "serving")
+    assert rc == 0 and "pull v2:" in term, term
+    # And not on pipes (Env.run asserts an empty stderr on success).
+    cli.run("publish", steps[2], "--repo", "repo")
+    cli.run("pull", "--repo", "repo", "--out", "serving")
+    cli.run("verify", "--repo", "repo")
