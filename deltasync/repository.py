@@ -6,6 +6,7 @@ Layout (all keys relative to the store root)::
     packs/<xxh3-128>.pack           immutable, content-addressed encoded chunks
     blobs/<xxh3-128>                zstd of one part of a non-tensor file, content-addressed
     manifests/<version:020d>.pb     one per committed version: its presence is the commit
+    squashes/<C:020d>-<A:020d>.pb   optional: version C as a delta against version A (see squash.py)
     refs/latest                     the newest committed version id (a hint; manifests rule)
 
 Commit order (DESIGN.md invariant 2): packs and blobs, then the manifest with a conditional
@@ -15,6 +16,7 @@ put, then ``refs/latest``. A reader only trusts versions whose manifest exists.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Iterable
 
@@ -45,6 +47,20 @@ BLOB_PART_BYTES = 64 << 20
 
 def blob_key(d: bytes) -> str:
     return f"blobs/{d.hex()}"
+
+
+SQUASHES = "squashes/"
+
+
+def squash_key(a: int, c: int) -> str:
+    """Key of the squash that takes version ``a`` to version ``c``."""
+    return f"{SQUASHES}{c:020d}-{a:020d}.pb"
+
+
+def squash_from_key(key: str) -> tuple[int, int] | None:
+    """(a, c) of a squash key, or None for any other key."""
+    m = re.fullmatch(r"squashes/(\d{20})-(\d{20})\.pb", key)
+    return (int(m.group(2)), int(m.group(1))) if m else None
 
 
 def open_repository(
@@ -80,6 +96,7 @@ class Repository:
         trusted = TrustedKeys.of(trusted_keys) if trusted_keys is not None else None
         self.trusted_keys = trusted or None
         self._manifests: dict[int, ManifestInfo] = {}
+        self._squashes: dict[tuple[int, int], ManifestInfo] = {}
         self._lock = threading.Lock()
 
     # -- existence ---------------------------------------------------------------------------
@@ -198,6 +215,52 @@ class Repository:
             self.store.put(LATEST, f"{manifest.version}\n".encode())
         return info
 
+    # -- squashes: extra edges A -> C of the version graph, never commits ---------------------
+
+    def squashes(self) -> list[tuple[int, int]]:
+        """(a, c) of every stored squash, by c then a (endpoints may since have been deleted)."""
+        found = [ac for k in self.store.list(SQUASHES) if (ac := squash_from_key(k)) is not None and ac[0] < ac[1]]
+        return sorted(found, key=lambda ac: (ac[1], ac[0]))
+
+    def squash(self, a: int, c: int) -> ManifestInfo:
+        """The validated squash ``a`` -> ``c`` (cached). Besides what every manifest is checked
+        for (and its signature, with trusted keys), it must be a delta from ``a`` whose tensors
+        and chunk digests are exactly those of committed version ``c``."""
+        with self._lock:
+            cached = self._squashes.get((a, c))
+        if cached is not None:
+            return cached
+        key = squash_key(a, c)
+        try:
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            raise CorruptObjectError(f"squash {a}->{c}", f"{key} is missing") from None
+        try:
+            info = parse_manifest(raw, expect_version=c, authenticate=self._authenticator(c))
+        except CorruptObjectError as e:
+            raise CorruptObjectError(f"squash {a}->{c}", e.detail) from None
+        _check_squash(info, a, self.manifest(c))
+        with self._lock:
+            self._squashes[(a, c)] = info
+        return info
+
+    def put_squash(self, manifest: pb.Manifest) -> ManifestInfo:
+        """Store a squash whose packs are already durable (signed like a commit). A squash
+        already stored for the same pair is left as it is (any valid one serves)."""
+        a, c = manifest.parent, manifest.version
+        if self.signing_key is not None:
+            sign_manifest(manifest, self.signing_key)
+        data = serialize(manifest)
+        info = parse_manifest(data, expect_version=c, authenticate=self._authenticator(c))
+        _check_squash(info, a, self.manifest(c))
+        try:
+            self.store.put(squash_key(a, c), data, if_absent=True)
+        except ObjectExistsError:
+            return self.squash(a, c)
+        with self._lock:
+            self._squashes[(a, c)] = info
+        return info
+
     # -- blobs -------------------------------------------------------------------------------
 
     def put_blob(self, data: bytes) -> tuple[bytes, int]:
@@ -223,3 +286,20 @@ class Repository:
         if digest(data) != d:
             raise CorruptObjectError(key, "blob content does not match its digest")
         return data
+
+
+def _check_squash(info: ManifestInfo, a: int, target: ManifestInfo) -> None:
+    """A squash must rebuild exactly ``target``: same entries, same chunk digests."""
+    what = f"squash {a}->{target.version}"
+    if info.is_snapshot or info.parent != a:
+        raise CorruptObjectError(what, f"is not a delta from version {a}")
+    if info.pb.version_digest != target.pb.version_digest or len(info.pb.tensors) != len(target.pb.tensors):
+        raise CorruptObjectError(what, f"does not describe the chunks of version {target.version}")
+    for mine, theirs in zip(info.pb.tensors, target.pb.tensors, strict=True):
+        if (
+            (mine.name, mine.dtype, mine.nbytes) != (theirs.name, theirs.dtype, theirs.nbytes)
+            or list(mine.shape) != list(theirs.shape)
+            or list(mine.slice_offsets) != list(theirs.slice_offsets)
+            or [c.target_digest for c in mine.chunks] != [c.target_digest for c in theirs.chunks]
+        ):
+            raise CorruptObjectError(what, f"tensor {mine.name!r} differs from version {target.version}")

@@ -151,8 +151,7 @@ class TrustedKeys:
 
     @classmethod
     def of(cls, keys: PublicKeyLike | Iterable[PublicKeyLike]) -> TrustedKeys:
-        one = isinstance(keys, (Ed25519PublicKey, str, os.PathLike))
-        items: Iterable[PublicKeyLike] = [keys] if one else keys  # type: ignore[list-item,assignment]
+        items = [keys] if isinstance(keys, (Ed25519PublicKey, str, os.PathLike)) else list(keys)
         loaded = [load_public_key(k) for k in items]
         return cls({key_id(k): k for k in loaded})
 
