@@ -18,8 +18,9 @@ _memory_lock = threading.Lock()
 
 
 def open_store(url: str) -> Store:
-    """Open a store by URL: a plain path or ``file://``, ``memory://name`` (per process), or
-    ``s3://bucket/prefix`` (AWS configuration from the environment; see :class:`S3Store`)."""
+    """Open a store by URL: a plain path or ``file://``, ``memory://name`` (per process),
+    ``s3://bucket/prefix`` (AWS configuration from the environment; see :class:`S3Store`), or
+    ``grpc://host:port[,host:port…]`` (read-only, through relays; see :class:`GrpcStore`)."""
     if not url:
         raise UsageError("empty repository URL")
     parsed = urlparse(url)
@@ -38,4 +39,8 @@ def open_store(url: str) -> Store:
         from ._s3 import S3Store  # boto3 is imported only when an s3:// URL is opened
 
         return S3Store(url)
-    raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, memory:// or s3://)")
+    if scheme == "grpc":
+        from ._grpc import GrpcStore  # grpcio is imported only when a grpc:// URL is opened
+
+        return GrpcStore(url)
+    raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, memory://, s3:// or grpc://)")

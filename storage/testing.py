@@ -5,14 +5,15 @@
         def store(self) -> Iterator[Store]:
             yield MyStore(...)
 
-Read-only stores set ``writable = False`` and provide a ``seed`` fixture-friendly
-``populate`` hook instead (the gRPC relay does).
+Read-only stores (``grpc://`` through a relay) run the same assertions through
+:class:`ReadOnlyStoreConformance`: the suite writes to the store they serve and reads
+through them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -150,3 +151,46 @@ def run_threads(targets: list[Callable[[], None]]) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+class ReadOnlyStoreConformance(StoreConformance):
+    """The suite for a read-only store: writes go to ``backend``, the store it serves, and
+    every read goes through ``reader``. Subclasses provide both fixtures:
+
+        class TestGrpcStore(ReadOnlyStoreConformance):
+            @pytest.fixture
+            def backend(self, tmp_path: Path) -> Iterator[Store]:
+                yield LocalStore(tmp_path / "repo")
+
+            @pytest.fixture
+            def reader(self, backend: Store) -> Iterator[Store]:
+                ...  # serve backend; yield a store reading it
+    """
+
+    @pytest.fixture
+    def store(self, backend: Store, reader: Store) -> Iterator[Store]:
+        yield WriteThrough(backend, reader)
+
+
+class WriteThrough(Store):
+    """Writes to ``backend``, reads through ``reader`` (which serves ``backend``)."""
+
+    def __init__(self, backend: Store, reader: Store) -> None:
+        self.backend = backend
+        self.reader = reader
+        self.url = reader.url
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        return self.reader.get(key, byte_range)
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        self.backend.put(key, data, if_absent=if_absent)
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        return self.reader.list(prefix)
+
+    def _delete(self, key: str) -> None:
+        self.backend.delete(key)
+
+    def _size(self, key: str) -> int:
+        return self.reader.size(key)

@@ -19,12 +19,12 @@ class GetRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., has_range: _Optional[bool] = ...) -> None: ...
 
 class GetChunk(_message.Message):
-    __slots__ = ("data", "object_size")
+    __slots__ = ("data", "total_bytes")
     DATA_FIELD_NUMBER: _ClassVar[int]
-    OBJECT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    object_size: int
-    def __init__(self, data: _Optional[bytes] = ..., object_size: _Optional[int] = ...) -> None: ...
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class StatRequest(_message.Message):
     __slots__ = ("key",)

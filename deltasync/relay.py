@@ -1,0 +1,655 @@
+"""The relay: a caching gRPC server in front of a repository (``deltasync serve``).
+
+Subscribers in one cluster read the repository through the relay (``grpc://host:port``)
+instead of from its origin, so every byte crosses the WAN once per cluster:
+
+- **Get** streams an object (or a byte range of it) in 1 MiB chunks under gRPC flow control.
+  Immutable objects (packs, blobs, manifests) are fetched from the upstream once, whole, into
+  the cache (:mod:`deltasync.relay_cache`), however many subscribers ask at the same moment
+  (single flight per key), and every range of them is then served from the file.
+  ``refs/latest``, listings and other keys always go to the upstream.
+- **Watch** pushes newly committed versions. One feed per relay follows the upstream, shared
+  by all watchers: it polls ``refs/latest`` every ``poll_interval`` (listing ``manifests/``
+  when the ref moves, and every ``rescan_interval`` in case a publisher died between manifest
+  and ref), or, when the upstream is itself a relay, follows that relay's Watch stream.
+  Idle streams get a keepalive event; watchers are ended with UNAVAILABLE when the upstream
+  stays unreachable, so they move on to another relay.
+- The upstream is any repository URL: a path, ``s3://…``, or ``grpc://`` of another relay,
+  so relays form trees across clusters.
+
+The server runs on grpc's asyncio stack, in one event loop thread shared by every relay in
+the process: an idle watcher costs no thread. Upstream reads, file reads and index writes
+run on a thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import functools
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import grpc.aio
+
+from .errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
+from .relay_cache import Entry, ObjectCache, cacheable
+from .repository import LATEST, Repository
+from .storage import Store, check_key, open_store
+from .storage._grpc import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE, GrpcStore, VersionWatch
+from .v1 import relay_pb2 as pb
+
+log = logging.getLogger("deltasync.relay")
+
+T = TypeVar("T")
+
+_RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
+_IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
+_FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
+
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.so_reuseport", 0),  # a second relay on a busy port must fail, not share it
+    ("grpc.keepalive_time_ms", 60_000),  # find dead subscribers under idle Watch streams
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # allow clients' keepalive
+    ("grpc.max_receive_message_length", 1 << 20),  # requests are small
+]
+
+
+@dataclass(kw_only=True)
+class RelayConfig:
+    """How a relay serves. Built by :func:`build_server`."""
+
+    listen: str
+    """``HOST:PORT`` to serve on; port 0 picks a free port (see ``RelayServer.port``)."""
+    cache_dir: Path | None = None
+    """Cache directory, kept across restarts. None: a temporary one, removed at stop."""
+    cache_max_bytes: int | None = None
+    """Evict least recently used objects beyond this many bytes. None: no limit."""
+    poll_interval: float = 0.5
+    """Seconds between checks of the upstream for a new version."""
+    rescan_interval: float = 10.0
+    """Seconds between full listings of the upstream's manifests (the ref is only a hint)."""
+    keepalive_interval: float = 10.0
+    """Seconds of silence after which a watcher gets a keepalive event."""
+    upstream_grace: float = 10.0
+    """Seconds the upstream may stay unreachable before watchers are sent elsewhere."""
+    fetch_piece_bytes: int = 8 << 20
+    """Objects larger than this are fetched from the upstream in ranges of this size."""
+    workers: int = 32
+    """Threads for upstream reads, cache file reads and index writes."""
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise UsageError(f"invalid listen address {self.listen!r} (expected HOST:PORT)")
+        for name in ("poll_interval", "rescan_interval", "keepalive_interval", "upstream_grace"):
+            if not getattr(self, name) > 0:
+                raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cache_max_bytes is not None and self.cache_max_bytes < 0:
+            raise UsageError(f"cache_max_bytes must not be negative, got {self.cache_max_bytes}")
+        if self.fetch_piece_bytes < 1 or self.workers < 2:
+            raise UsageError("fetch_piece_bytes must be positive and workers at least 2")
+
+
+def build_server(
+    upstream: str | Store, listen: str, cache_dir: str | os.PathLike[str] | None = None, **options: Any
+) -> RelayServer:
+    """A relay serving ``upstream`` (a repository URL or Store) on ``listen``; call ``start()``.
+
+    ``options`` are the other fields of :class:`RelayConfig`.
+    """
+    config = RelayConfig(listen=listen, cache_dir=Path(cache_dir) if cache_dir is not None else None, **options)
+    return RelayServer(upstream, config)
+
+
+class RelayServer:
+    """One relay. ``start()`` binds and serves; ``stop()`` ends watchers, drains, and closes."""
+
+    def __init__(self, upstream: str | Store, config: RelayConfig) -> None:
+        self.config = config
+        self._own_upstream = isinstance(upstream, str)
+        self.upstream = open_store(upstream) if isinstance(upstream, str) else upstream
+        self.upstream_url = self.upstream.url or repr(self.upstream)
+        self.port = 0
+        self.cache_dir: Path | None = None
+        self._temp_dir: str | None = None
+        self._service: _RelayService | None = None
+        self._server: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the relay serves on (the bound port when listening on port 0)."""
+        return f"{self.config.listen.rpartition(':')[0]}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        host = self.config.listen.rpartition(":")[0]
+        if host in ("0.0.0.0", "[::]", "::"):
+            host = "127.0.0.1"
+        return f"grpc://{host}:{self.port}"
+
+    def start(self) -> RelayServer:
+        if self._server is not None:
+            raise UsageError("relay already started")
+        if self.config.cache_dir is None:
+            self._temp_dir = tempfile.mkdtemp(prefix="deltasync-relay-")
+        self.cache_dir = self.config.cache_dir or Path(self._temp_dir or "")
+        try:
+            cache = ObjectCache(
+                self.cache_dir, max_bytes=self.config.cache_max_bytes, piece_bytes=self.config.fetch_piece_bytes
+            )
+        except BaseException:
+            self._remove_temp_dir()
+            raise
+        self._executor = ThreadPoolExecutor(self.config.workers, thread_name_prefix="deltasync-relay")
+        self._service = _RelayService(self.upstream, self.upstream_url, cache, self._executor, self.config)
+        try:
+            self.port = _on_loop(self._start(self._service))
+        except BaseException:
+            self._close_resources()
+            raise
+        log.debug("serving %s on %s (cache %s)", self.upstream_url, self.address, self.cache_dir)
+        return self
+
+    async def _start(self, service: _RelayService) -> int:
+        _check_bindable(self.config.listen)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server.add_generic_rpc_handlers((service.handler(),))
+        try:
+            port = int(server.add_insecure_port(self.config.listen))
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            await server.stop(None)
+            raise UsageError(f"cannot listen on {self.config.listen} (address in use or not local)")
+        await server.start()
+        service.start()
+        self._server = server
+        return port
+
+    def stop(self, grace: float = 1.0) -> None:
+        """End Watch streams, let Gets in flight finish for up to ``grace`` seconds, close."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        service = self._service
+        assert service is not None
+        _on_loop(self._stop(server, service, grace))
+        self._close_resources()
+        log.debug("stopped relay on %s", self.address)
+
+    @staticmethod
+    async def _stop(server: Any, service: _RelayService, grace: float) -> None:
+        service.begin_stop()
+        # Watchers end with UNAVAILABLE (and move to another relay) rather than be cut off.
+        deadline = time.monotonic() + max(grace, 0.2)
+        while service.counters["watchers"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        await server.stop(grace)
+        await service.close()
+
+    def _close_resources(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        if self._service is not None:
+            self._service.cache.close()
+        if self._own_upstream:
+            self.upstream.close()
+        self._remove_temp_dir()
+
+    def _remove_temp_dir(self) -> None:
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+
+    def metrics(self) -> dict[str, int]:
+        """Counters since start: requests, bytes served, cache hits, upstream fetches, …"""
+        if self._service is None:
+            return {}
+        return self._service.metrics()
+
+    def __enter__(self) -> RelayServer:
+        return self.start() if self._server is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_until_signalled(server: RelayServer, on_ready: Callable[[], None] | None = None, grace: float = 2.0) -> None:
+    """Start ``server``, serve until SIGTERM or SIGINT, then stop it (the ``serve`` command)."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        if on_ready is not None:
+            on_ready()
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        server.stop(grace)
+
+
+def _check_bindable(listen: str) -> None:
+    """Fail with the operating system's reason (grpc only logs it) when ``listen`` cannot be bound."""
+    host, _, port = listen.rpartition(":")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does: TIME_WAIT is no obstacle
+            probe.bind(address)
+    except (OSError, IndexError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(f"cannot listen on {listen}: {reason}") from None
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"500G"``, ``"1.5TiB"``, ``"1048576"`` → bytes (binary multiples)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"invalid size {text!r} (e.g. 500G, 1.5T, 1048576)")
+    power = " kmgtp".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * 1024**power)
+
+
+# -- the service --------------------------------------------------------------------------------
+
+
+class _RelayService:
+    """The four RPCs. Lives on the relay event loop; blocking work goes to ``executor``."""
+
+    def __init__(
+        self, upstream: Store, upstream_url: str, cache: ObjectCache, executor: ThreadPoolExecutor, config: RelayConfig
+    ) -> None:
+        self.upstream = upstream
+        self.upstream_url = upstream_url
+        self.cache = cache
+        self.executor = executor
+        self.config = config
+        self.feed = _VersionFeed(upstream, self._in_thread, lambda: self.counters["watchers"], config)
+        self.stopping = False
+        self._inflight: dict[str, asyncio.Task[Entry]] = {}
+        self._flusher: asyncio.Task[None] | None = None
+        self.counters = {"requests": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0, "watchers": 0}
+
+    def handler(self) -> Any:
+        behaviors: dict[str, Callable[..., Any]] = {"Get": self.get, "Stat": self.stat, "List": self.list, "Watch": self.watch}
+        handlers: dict[str, Any] = {}
+        for name, (request, response, streaming) in METHODS.items():
+            factory = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+            handlers[name] = factory(
+                behaviors[name], request_deserializer=request.FromString, response_serializer=response.SerializeToString
+            )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def start(self) -> None:
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_periodically())
+
+    def begin_stop(self) -> None:
+        self.stopping = True
+        self.feed.wake()
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        await self.feed.close()
+
+    def metrics(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out.update(
+            upstream_fetches=self.cache.fetches,
+            upstream_bytes=self.cache.fetched_bytes,
+            evictions=self.cache.evictions,
+            cached_objects=len(self.cache),
+            cached_bytes=self.cache.total_bytes,
+            following_upstream=int(self.feed.running),
+        )
+        return out
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def _flush_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(_FLUSH_EVERY)
+            try:
+                await self._in_thread(self.cache.flush)
+            except Exception as e:  # a full disk must not stop the relay serving
+                log.warning("cannot write the cache index: %s", e)
+
+    async def _abort(self, context: Any, e: Exception, key: str | None) -> NoReturn:
+        """End the call with the status code that tells the client what happened."""
+        if isinstance(e, ObjectNotFoundError):
+            code, message = grpc.StatusCode.NOT_FOUND, f"object not found: {key}"
+        elif isinstance(e, CorruptObjectError):
+            code, message = grpc.StatusCode.OUT_OF_RANGE, e.detail
+        elif isinstance(e, UsageError):
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        elif isinstance(e, DeltasyncError):
+            log.warning("upstream %s: %s", self.upstream_url, e)
+            code, message = grpc.StatusCode.UNAVAILABLE, f"relay upstream {self.upstream_url}: {e}"
+        elif isinstance(e, OSError):
+            log.error("cache %s: %s", self.cache.root, e)
+            code, message = grpc.StatusCode.UNAVAILABLE, f"relay cache error: {e.strerror or e}"
+        else:
+            log.exception("relay error serving %s", key)
+            code, message = grpc.StatusCode.INTERNAL, f"relay error: {type(e).__name__}: {e}"
+        await context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")
+
+    # -- Get -----------------------------------------------------------------------------------
+
+    async def get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
+        self.counters["requests"] += 1
+        key = request.key
+        byte_range = (request.offset, request.length) if request.has_range else None
+        fd = -1
+        try:
+            check_key(key)
+            if cacheable(key):
+                fd, entry = await self._open_cached(key)
+                size = entry.size
+                offset, length = byte_range if byte_range is not None else (0, size)
+                if offset + length > size:
+                    raise CorruptObjectError(key, f"range {offset}+{length} past end of {size}-byte object")
+            else:
+                data = await self._in_thread(self.upstream.get, key, byte_range)
+        except Exception as e:
+            if fd >= 0:
+                os.close(fd)
+            await self._abort(context, e, key)
+        if fd < 0:
+            for start in range(0, max(len(data), 1), CHUNK_BYTES):
+                piece = data[start : start + CHUNK_BYTES]
+                self.counters["served_bytes"] += len(piece)
+                yield pb.GetChunk(data=piece, total_bytes=len(data) if start == 0 else 0)
+            return
+        try:
+            position, end = offset, offset + length
+            while True:
+                n = min(CHUNK_BYTES, end - position)
+                piece = await self._in_thread(os.pread, fd, n, position) if n else b""
+                if len(piece) != n:  # the file was damaged under us: refetch next time
+                    self.cache.forget(key, entry)
+                    await context.abort(grpc.StatusCode.DATA_LOSS, f"relay cache file of {key} is truncated")
+                self.counters["served_bytes"] += n
+                yield pb.GetChunk(data=piece, total_bytes=length if position == offset else 0)
+                position += n
+                if position >= end:
+                    break
+        finally:
+            os.close(fd)
+
+    async def _open_cached(self, key: str) -> tuple[int, Entry]:
+        """An open file descriptor of the cached object and its entry, fetching it first if needed."""
+        for _ in range(3):
+            entry = self.cache.lookup(key)
+            if entry is None:
+                entry = await self._fetch(key)
+            else:
+                self.counters["cache_hits"] += 1
+            try:
+                return os.open(entry.path, os.O_RDONLY), entry
+            except FileNotFoundError:  # evicted (or removed) between lookup and open
+                self.cache.forget(key, entry)
+        raise CorruptObjectError(key, "the relay cache keeps losing this object")
+
+    async def _fetch(self, key: str) -> Entry:
+        """Single flight: concurrent requests for one key share one upstream fetch, which
+        carries on into the cache even if the client that started it goes away."""
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._in_thread(self.cache.fetch, key, self.upstream))
+            self._inflight[key] = task
+            task.add_done_callback(functools.partial(self._landed, key))
+        else:
+            self.counters["coalesced"] += 1
+        return await asyncio.shield(task)
+
+    def _landed(self, key: str, task: asyncio.Task[Entry]) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled() and task.exception() is not None:  # retrieved: no "never retrieved" noise
+            log.debug("fetching %s failed: %s", key, task.exception())
+
+    # -- Stat, List ----------------------------------------------------------------------------
+
+    async def stat(self, request: pb.StatRequest, context: Any) -> pb.StatResponse:
+        self.counters["requests"] += 1
+        key = request.key
+        try:
+            check_key(key)
+            entry = self.cache.lookup(key, touch=False) if cacheable(key) else None
+            size = entry.size if entry is not None else await self._in_thread(self.upstream.size, key)
+        except Exception as e:
+            await self._abort(context, e, key)
+        return pb.StatResponse(size=size)
+
+    async def list(self, request: pb.ListRequest, context: Any) -> AsyncIterator[pb.ListResponse]:
+        self.counters["requests"] += 1
+        prefix = request.prefix
+        try:
+            keys = await self._in_thread(lambda: [*self.upstream.list(prefix)])
+        except Exception as e:
+            await self._abort(context, e, prefix or None)
+        for start in range(0, len(keys), LIST_BATCH):
+            yield pb.ListResponse(keys=keys[start : start + LIST_BATCH])
+
+    # -- Watch ---------------------------------------------------------------------------------
+
+    async def watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.VersionEvent]:
+        self.counters["requests"] += 1
+        self.counters["watchers"] += 1
+        feed = self.feed
+        feed.start()
+        last = request.after_version
+        caught_up = False  # the first event carries only the newest version
+        sent_at = time.monotonic()
+        try:
+            while True:
+                changed = feed.changed  # taken before looking, so no change slips between
+                if self.stopping:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "relay is shutting down")
+                reason = feed.unavailable()
+                if reason is not None:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"relay cannot reach its upstream {self.upstream_url}: {reason}"
+                    )
+                new = feed.after(last) if feed.succeeded else []
+                if new and not caught_up:
+                    new = new[-1:]
+                caught_up = caught_up or feed.succeeded
+                for version in new:
+                    yield pb.VersionEvent(version=version, latest=feed.latest)
+                    last = version
+                    sent_at = time.monotonic()
+                wait = self.config.keepalive_interval - (time.monotonic() - sent_at)
+                if wait <= 0:
+                    yield pb.VersionEvent(version=0, latest=feed.latest)
+                    sent_at = time.monotonic()
+                    continue
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), wait)
+        finally:
+            self.counters["watchers"] -= 1
+
+
+class _VersionFeed:
+    """The relay's view of the upstream's committed versions, shared by every watcher."""
+
+    def __init__(
+        self,
+        upstream: Store,
+        in_thread: Callable[..., Coroutine[Any, Any, Any]],
+        watchers: Callable[[], int],
+        config: RelayConfig,
+    ) -> None:
+        self.upstream = upstream
+        self.in_thread = in_thread
+        self.watchers = watchers
+        self.config = config
+        self.latest = 0
+        self.recent: list[int] = []  # newest committed versions, ascending
+        self.succeeded = False  # the upstream answered at least once
+        self.error: str | None = None
+        self.failing_since = 0.0
+        self.changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watch: VersionWatch | None = None
+        self._closed = False
+        self._next_scan = 0.0  # poller thread state
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        if self._task is None and not self._closed:
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run())
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    def after(self, version: int) -> list[int]:
+        return self.recent[bisect.bisect_right(self.recent, version) :]
+
+    def unavailable(self) -> str | None:
+        """Why watchers should move to another relay: the upstream has not answered yet, or
+        has not for ``upstream_grace`` seconds. None while all is well."""
+        if self.error is None:
+            return None
+        if not self.succeeded or time.monotonic() - self.failing_since >= self.config.upstream_grace:
+            return self.error
+        return None
+
+    def wake(self) -> None:
+        old, self.changed = self.changed, asyncio.Event()
+        old.set()
+
+    def publish(self, versions: list[int]) -> None:
+        new = sorted({v for v in versions if v > self.latest})
+        if new:
+            self.recent.extend(new)
+            del self.recent[:-_RECENT]
+            self.latest = new[-1]
+            self.wake()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._watch is not None:
+            self._watch.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        repo = Repository(self.upstream)
+        follow = isinstance(self.upstream, GrpcStore)
+        idle_since = time.monotonic()
+        while not self._closed:
+            if self.watchers():
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > _IDLE_STOP:
+                # Nobody is watching: stop polling. The next watcher restarts the feed and
+                # hears nothing until it has fresh news.
+                self._task, self.succeeded, self.error = None, False, None
+                return
+            try:
+                self.publish(await self.in_thread(self._poll, repo))
+                self._ok()
+                if follow:  # push from the upstream relay until its stream fails
+                    await self.in_thread(self._follow)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._failed(e)
+            await asyncio.sleep(self.config.poll_interval)
+
+    def _ok(self) -> None:
+        if self.error is not None:
+            log.info("upstream %s answers again", self.upstream.url)
+        self.error = None
+        if not self.succeeded:
+            self.succeeded = True
+            self.wake()
+
+    def _failed(self, e: Exception) -> None:
+        message = str(e) if isinstance(e, DeltasyncError) else f"{type(e).__name__}: {e}"
+        if self.error is None:
+            self.failing_since = time.monotonic()
+        if message != self.error:
+            log.warning("cannot follow upstream %s: %s", self.upstream.url, message)
+        self.error = message
+        self.wake()  # watchers re-check whether to give up on this relay
+
+    def _poll(self, repo: Repository) -> list[int]:
+        """(Thread) Versions newer than the newest known: read the ref each time, list the
+        manifests when it moved and every ``rescan_interval``."""
+        try:
+            hint: int | None = int(self.upstream.get(LATEST).decode().strip())
+        except (ObjectNotFoundError, ValueError, UnicodeDecodeError):
+            hint = None
+        now = time.monotonic()
+        if (hint is None or hint <= self.latest) and now < self._next_scan:
+            return []
+        self._next_scan = now + self.config.rescan_interval
+        return [v for v in repo.versions() if v > self.latest]
+
+    def _follow(self) -> None:
+        """(Thread) Relay the upstream relay's Watch stream until it fails or the feed closes."""
+        assert isinstance(self.upstream, GrpcStore) and self._loop is not None
+        watch = self.upstream.watch(self.latest)
+        self._watch = watch
+        if self._closed:
+            watch.close()
+        for version in watch:
+            self._loop.call_soon_threadsafe(self.publish, [version])
+
+
+# -- the event loop every relay in the process runs on -------------------------------------------
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One loop thread for all relays: grpc's asyncio stack wants a single loop per process."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="deltasync-relay-loop", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def _on_loop(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run_coroutine_threadsafe(coro, _event_loop()).result()

@@ -1,0 +1,259 @@
+"""The relay's cache: immutable objects as files, indexed in LMDB, evicted least recently used.
+
+Only objects that never change once written are cached: packs, blobs and manifests (a
+manifest's presence is the commit, and it is never rewritten). ``refs/latest``, listings and
+everything else always go to the upstream.
+
+Layout of the cache directory::
+
+    objects/<h[:2]>/<h>     one file per object, h = sha256 of its key (keys may nest)
+    tmp/                    downloads in progress (cleared at start)
+    index/                  LMDB environment: key → size, last access, file path
+    lock                    one relay per cache directory
+    deltasync-relay-cache   marker: only such (or empty) directories are used
+
+An object is downloaded into ``tmp/``, checked against its size, fsynced and renamed into
+place, and only then indexed; at start the index and the files are reconciled, so a relay
+killed at any point leaves a consistent cache. Access times live in memory and reach LMDB in
+batches (a read must not cost a write transaction); on a crash only LRU order is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import struct
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import lmdb
+
+from .errors import CorruptObjectError, UsageError
+from .storage import Store
+
+CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/")
+MARKER = "deltasync-relay-cache"  # marks a directory as a relay cache
+_VALUE = struct.Struct("<Qd")  # size, last access (unix seconds); the relative path follows
+_LOW_WATER = 0.9  # eviction frees down to this fraction of the limit, so it runs in bursts
+_MAP_SIZE = 1 << 30  # LMDB address space for the index (~10M entries); the file grows as used
+
+
+def cacheable(key: str) -> bool:
+    return key.startswith(CACHEABLE_PREFIXES)
+
+
+@dataclass
+class Entry:
+    size: int
+    path: Path
+    atime: float
+
+
+class ObjectCache:
+    """Files under ``root`` indexed in LMDB; at most ``max_bytes`` (None: unbounded).
+
+    Thread-safe. Not single-flight by itself: the relay makes sure one key is fetched once.
+    ``piece_bytes`` bounds the memory of a download: larger objects are read in ranges.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, piece_bytes: int = 8 << 20) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise UsageError(f"cache size limit must not be negative, got {max_bytes}")
+        if piece_bytes < 1:
+            raise UsageError(f"piece_bytes must be positive, got {piece_bytes}")
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.piece_bytes = piece_bytes
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._touched: set[str] = set()
+        self._total = 0
+        self.fetches = 0
+        self.fetched_bytes = 0
+        self.evictions = 0
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # Never take over (and clean up in) a directory that holds something else.
+            if not (self.root / MARKER).exists():
+                if any(self.root.iterdir()):
+                    raise UsageError(f"{self.root} is not empty and not a relay cache; give an empty or new directory")
+                (self.root / MARKER).write_bytes(b"")
+            self._lockfile = _lock_dir(self.root)
+        except OSError as e:
+            raise UsageError(f"cannot use cache directory {self.root}: {e.strerror or e}") from None
+        try:
+            (self.root / "objects").mkdir(exist_ok=True)
+            shutil.rmtree(self.root / "tmp", ignore_errors=True)
+            (self.root / "tmp").mkdir()
+            self._env = lmdb.open(str(self.root / "index"), map_size=_MAP_SIZE, max_dbs=0)
+            self._reconcile()
+        except (OSError, lmdb.Error) as e:
+            self._lockfile.close()
+            detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise UsageError(f"cannot use cache directory {self.root}: {detail}") from None
+        with self._lock:
+            self._evict_locked(keep=None)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def lookup(self, key: str, *, touch: bool = True) -> Entry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and touch:
+                entry.atime = time.time()
+                self._touched.add(key)
+            return entry
+
+    def forget(self, key: str, entry: Entry) -> None:
+        """Drop ``entry`` of ``key`` (its file went missing or is damaged; a newer entry is
+        kept); the next read fetches the object again."""
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                return
+            del self._entries[key]
+            self._total -= entry.size
+            self._touched.discard(key)
+            with self._env.begin(write=True) as txn:
+                txn.delete(key.encode())
+            with contextlib.suppress(FileNotFoundError):
+                entry.path.unlink()
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- fetch ---------------------------------------------------------------------------------
+
+    def fetch(self, key: str, upstream: Store) -> Entry:
+        """Download ``key`` from ``upstream`` into the cache (one read for objects up to
+        ``piece_bytes``, ranged reads beyond) and index it."""
+        size = upstream.size(key)
+        tmp = self.root / "tmp" / uuid.uuid4().hex
+        path = self._path(key)
+        try:
+            with open(tmp, "wb") as f:
+                self._download(key, size, upstream, f)
+                f.flush()
+                os.fsync(f.fileno())
+            path.parent.mkdir(exist_ok=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        entry = Entry(size, path, time.time())
+        with self._lock:
+            old = self._entries.get(key)
+            if old is not None:
+                self._total -= old.size
+            self._entries[key] = entry
+            self._total += size
+            self.fetches += 1
+            self.fetched_bytes += size
+            with self._env.begin(write=True) as txn:
+                txn.put(key.encode(), self._encode(entry))
+            self._evict_locked(keep=key)
+        return entry
+
+    def _download(self, key: str, size: int, upstream: Store, f: IO[bytes]) -> None:
+        if size <= self.piece_bytes:
+            data = upstream.get(key)
+            if len(data) != size:
+                raise CorruptObjectError(key, f"upstream sent {len(data)} bytes of a {size}-byte object")
+            f.write(data)
+            return
+        for offset in range(0, size, self.piece_bytes):
+            f.write(upstream.get(key, (offset, min(self.piece_bytes, size - offset))))
+
+    # -- upkeep --------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write access times gathered since the last flush to the index."""
+        with self._lock:
+            touched = [(k, self._entries[k]) for k in self._touched if k in self._entries]
+            self._touched.clear()
+            if touched:
+                with self._env.begin(write=True) as txn:
+                    for key, entry in touched:
+                        txn.put(key.encode(), self._encode(entry))
+
+    def close(self) -> None:
+        self.flush()
+        self._env.close()
+        self._lockfile.close()
+
+    def _evict_locked(self, keep: str | None) -> None:
+        if self.max_bytes is None or self._total <= self.max_bytes:
+            return
+        goal = int(self.max_bytes * _LOW_WATER)
+        victims = sorted((e.atime, k) for k, e in self._entries.items() if k != keep)
+        with self._env.begin(write=True) as txn:
+            for _, key in victims:
+                if self._total <= goal:
+                    break
+                entry = self._entries.pop(key)
+                self._total -= entry.size
+                self._touched.discard(key)
+                txn.delete(key.encode())
+                # A reader holding the file open keeps reading it: unlink only drops the name.
+                with contextlib.suppress(FileNotFoundError):
+                    entry.path.unlink()
+                self.evictions += 1
+
+    def _reconcile(self) -> None:
+        """Keep index entries whose file is intact; delete files nothing indexes."""
+        stale: list[bytes] = []
+        with self._env.begin() as txn:
+            for raw_key, value in txn.cursor():
+                key = bytes(raw_key).decode()
+                size, atime = _VALUE.unpack_from(value)
+                path = self.root / bytes(value[_VALUE.size :]).decode()
+                try:
+                    ok = path.stat().st_size == size and cacheable(key)
+                except OSError:
+                    ok = False
+                if ok:
+                    self._entries[key] = Entry(size, path, atime)
+                    self._total += size
+                else:
+                    stale.append(bytes(raw_key))
+        if stale:
+            with self._env.begin(write=True) as txn:
+                for raw_key in stale:
+                    txn.delete(raw_key)
+        indexed = {e.path for e in self._entries.values()}
+        for path in (self.root / "objects").rglob("*"):
+            if path.is_file() and path not in indexed:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    def _path(self, key: str) -> Path:
+        h = hashlib.sha256(key.encode()).hexdigest()
+        return self.root / "objects" / h[:2] / h
+
+    def _encode(self, entry: Entry) -> bytes:
+        return _VALUE.pack(entry.size, entry.atime) + entry.path.relative_to(self.root).as_posix().encode()
+
+
+def _lock_dir(root: Path) -> IO[bytes]:
+    """Hold an exclusive lock on ``root/lock`` for as long as the returned file is open."""
+    f = open(root / "lock", "ab")  # noqa: SIM115 - held open for the cache's lifetime
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no protection against a second relay
+        return f
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise UsageError(f"cache directory {root} is in use by another relay") from None
+    return f

@@ -1,0 +1,331 @@
+"""Read a repository through relays: ``grpc://host:port[,host2:port2…][?timeout=SECONDS]``.
+
+The store is read-only (publish to the relay's upstream). Several relays may be named: a call
+goes to the one that answered last and, when it is unreachable (UNAVAILABLE, a deadline, a
+relay shutting down), to the next, so subscribers ride through the loss of a relay. A read
+cut off mid-stream resumes at the byte where it stopped on the next relay.
+
+Also the wire definition shared with the server (:mod:`deltasync.relay`): the service binds
+by hand with generic handlers instead of generated ``*_pb2_grpc`` code, which would pin
+grpcio at runtime to the version of grpcio-tools that generated it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlparse
+
+import grpc
+
+from deltasync.errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, StoreError, UsageError
+from deltasync.v1 import relay_pb2 as pb
+
+from ._base import Store
+
+T = TypeVar("T")
+
+SERVICE = "deltasync.v1.Relay"
+CHUNK_BYTES = 1 << 20  # bytes per GetChunk: big packs stream under flow control
+LIST_BATCH = 1000  # keys per ListResponse
+DEFAULT_TIMEOUT = 120.0
+_ROUNDS = 2  # passes over the relay list before a call gives up
+_ROUND_PAUSE = 0.25
+
+#: Codes after which the next relay is tried: this one is unreachable, overloaded or stopping.
+#: Everything else (NOT_FOUND, OUT_OF_RANGE, INVALID_ARGUMENT, …) is an answer about the object.
+FAILOVER_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+
+#: (method, request type, response type, server-streaming)
+METHODS: dict[str, tuple[Any, Any, bool]] = {
+    "Get": (pb.GetRequest, pb.GetChunk, True),
+    "Stat": (pb.StatRequest, pb.StatResponse, False),
+    "List": (pb.ListRequest, pb.ListResponse, True),
+    "Watch": (pb.WatchRequest, pb.VersionEvent, True),
+}
+
+#: Client keepalive: a dead TCP connection under an idle Watch stream is noticed in ~40 s.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+]
+
+
+def method_path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+def parse_grpc_url(url: str) -> tuple[list[str], float]:
+    """``grpc://h1:p1,h2:p2?timeout=30`` → (["h1:p1", "h2:p2"], 30.0)."""
+    parsed = urlparse(url)
+    if parsed.scheme.lower() != "grpc" or not parsed.netloc or parsed.path.strip("/"):
+        raise UsageError(f"invalid relay URL {url!r} (expected grpc://host:port[,host:port…])")
+    targets = [t.strip() for t in parsed.netloc.split(",") if t.strip()]
+    for target in targets:
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"invalid relay address {target!r} in {url!r} (expected host:port)")
+    options = dict(parse_qsl(parsed.query, keep_blank_values=True))
+    unknown = sorted(set(options) - {"timeout"})
+    if unknown:
+        raise UsageError(f"unknown relay URL option(s) {', '.join(unknown)} in {url!r} (known: timeout)")
+    timeout = DEFAULT_TIMEOUT
+    if "timeout" in options:
+        try:
+            timeout = float(options["timeout"])
+        except ValueError:
+            timeout = -1.0
+        if not timeout > 0:
+            raise UsageError(f"relay URL option timeout={options['timeout']!r} is not a positive number of seconds")
+    if not targets:
+        raise UsageError(f"invalid relay URL {url!r} (expected grpc://host:port[,host:port…])")
+    return targets, timeout
+
+
+def describe(e: grpc.RpcError) -> str:
+    """``code: details`` on one line."""
+    code = e.code()
+    details = " ".join(str(e.details() or "").split())
+    name = code.name.lower() if code is not None else "error"
+    return f"{name}: {details}" if details else name
+
+
+class _Relay:
+    """One relay address: its channel and the four methods bound to it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        # Transport security and credentials get added here (one place for every call).
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        calls: dict[str, Any] = {}
+        for name, (request, response, streaming) in METHODS.items():
+            factory = self.channel.unary_stream if streaming else self.channel.unary_unary
+            calls[name] = factory(
+                method_path(name), request_serializer=request.SerializeToString, response_deserializer=response.FromString
+            )
+        self.get, self.stat, self.list, self.watch = calls["Get"], calls["Stat"], calls["List"], calls["Watch"]
+
+
+class GrpcStore(Store):
+    """A repository read through one or more relays (``deltasync serve``).
+
+    Args:
+        url: ``grpc://host:port``, several comma-separated for failover, ``?timeout=SECONDS``.
+        timeout: deadline of one call (a whole Get stream included); overrides the URL's.
+    """
+
+    def __init__(self, url: str, *, timeout: float | None = None) -> None:
+        targets, url_timeout = parse_grpc_url(url)
+        self.timeout = url_timeout if timeout is None else timeout
+        if not self.timeout > 0:
+            raise UsageError(f"timeout must be positive, got {self.timeout}")
+        self.url = "grpc://" + ",".join(targets)
+        self._relays = [_Relay(t) for t in targets]
+        self._preferred = 0  # the relay that answered last
+
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self._relays]
+
+    def __repr__(self) -> str:
+        return f"GrpcStore({self.url!r})"
+
+    def close(self) -> None:
+        for relay in self._relays:
+            relay.channel.close()
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        download = _Download(key, byte_range)
+
+        def attempt(relay: _Relay) -> bytes:
+            for chunk in relay.get(download.request(), timeout=self.timeout):
+                download.feed(chunk)
+            return download.result()
+
+        return self._failover("read", key, attempt)
+
+    def _size(self, key: str) -> int:
+        def attempt(relay: _Relay) -> int:
+            return int(relay.stat(pb.StatRequest(key=key), timeout=self.timeout).size)
+
+        return self._failover("stat", key, attempt)
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        def attempt(relay: _Relay) -> list[str]:
+            keys: list[str] = []
+            for batch in relay.list(pb.ListRequest(prefix=prefix), timeout=self.timeout):
+                keys.extend(batch.keys)
+            return keys
+
+        return iter(self._failover("list", prefix or None, attempt))
+
+    def watch(self, after_version: int = 0) -> VersionWatch:
+        """Committed versions newer than ``after_version`` as relays announce them: first the
+        newest one, then each new one in order. Blocks between versions; ``close()`` ends it
+        (from any thread). Fails over like every call; raises StoreError once no relay answers."""
+        return VersionWatch(self, after_version)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        raise UsageError(f"grpc:// repositories are read-only: cannot write {key} to {self.url} (publish to its upstream)")
+
+    def _delete(self, key: str) -> None:
+        raise UsageError(f"grpc:// repositories are read-only: cannot delete {key} from {self.url}")
+
+    # -- failover ------------------------------------------------------------------------------
+
+    def _failover(self, action: str, key: str | None, attempt: Callable[[_Relay], T]) -> T:
+        """Run ``attempt`` on the preferred relay, then on the others while they are unreachable."""
+        errors: dict[str, str] = {}
+        n = len(self._relays)
+        for round_ in range(_ROUNDS):
+            if round_:
+                time.sleep(_ROUND_PAUSE)
+            start = self._preferred
+            for i in range(n):
+                index = (start + i) % n
+                relay = self._relays[index]
+                try:
+                    result = attempt(relay)
+                except grpc.RpcError as e:
+                    if e.code() not in FAILOVER_CODES:
+                        raise translate(e, action, key, relay.address) from None
+                    errors[relay.address] = describe(e)
+                    continue
+                self._preferred = index
+                return result
+        what = f" {key}" if key else ""
+        tried = "; ".join(f"{address}: {error}" for address, error in errors.items())
+        raise StoreError(f"cannot {action}{what} through {self.url}: no relay answered ({tried})")
+
+
+def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> DeltasyncError:
+    """A relay's definitive answer as the deltasync error a local store would raise."""
+    code = e.code()
+    details = " ".join(str(e.details() or "").split())
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ObjectNotFoundError(key or details)
+    if code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DATA_LOSS):
+        return CorruptObjectError(key or "object", details or code.name.lower())
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return UsageError(details or f"relay {address} rejected the request to {action} {key}")
+    what = f" {key}" if key else ""
+    return StoreError(f"cannot {action}{what} through relay {address}: {describe(e)}")
+
+
+class _Download:
+    """One Get, possibly spread over several relays: each resumes where the last one stopped."""
+
+    def __init__(self, key: str, byte_range: tuple[int, int] | None) -> None:
+        self.key = key
+        self.offset = byte_range[0] if byte_range is not None else 0
+        self.length: int | None = byte_range[1] if byte_range is not None else None
+        self.parts: list[bytes] = []
+        self.received = 0
+        self.started = False  # this stream sent its first chunk
+
+    def request(self) -> pb.GetRequest:
+        self.started = False
+        if self.length is None:  # a whole object whose size is not known yet
+            return pb.GetRequest(key=self.key)
+        return pb.GetRequest(key=self.key, offset=self.offset + self.received, length=self.length - self.received, has_range=True)
+
+    def feed(self, chunk: pb.GetChunk) -> None:
+        if not self.started:
+            self.started = True
+            if self.length is None:
+                self.length = chunk.total_bytes  # from here on a resumable range
+            elif chunk.total_bytes != self.length - self.received:
+                expected = self.length - self.received
+                raise CorruptObjectError(self.key, f"relay announced {chunk.total_bytes} bytes, asked for {expected}")
+        data = chunk.data
+        if self.length is None or self.received + len(data) > self.length:
+            raise CorruptObjectError(self.key, "relay sent more bytes than asked for")
+        self.parts.append(data)
+        self.received += len(data)
+
+    def result(self) -> bytes:
+        if not self.started or self.received != self.length:
+            raise CorruptObjectError(self.key, f"relay stream ended after {self.received} of {self.length} bytes")
+        out = b"".join(self.parts)
+        self.parts = [out]
+        return out
+
+
+class VersionWatch(Iterator[int]):
+    """Iterator over newly committed versions (see :meth:`GrpcStore.watch`)."""
+
+    def __init__(self, store: GrpcStore, after_version: int) -> None:
+        self.store = store
+        self.last = after_version  # newest version yielded (or known to the caller)
+        self.latest = after_version  # newest version a relay reported, keepalives included
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._closed = False
+        self._events = self._run()
+
+    def __iter__(self) -> VersionWatch:
+        return self
+
+    def __next__(self) -> int:
+        return next(self._events)
+
+    def close(self) -> None:
+        """End the watch; a thread blocked in ``next()`` gets StopIteration."""
+        with self._lock:
+            self._closed = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _run(self) -> Iterator[int]:
+        relays = self.store._relays
+        index = self.store._preferred
+        failures = 0  # consecutive streams that ended without one message
+        while True:
+            relay = relays[index]
+            with self._lock:
+                if self._closed:
+                    return
+                self._call = call = relay.watch(pb.WatchRequest(after_version=self.last))
+            try:
+                for event in call:
+                    failures = 0
+                    self.store._preferred = index
+                    self.latest = max(self.latest, event.latest)
+                    if event.version > self.last:
+                        self.last = event.version
+                        yield event.version
+                error = "the relay ended the stream"
+            except grpc.RpcError as e:
+                if self._closed:
+                    return
+                if e.code() not in FAILOVER_CODES:
+                    raise translate(e, "watch", None, relay.address) from None
+                error = describe(e)
+            finally:
+                call.cancel()  # a no-op once the call is over; ends it when the consumer stops early
+            failures += 1
+            if failures >= _ROUNDS * len(relays):
+                raise StoreError(f"cannot watch {self.store.url}: no relay answered (last error, from {relay.address}: {error})")
+            index = (index + 1) % len(relays)
+            if index == self.store._preferred or len(relays) == 1:
+                time.sleep(_ROUND_PAUSE)
