@@ -74,12 +74,15 @@ trusted_key_option = click.option(
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Producer metadata (repeatable).")
 @click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
               help="Sign the manifest with this ed25519 private key (PEM, see keygen).")
+@click.option("--squash-stride", "squash_strides", multiple=True, type=click.IntRange(min=2), metavar="S",
+              help="When S divides the new version id V, also store V as one delta from V-S (repeatable).")
 @workers_option
 @quiet_option
 def publish(
     checkpoint: Path, repo: str, base_dir: Path | None, cache_dir: Path | None, no_cache: bool,
     version: int | None, snapshot_every: int, max_delta_fraction: float, chunk_mib: float,
-    zstd_level: int, meta: tuple[str, ...], signing_key: Path | None, workers: int, quiet: bool,
+    zstd_level: int, meta: tuple[str, ...], signing_key: Path | None, squash_strides: tuple[int, ...],
+    workers: int, quiet: bool,
 ) -> None:
     """Publish a checkpoint directory (safetensors, single or sharded) as a new version."""
     from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
@@ -88,7 +91,7 @@ def publish(
     config = PublisherConfig(
         codec=PlanesZstdCodec(chunk_bytes=chunk_bytes, zstd_level=zstd_level),
         workers=workers, snapshot_every=snapshot_every, max_delta_fraction=max_delta_fraction,
-        progress=_progress(quiet),
+        progress=_progress(quiet), squash_strides=squash_strides,
     )
     pub = Publisher(repo, config, signing_key=signing_key)
     cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
@@ -100,6 +103,8 @@ def publish(
         f"published version {r.version} ({r.kind}{parent}): {_mib(r.raw_bytes)} raw, "
         f"{_mib(r.stored_bytes)} stored, {r.ratio:.1f}x, {r.seconds:.2f}s"
     )
+    for sq in pub.last_squashes:
+        click.echo(sq.summary())
 
 
 @cli.command()
@@ -154,6 +159,8 @@ def pull(repo: str, out: Path, version: int | None, trusted_keys: tuple[Path, ..
     v = sub.pull_to_dir(out, version)
     plan = sub.last_plan
     how = "from snapshot" if plan is None or plan.base is None else f"from local version {plan.base}"
+    if plan is not None and plan.squashes:
+        how += f" via {len(plan.squashes)} squash(es)"
     fetched = _mib(plan.fetch_bytes) if plan else "?"
     click.echo(f"pulled version {v} into {out} ({how}, {fetched} fetched, {time.monotonic() - start:.2f}s)")
 
@@ -174,8 +181,9 @@ def verify(repo: str, version: int | None, trusted_keys: tuple[Path, ...], worke
     report = verify_repository(r, version=version, workers=workers, progress=_progress(quiet))
     for line in report.notes:
         click.echo(f"note: {line}")
+    squashes = f"{len(report.squashes)} squash(es), " if report.squashes else ""
     click.echo(
-        f"verified {len(report.versions)} version(s), {report.chunks} chunks, "
+        f"verified {len(report.versions)} version(s), {squashes}{report.chunks} chunks, "
         f"{report.packs} packs, {report.blobs} blobs: ok"
     )
 
@@ -191,6 +199,37 @@ def inspect(repo: str, version: int | None, trusted_keys: tuple[Path, ...]) -> N
 
     for line in describe_version(Repository(repo, trusted_keys=trusted_keys), version):
         click.echo(line)
+
+
+@cli.command()
+@repo_option
+@click.option("--from", "a", type=click.IntRange(min=1), default=None, metavar="A", help="Older version (with --to).")
+@click.option("--to", "c", type=click.IntRange(min=1), default=None, metavar="C", help="Newer version (with --from).")
+@click.option("--stride", "strides", multiple=True, type=click.IntRange(min=2), metavar="S",
+              help="Every missing squash V-S -> V for V a multiple of S (repeatable), instead of --from/--to.")
+@click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Sign the squash with this ed25519 private key (PEM, see keygen).")
+@workers_option
+@quiet_option
+def squash(repo: str, a: int | None, c: int | None, strides: tuple[int, ...], signing_key: Path | None,
+           workers: int, quiet: bool) -> None:
+    """Store version C once more as one delta from version A, so subscribers at A skip the versions between."""
+    from deltasync import PublisherConfig
+    from deltasync.squash import write_squash, write_squashes
+
+    if strides and (a is not None or c is not None):
+        raise UsageError("give either --from and --to, or --stride")
+    config = PublisherConfig(workers=workers, progress=_progress(quiet))
+    if strides:
+        results = write_squashes(repo, strides, config=config, signing_key=signing_key)
+        if not results:
+            click.echo("no squash missing")
+    elif a is None or c is None:
+        raise UsageError("give --from A and --to C (or --stride S)")
+    else:
+        results = [write_squash(repo, a, c, config=config, signing_key=signing_key)]
+    for r in results:
+        click.echo(r.summary())
 
 
 @cli.command()
@@ -229,15 +268,28 @@ def gc(repo: str, keep_last: int, keep_every: int | None, grace: float, dry_run:
               help="Evict least recently used objects beyond this size, e.g. 500G [default: no limit].")
 @click.option("--poll-interval", type=click.FloatRange(0.01, 60), default=0.5, show_default=True, metavar="SECONDS",
               help="How often the upstream is checked for a new version.")
-def serve(repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float) -> None:
+@click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Serve TLS with this PEM certificate (clients use grpcs://).")
+@click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None, help="PEM key of --tls-cert.")
+@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Require this bearer token from every client [default: $DELTASYNC_RELAY_TOKEN(_FILE) if set].")
+def serve(
+    repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
+    tls_cert: Path | None, tls_key: Path | None, token_file: Path | None,
+) -> None:
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
     import logging
 
     from deltasync.relay import build_server, parse_size, run_until_signalled
+    from deltasync.storage._grpc import read_token
 
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
     limit = parse_size(cache_max_bytes) if cache_max_bytes is not None else None
-    server = build_server(repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval)
+
+    server = build_server(
+        repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval,
+        tls_cert=tls_cert, tls_key=tls_key, token=read_token(None, token_file),
+    )
 
     def ready() -> None:
         click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}); SIGTERM stops")

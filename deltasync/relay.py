@@ -28,6 +28,7 @@ import asyncio
 import bisect
 import contextlib
 import functools
+import hmac
 import logging
 import os
 import re
@@ -93,6 +94,12 @@ class RelayConfig:
     """Objects larger than this are fetched from the upstream in ranges of this size."""
     workers: int = 32
     """Threads for upstream reads, cache file reads and index writes."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain) to serve TLS with; needs ``tls_key``. None: plaintext."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
+    token: str | None = None
+    """Bearer token every client must send (``authorization: Bearer …``). None: no check."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -105,6 +112,10 @@ class RelayConfig:
             raise UsageError(f"cache_max_bytes must not be negative, got {self.cache_max_bytes}")
         if self.fetch_piece_bytes < 1 or self.workers < 2:
             raise UsageError("fetch_piece_bytes must be positive and workers at least 2")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise UsageError("TLS needs both a certificate and its key")
+        if self.token is not None and not self.token.strip():
+            raise UsageError("the bearer token is empty")
 
 
 def build_server(
@@ -170,10 +181,17 @@ class RelayServer:
 
     async def _start(self, service: _RelayService) -> int:
         _check_bindable(self.config.listen)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = [_RequireToken(self.config.token)] if self.config.token else []
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         server.add_generic_rpc_handlers((service.handler(),))
         try:
-            port = int(server.add_insecure_port(self.config.listen))
+            if self.config.tls_cert is not None and self.config.tls_key is not None:
+                creds = grpc.ssl_server_credentials(
+                    [(_read_pem(self.config.tls_key), _read_pem(self.config.tls_cert))]
+                )
+                port = int(server.add_secure_port(self.config.listen, creds))
+            else:
+                port = int(server.add_insecure_port(self.config.listen))
         except RuntimeError:
             port = 0
         if port == 0:
@@ -653,3 +671,32 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 
 def _on_loop(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run_coroutine_threadsafe(coro, _event_loop()).result()
+
+
+def _read_pem(path: Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+
+
+class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call without ``authorization: Bearer <token>`` (constant-time compare)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(got, self._expected):
+                    return await continuation(details)
+        streaming = details.method.rsplit("/", 1)[-1] in ("Get", "List", "Watch")
+
+        async def deny(request: Any, context: Any) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        if streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)

@@ -39,8 +39,8 @@ def open_store(url: str) -> Store:
         from ._s3 import S3Store  # boto3 is imported only when an s3:// URL is opened
 
         return S3Store(url)
-    if scheme == "grpc":
+    if scheme in ("grpc", "grpcs"):
         from ._grpc import GrpcStore  # grpcio is imported only when a grpc:// URL is opened
 
         return GrpcStore(url)
-    raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, memory://, s3:// or grpc://)")
+    raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, memory://, s3://, grpc:// or grpcs://)")

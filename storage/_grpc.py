@@ -12,9 +12,11 @@ grpcio at runtime to the version of grpcio-tools that generated it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlparse
 
@@ -71,9 +73,9 @@ def method_path(name: str) -> str:
 
 
 def parse_grpc_url(url: str) -> tuple[list[str], float]:
-    """``grpc://h1:p1,h2:p2?timeout=30`` → (["h1:p1", "h2:p2"], 30.0)."""
+    """``grpc://h1:p1,h2:p2?timeout=30`` → (["h1:p1", "h2:p2"], 30.0). ``grpcs://`` is the same over TLS."""
     parsed = urlparse(url)
-    if parsed.scheme.lower() != "grpc" or not parsed.netloc or parsed.path.strip("/"):
+    if parsed.scheme.lower() not in ("grpc", "grpcs") or not parsed.netloc or parsed.path.strip("/"):
         raise UsageError(f"invalid relay URL {url!r} (expected grpc://host:port[,host:port…])")
     targets = [t.strip() for t in parsed.netloc.split(",") if t.strip()]
     for target in targets:
@@ -105,13 +107,67 @@ def describe(e: grpc.RpcError) -> str:
     return f"{name}: {details}" if details else name
 
 
+TOKEN_ENV = "DELTASYNC_RELAY_TOKEN"
+TOKEN_FILE_ENV = "DELTASYNC_RELAY_TOKEN_FILE"
+CA_ENV = "DELTASYNC_RELAY_CA"
+
+
+def read_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> str | None:
+    """The bearer token: given, else from a file, else ``$DELTASYNC_RELAY_TOKEN(_FILE)``."""
+    if token:
+        return token
+    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read token file {path}: {e.strerror}") from None
+        if not text:
+            raise UsageError(f"token file {path} is empty")
+        return text
+    return os.environ.get(TOKEN_ENV) or None
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Adds ``authorization: Bearer <token>`` to every call."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._header]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
+class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
+    def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
 class _Relay:
     """One relay address: its channel and the four methods bound to it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, tls: bool = False, ca: bytes | None = None, token: str | None = None) -> None:
         self.address = address
-        # Transport security and credentials get added here (one place for every call).
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Transport security and credentials: one place for every call.
+        if tls:
+            creds = grpc.ssl_channel_credentials(root_certificates=ca)
+            self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if token:
+            self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
         calls: dict[str, Any] = {}
         for name, (request, response, streaming) in METHODS.items():
             factory = self.channel.unary_stream if streaming else self.channel.unary_unary
@@ -129,13 +185,30 @@ class GrpcStore(Store):
         timeout: deadline of one call (a whole Get stream included); overrides the URL's.
     """
 
-    def __init__(self, url: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float | None = None,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+    ) -> None:
         targets, url_timeout = parse_grpc_url(url)
         self.timeout = url_timeout if timeout is None else timeout
         if not self.timeout > 0:
             raise UsageError(f"timeout must be positive, got {self.timeout}")
-        self.url = "grpc://" + ",".join(targets)
-        self._relays = [_Relay(t) for t in targets]
+        tls = urlparse(url).scheme.lower() == "grpcs"
+        self.url = ("grpcs://" if tls else "grpc://") + ",".join(targets)
+        ca: bytes | None = None
+        ca_path = ca_file or os.environ.get(CA_ENV)
+        if tls and ca_path:
+            try:
+                ca = Path(ca_path).read_bytes()
+            except OSError as e:
+                raise UsageError(f"cannot read CA certificate {ca_path}: {e.strerror}") from None
+        tok = read_token(token, token_file)
+        self._relays = [_Relay(t, tls=tls, ca=ca, token=tok) for t in targets]
         self._preferred = 0  # the relay that answered last
 
     @property
@@ -227,6 +300,11 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
         return CorruptObjectError(key or "object", details or code.name.lower())
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return UsageError(details or f"relay {address} rejected the request to {action} {key}")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return StoreError(
+            f"relay {address} refused to {action}: {details or 'not authorised'} "
+            f"(set ${TOKEN_ENV} or ${TOKEN_FILE_ENV})"
+        )
     what = f" {key}" if key else ""
     return StoreError(f"cannot {action}{what} through relay {address}: {describe(e)}")
 
