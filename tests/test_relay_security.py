@@ -91,7 +91,7 @@ def test_missing_or_wrong_token_is_refused(secured: tuple[RelayServer, Path, dic
     server, cert, _ = secured
     for token in (None, "wrong-token"):
         store = GrpcStore(_url(server), token=token, ca_file=cert)
-        with pytest.raises(StoreError, match="refused.*bearer token"):
+        with pytest.raises(StoreError, match=r"refused.*bearer token"):
             store.get("deltasync.json")
         with pytest.raises(StoreError, match="refused"):
             list(store.list("manifests/"))
