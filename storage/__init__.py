@@ -10,8 +10,9 @@ from deltasync.errors import UsageError
 from ._base import Store, check_key
 from ._local import LocalStore
 from ._memory import MemoryStore
+from ._throttle import ThrottledStore
 
-__all__ = ["LocalStore", "MemoryStore", "Store", "check_key", "open_store"]
+__all__ = ["LocalStore", "MemoryStore", "Store", "ThrottledStore", "check_key", "open_store"]
 
 _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()
