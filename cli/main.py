@@ -299,6 +299,188 @@ def serve(
 
 
 @cli.command()
+@repo_option
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to keep at the version to serve.")
+@click.option("--follow", is_flag=True, help="Keep running: bring the directory to every new target (SIGTERM stops).")
+@click.option("--poll-interval", type=click.FloatRange(0.01, 3600), default=0.5, show_default=True, metavar="SECONDS",
+              help="How often the repository's latest and pin refs are read.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port).")
+@click.option("--metrics-host", default="", metavar="HOST", help="Address for --metrics-port [default: every interface].")
+@click.option("--keep-versions", type=click.IntRange(min=0), default=8, show_default=True, metavar="K",
+              help="Keep the delta payloads of the last K versions in DIR/.deltasync: rollbacks among them download nothing.")
+@click.option("--retries", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Attempts per update (with backoff) before a run without --follow gives up.")
+@trusted_key_option
+@workers_option
+@quiet_option
+def subscribe(
+    repo: str, out: Path, follow: bool, poll_interval: float, metrics_port: int | None, metrics_host: str,
+    keep_versions: int, retries: int, trusted_keys: tuple[Path, ...], workers: int, quiet: bool,
+) -> None:
+    """Bring a directory to the version to serve (the pinned one, else the latest); with --follow, keep it there.
+
+    Resumes where a killed run stopped. State, figures and kept payloads live in DIR/.deltasync
+    (see `deltasync status DIR`). SIGTERM or SIGINT stops after the current chunk, exit status 0.
+    """
+    import signal
+
+    from deltasync.agent import Agent, AgentConfig, Update
+
+    config = AgentConfig(
+        poll_interval=poll_interval, metrics_port=metrics_port, metrics_host=metrics_host,
+        keep_versions=keep_versions, retries=retries, workers=workers, progress=_progress(quiet),
+    )
+
+    def report(u: Update) -> None:
+        click.echo(f"version {u.version} ({u.how}, {_mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
+        sys.stdout.flush()
+
+    def ready(a: Agent) -> None:
+        if a.metrics_port is not None:
+            click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{a.metrics_port}/metrics")
+        if follow:
+            click.echo(f"following {repo} into {out}; SIGTERM stops")
+        sys.stdout.flush()
+
+    agent = Agent(repo, out, config, trusted_keys=trusted_keys, on_update=report, on_ready=ready)
+
+    def on_signal(signum: int, frame: object) -> None:
+        agent.stop()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C kills at once
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    before = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        version = agent.run(follow=follow)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    if agent.stopping:
+        click.echo(f"stopped at version {version}" + ("" if version is None else "; the next run resumes any update in progress"))
+    else:
+        click.echo(f"{out} is at version {version}")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def status(directory: Path, as_json: bool) -> None:
+    """Show a local copy's version, lag, agent, bytes fetched, apply time and last error (safe while an agent runs)."""
+    from deltasync.agent import read_status
+
+    s = read_status(directory)
+    if as_json:
+        click.echo(json.dumps(s, sort_keys=True))
+        return
+
+    def ago(t: float | None) -> str:
+        return "-" if t is None else f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({time.time() - t:.1f}s ago)"
+
+    def opt(v: object) -> str:
+        return "-" if v is None else str(v)
+
+    lag = "-" if s["lag_versions"] is None else f"{s['lag_versions']} version(s)"
+    if s["lag_seconds"] is not None:
+        lag += f", {s['lag_seconds']:.1f}s"
+    agent = f"running (pid {s.get('pid')}, {s.get('state')})" if s["running"] else "not running"
+    rows = [
+        ("directory", s["directory"]),
+        ("repository", s["repo"] or "-"),
+        ("version", f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
+        ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}"),
+        ("pinned", opt(s.get("pinned_version"))),
+        ("lag", lag),
+        ("agent", agent),
+        ("fetched", f"{_mib(int(s.get('bytes_fetched_total') or 0))} in total, {s.get('updates_total') or 0} update(s)"),
+    ]
+    last = s.get("last_update")
+    if last:
+        rows.append(("last update", f"{opt(last.get('previous'))} -> {last['version']}: {last['how']}, "
+                                    f"{_mib(int(last['fetched_bytes']))} fetched, applied in {last['seconds']:.2f}s"))
+    wip = s.get("wip")
+    if wip:
+        done = f"{wip['chunks_done']}/{wip['chunks_total']} chunks"
+        rows.append(("in progress", f"version {wip['target']} ({wip['phase']}, {done})"))
+    if s.get("last_error"):
+        rows.append(("last error", f"{ago(s.get('last_error_unix'))}: {s['last_error']}"))
+    for name, value in rows:
+        click.echo(f"{name:12} {value}")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--repair", is_flag=True, help="Fetch only the drifted chunks (from the nearest snapshot) and fix them in place.")
+@click.option("--repo", default=None, metavar="URL", help="[default: the repository the copy was pulled from]")
+@trusted_key_option
+@workers_option
+def check(directory: Path, repair: bool, repo: str | None, trusted_keys: tuple[Path, ...], workers: int) -> None:
+    """Compare a local copy with the manifest of its version, chunk by chunk (exit status 1 on drift without --repair)."""
+    from deltasync.localcopy import check_copy
+
+    report = check_copy(directory, repo=repo, repair=repair, workers=workers, trusted_keys=trusted_keys)
+    for d in report.drifted:
+        click.echo(f"drifted: {d}")
+    summary = f"version {report.version}: {report.files} files, {report.chunks} chunks"
+    if report.repaired:
+        click.echo(f"{summary}: repaired {len(report.drifted)} ({_mib(report.fetched_bytes)} fetched)")
+    elif report.drifted:
+        click.echo(f"{summary}: {len(report.drifted)} drifted (run with --repair to fix)")
+        sys.exit(1)
+    else:
+        click.echo(f"{summary}: ok")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--to", "version", type=click.IntRange(min=1), required=True, metavar="N", help="Version to move to.")
+@click.option("--repo", default=None, metavar="URL", help="[default: the repository the copy was pulled from]")
+@trusted_key_option
+@workers_option
+@quiet_option
+def rollback(directory: Path, version: int, repo: str | None, trusted_keys: tuple[Path, ...], workers: int, quiet: bool) -> None:
+    """Move a local copy to an earlier version N, reversing the deltas in between where it can.
+
+    Nothing is downloaded for deltas whose payloads the copy kept (see subscribe --keep-versions);
+    what cannot be reversed comes from the snapshot plus chain.
+    """
+    from deltasync.agent import AgentConfig
+    from deltasync.agent import rollback as rollback_copy
+
+    u = rollback_copy(directory, version, repo=repo, config=AgentConfig(workers=workers, progress=_progress(quiet)),
+                      trusted_keys=trusted_keys)
+    if u is None:
+        click.echo(f"{directory} is already at version {version}")
+    else:
+        click.echo(f"moved {directory} from version {u.previous} to {u.version} "
+                   f"({u.how}, {_mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
+
+
+@cli.command()
+@repo_option
+@click.argument("version", type=click.IntRange(min=1), required=False)
+@click.option("--clear", is_flag=True, help="Remove the pin: subscribers follow the latest again.")
+def pin(repo: str, version: int | None, clear: bool) -> None:
+    """Pin the version following subscribers serve, forward or back (e.g. after an evaluation gate fails); no VERSION: show it."""
+    from deltasync import Repository
+
+    r = Repository(repo)
+    r.ensure_exists()
+    if clear and version is not None:
+        raise UsageError("give a VERSION to pin or --clear, not both")
+    if clear:
+        r.pin(None)
+        click.echo(f"pin cleared: subscribers follow the latest (version {r.latest()})")
+    elif version is not None:
+        r.pin(version)
+        click.echo(f"pinned version {version}: following subscribers move to it")
+    else:
+        pinned = r.pinned()
+        latest = r.latest()
+        click.echo(f"pinned version {pinned}" if pinned is not None else f"not pinned: subscribers follow the latest ({latest})")
+
+
+@cli.command()
 @click.option("--dir", "workdir", type=click.Path(path_type=Path), default=Path("deltasync-demo"), show_default=True)
 @click.option("--steps", type=click.IntRange(2, 50), default=5, show_default=True)
 @quiet_option

@@ -8,27 +8,58 @@ Payload layouts (``codec_version`` 1), all integers little-endian:
 
 * ``SAME``   — empty.
 * ``FULL``   — zstd(planes(target)).
-* ``DENSE``  — u8 transform, then zstd(planes(change of every element)).
-* ``SPARSE`` — u8 transform, u8 position coding, u8 gap width, u8 pad, u64 count,
-  u64 length of the position section; then zstd(positions), zstd(planes(changes)).
+* ``DENSE``  — u8 transform (0 or 1), then zstd(planes(change of every element)).
+* ``SPARSE`` — u8 transform, u8 position coding, u8 position parameter, u8 value parameter,
+  u64 count of changed elements (>= 1), u64 length of the position section; then the
+  position section, then the value section (the rest of the payload).
 
-``transform`` is 0 for XOR of the bit patterns, 1 for the zigzag of the wrapping integer
-difference (so that a change of -1 ulp is as small as +1 ulp). ``position coding`` is 0 for a
-bitmap of changed elements, 1 for gaps between changed indices as unsigned integers of
-one byte each (255 escapes to a u32 in a second stream; ``gap width`` is 1).
+Position codings, with their position parameter; a gap is ``index - previous index - 1``
+(the first previous index is -1):
+
+* 0, bitmap [0] — zstd of one bit per element (1 = changed), LSB-first, zero padding bits.
+* 1, gap bytes [1] — u64 length of the first frame, zstd(min(gap, 255) as u8 per change),
+  zstd(planes(gap - 255 as u32 for every gap >= 255)).
+* 2, Rice [k <= 31] — the unary stream of ``gap >> k`` for every change, then the k low bits
+  of every gap (exactly ``ceil(count * k / 8)`` bytes).
+
+Transforms of the changed elements, with their value parameter:
+
+* 0, XOR [0] — zstd(planes(target ^ base)).
+* 1, zigzag [0] — zstd(planes(zigzag(target - base))): the wrapping difference, zigzagged
+  (0, -1, +1, -2, ... -> 0, 1, 2, 3, ...) so that -1 ulp is as small as +1 ulp.
+* 2, 2-bit zigzag [k < 8 * width] — z = zigzag(target - base) >= 1 as the 2-bit symbol
+  ``min(z - 1, 3)``, four to a byte from the low bits (padding symbols 0); every z >= 4 is
+  an escape, coded as e = z - 4 in exp-Golomb order k. The section is: u32 length of the
+  symbol frame, zstd(symbols), u32 length of the prefix stream, the prefix stream
+  (``nb = bit_length((e >> k) + 1) - 1`` in unary for every escape), the suffix stream (for
+  every escape the k low bits of e, then the nb low bits of ``(e >> k) + 1``). k is 0 when
+  there is no escape. ±1 ulp, the bulk of an RL step, costs two bits before zstd, where
+  byte planes cost at least a bit per plane.
+
+Bit streams are LSB-first (bit i is ``byte[i // 8] >> (i % 8) & 1``), a unary code of q is q
+zero bits then a one, and every stream is padded with zero bits to whole bytes. Decoding
+accepts exactly what encoding writes: every header field, length and padding is checked.
+
+The hot loops live in the C extension ``deltasync._kernels``; ``deltasync._kernels_py`` is its
+pure-numpy twin (byte-identical), used when the extension is not built or when the
+environment variable ``DELTASYNC_NO_KERNELS`` is set.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import ClassVar, TypeAlias
+from typing import ClassVar, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from . import _kernels_py
+from ._kernels_py import UINT as _UINT
+from ._kernels_py import Data, unzigzag, zigzag
 from .errors import CorruptObjectError, UsageError
 from .v1 import manifest_pb2 as pb
 
@@ -39,19 +70,52 @@ FULL = pb.FULL
 
 ENCODING_NAMES: dict[Encoding, str] = {SAME: "same", SPARSE: "sparse", DENSE: "dense", FULL: "full"}
 
-_UINT: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_INT: dict[int, type[np.signedinteger]] = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-_XOR, _ZIGZAG = 0, 1
-_BITMAP, _GAPS = 0, 1
+_XOR, _ZIGZAG, _ZIGZAG2 = 0, 1, 2
+_BITMAP, _GAPS, _RICE = 0, 1, 2
+_MAX_RICE_K = 31
 _SPARSE_HEADER = struct.Struct("<BBBBQQ")
 _DENSE_HEADER = struct.Struct("<B")
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+
+_SAMPLE = 4096
+"""Changes per trial encoding when the sparse transform is picked from a sample."""
+_SPARSE_MAX_DENSITY = 0.9
+_RICE_MAX_DENSITY = 0.5
+_BITMAP_MIN_DENSITY = 1 / 8
+_MAX_SPARSE_ELEMENTS = 0xFFFFFFFF  # positions are u32
 
 Bytes = npt.NDArray[np.uint8]
 
-
 Encoding: TypeAlias = pb.Encoding
+
+
+class _Kernels(Protocol):
+    """The functions of ``deltasync._kernels`` and its twin ``deltasync._kernels_py``."""
+
+    def scan(self, target: Data, base: Data, width: int, limit: int, /) -> tuple[
+        int, bytes | None, bytes | None, bytes | None
+    ]: ...
+    def rice_encode(self, indices: Data, /) -> tuple[int, bytes]: ...
+    def rice_decode(self, data: Data, count: int, k: int, n: int, /) -> bytes: ...
+    def pack2(self, target_values: Data, base_values: Data, width: int, /) -> tuple[bytes, int, bytes, bytes]: ...
+    def unpack2(self, symbols: Data, count: int, k: int, prefix: Data, suffix: Data, width: int, /) -> bytes: ...
+    def scatter(self, out: Bytes, base: Data | None, indices: Data, values: Data, width: int, transform: int, /) -> None: ...
+
+
+def _load_kernels() -> tuple[_Kernels, str]:
+    if not os.environ.get("DELTASYNC_NO_KERNELS"):
+        try:
+            from . import _kernels
+        except ImportError:
+            pass
+        else:
+            return _kernels, "c"
+    return _kernels_py, "numpy"
+
+
+_K, KERNELS = _load_kernels()
+"""The kernels in use, and which: ``"c"`` (the extension) or ``"numpy"`` (the fallback)."""
 
 
 @dataclass(frozen=True)
@@ -113,17 +177,18 @@ def unplanes(data: bytes, width: int) -> Bytes:
     return np.ascontiguousarray(raw.reshape(width, -1).T).reshape(-1)
 
 
-def _zigzag(diff: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np.unsignedinteger]:
-    s = diff.view(_INT[width])
-    shift = 8 * width - 1
-    return ((s << 1) ^ (s >> shift)).view(_UINT[width])
+def _unplanes_into(data: bytes, out: Bytes, width: int) -> None:
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if width == 1:
+        np.copyto(out, raw)
+    else:
+        np.copyto(out.reshape(-1, width), raw.reshape(width, -1).T)
 
 
-def _unzigzag(zz: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np.unsignedinteger]:
-    u = _UINT[width]
-    one = u(1)
-    out: npt.NDArray[np.unsignedinteger] = (zz >> one) ^ (u(0) - (zz & one))
-    return out
+def _take(data: memoryview, at: int, length: int, what: str) -> memoryview:
+    if length > len(data) - at:
+        raise CorruptObjectError("sparse chunk", f"{what} runs past the payload")
+    return data[at : at + length]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +196,10 @@ class PlanesZstdCodec:
     """Byte-plane + zstd chunk codec; its fields are recorded in every manifest.
 
     Candidates that cannot win at a chunk's density are not tried unless ``exhaustive``:
-    dense only above ``dense_min_density`` of elements changed, full only above
-    ``full_min_density`` (or when there is no base).
+    sparse only up to 90% of elements changed, dense only above ``dense_min_density``, full
+    only above ``full_min_density`` (or when there is no base). Within sparse, positions are
+    Rice-coded up to 50% changed and a bitmap is tried from 1/8 up; the value transform is
+    the best of the three on the first 4096 changes, then applied to all of them.
     """
 
     name: ClassVar[str] = "deltasync.planes-zstd"
@@ -192,25 +259,61 @@ class PlanesZstdCodec:
         return self._encode(target, base, width)
 
     def decode(self, chunk: EncodedChunk, base: Bytes | None, width: int, nbytes: int) -> Bytes:
-        """Decode to exactly ``nbytes`` bytes. Raises CorruptObjectError on malformed payloads."""
+        """Decode to exactly ``nbytes`` bytes. Raises CorruptObjectError on malformed payloads.
+
+        Returns a new array, or ``base`` itself for a ``same`` chunk; :meth:`decode_into`
+        writes into the caller's buffer instead."""
         _check_width(width)
+        if nbytes % width:
+            raise CorruptObjectError("chunk", f"{nbytes} bytes is not whole {width}-byte elements")
+        if chunk.encoding == SAME:
+            self._check_base(chunk, base, nbytes)
+            assert base is not None
+            if chunk.payload:
+                raise CorruptObjectError("chunk", "same chunk carries a payload")
+            return np.ascontiguousarray(base)
+        return self.decode_into(chunk, base, np.empty(nbytes, dtype=np.uint8), width)
+
+    def decode_into(self, chunk: EncodedChunk, base: Bytes | None, out: Bytes, width: int) -> Bytes:
+        """Decode into ``out`` (a writable, contiguous 1-d uint8 array of the chunk's size) and
+        return it. ``out`` may be ``base`` itself: the change is then applied in place, which
+        for a sparse chunk touches only the changed elements. Raises CorruptObjectError on
+        malformed payloads, and then leaves ``out`` as it was."""
+        _check_width(width)
+        if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
+            raise UsageError("out must be a writable, contiguous 1-d uint8 array")
+        nbytes = len(out)
         if nbytes % width:
             raise CorruptObjectError("chunk", f"{nbytes} bytes is not whole {width}-byte elements")
         enc = chunk.encoding
         if enc == FULL:
-            return self._decode_full(chunk.payload, width, nbytes)
-        if base is None or len(base) != nbytes:
-            raise CorruptObjectError("chunk", f"{ENCODING_NAMES.get(enc, enc)} chunk needs a base of {nbytes} bytes")
+            _unplanes_into(_unzstd(chunk.payload, nbytes, "full chunk"), out, width)
+            return out
+        self._check_base(chunk, base, nbytes)
+        assert base is not None
         base = np.ascontiguousarray(base)
+        in_place = base.ctypes.data == out.ctypes.data
+        if not in_place and np.may_share_memory(base, out):
+            raise UsageError("out overlaps base without being base")
         if enc == SAME:
             if chunk.payload:
                 raise CorruptObjectError("chunk", "same chunk carries a payload")
-            return base
-        if enc == DENSE:
-            return self._decode_dense(chunk.payload, base, width, nbytes)
-        if enc == SPARSE:
-            return self._decode_sparse(chunk.payload, base, width, nbytes)
-        raise CorruptObjectError("chunk", f"unknown encoding {enc}")
+            if not in_place:
+                np.copyto(out, base)
+        elif enc == DENSE:
+            self._decode_dense(chunk.payload, base, out, width)
+        elif enc == SPARSE:
+            indices, values, mode = self._decode_sparse(chunk.payload, width, nbytes // width)
+            _K.scatter(out, None if in_place else base, indices, values, width, mode)
+        else:
+            raise CorruptObjectError("chunk", f"unknown encoding {enc}")
+        return out
+
+    @staticmethod
+    def _check_base(chunk: EncodedChunk, base: Bytes | None, nbytes: int) -> None:
+        if base is None or len(base) != nbytes:
+            name = ENCODING_NAMES.get(chunk.encoding, chunk.encoding)
+            raise CorruptObjectError("chunk", f"{name} chunk needs a base of {nbytes} bytes")
 
     # -- encoding -----------------------------------------------------------------------------
 
@@ -218,23 +321,26 @@ class PlanesZstdCodec:
         n = len(target) // width
         if base is None:
             return EncodedChunk(FULL, self._encode_full(target, width))
-        u = _UINT[width]
-        t = target.view(u)
-        b = base.view(u)
-        changed = np.flatnonzero(t != b)
-        count = len(changed)
+        t, b = target.view(_UINT[width]), base.view(_UINT[width])
+        if n <= _MAX_SPARSE_ELEMENTS:
+            limit = n if self.exhaustive else int(_SPARSE_MAX_DENSITY * n)
+            count, indices, tv, bv = _K.scan(target, base, width, limit)
+        else:  # positions would not fit in u32: dense or full only
+            count, indices, tv, bv = int(np.count_nonzero(t != b)), None, None, None
         if count == 0:
             return EncodedChunk(SAME, b"")
         density = count / n
         candidates: list[EncodedChunk] = []
-        transform = _XOR
-        if density <= 0.9 or self.exhaustive:
-            sparse, transform = self._encode_sparse(t, b, changed, width, n)
+        if indices is not None and tv is not None and bv is not None:
+            sparse, transform = self._encode_sparse(indices, tv, bv, width, n)
             candidates.append(EncodedChunk(SPARSE, sparse))
         else:
-            transform = self._pick_transform(t[changed[:4096]], b[changed[:4096]], width)
+            head = slice(0, min(n, 16 * _SAMPLE))  # a sample of the changes, from the chunk's start
+            changed = t[head] != b[head]
+            transform = self._pick_transform(t[head][changed][:_SAMPLE], b[head][changed][:_SAMPLE], width)
         if density >= self.dense_min_density or self.exhaustive:
-            candidates.append(EncodedChunk(DENSE, self._encode_dense(t, b, transform, width)))
+            dense_transform = _ZIGZAG if transform == _ZIGZAG2 else transform
+            candidates.append(EncodedChunk(DENSE, self._encode_dense(t, b, dense_transform, width)))
         if density >= self.full_min_density or self.exhaustive:
             candidates.append(EncodedChunk(FULL, self._encode_full(target, width)))
         return min(candidates, key=lambda c: len(c.payload))
@@ -244,14 +350,14 @@ class PlanesZstdCodec:
     ) -> npt.NDArray[np.unsignedinteger]:
         if transform == _XOR:
             return t ^ b
-        return _zigzag(t - b, width)
+        return zigzag(t - b, width)
 
     def _pick_transform(
         self, t: npt.NDArray[np.unsignedinteger], b: npt.NDArray[np.unsignedinteger], width: int
     ) -> int:
         cctx = _compressor(self.zstd_level)
         xor = len(cctx.compress(planes(t ^ b, width)))
-        zz = len(cctx.compress(planes(_zigzag(t - b, width), width)))
+        zz = len(cctx.compress(planes(zigzag(t - b, width), width)))
         return _ZIGZAG if zz < xor else _XOR
 
     def _encode_full(self, target: Bytes, width: int) -> bytes:
@@ -263,51 +369,124 @@ class PlanesZstdCodec:
         body = _compressor(self.zstd_level).compress(planes(self._changes(t, b, transform, width), width))
         return _DENSE_HEADER.pack(transform) + body
 
-    def _encode_sparse(
-        self,
-        t: npt.NDArray[np.unsignedinteger],
-        b: npt.NDArray[np.unsignedinteger],
-        changed: npt.NDArray[np.intp],
-        width: int,
-        n: int,
-    ) -> tuple[bytes, int]:
-        cctx = _compressor(self.zstd_level)
-        tc, bc = t[changed], b[changed]
-        xor = cctx.compress(planes(tc ^ bc, width))
-        zz = cctx.compress(planes(_zigzag(tc - bc, width), width))
-        transform, values = (_ZIGZAG, zz) if len(zz) < len(xor) else (_XOR, xor)
+    def _encode_sparse(self, indices: bytes, tv: bytes, bv: bytes, width: int, n: int) -> tuple[bytes, int]:
+        """Payload of the changes at ``indices`` (u32) from ``bv`` to ``tv`` (their elements' bytes)."""
+        count = len(indices) // 4
+        transforms = (_XOR, _ZIGZAG, _ZIGZAG2)
+        if self.exhaustive or count <= _SAMPLE:
+            options = {tr: self._encode_values(tv, bv, width, tr) for tr in transforms}
+            transform = min(options, key=lambda tr: len(options[tr][0]))  # ties: the first
+            values, value_param = options[transform]
+        else:
+            cut = _SAMPLE * width
+            trial = {tr: len(self._encode_values(tv[:cut], bv[:cut], width, tr)[0]) for tr in transforms}
+            transform = min(trial, key=lambda tr: trial[tr])
+            values, value_param = self._encode_values(tv, bv, width, transform)
 
-        density = len(changed) / n
-        position_options: list[tuple[int, int, bytes]] = []
-        if density <= 0.25 or self.exhaustive:
-            gaps = np.diff(changed, prepend=-1) - 1
-            position_options.append((_GAPS, 1, self._encode_gaps(gaps)))
-        if density >= 1 / 16 or self.exhaustive:
+        density = count / n
+        positions: list[tuple[int, int, bytes]] = []  # (coding, parameter, section)
+        if density <= _RICE_MAX_DENSITY or self.exhaustive:
+            k, rice = _K.rice_encode(indices)
+            positions.append((_RICE, k, rice))
+        if density >= _BITMAP_MIN_DENSITY or self.exhaustive:
             mask = np.zeros(n, dtype=np.bool_)
-            mask[changed] = True
+            mask[np.frombuffer(indices, dtype=np.uint32)] = True
             bitmap = np.packbits(mask, bitorder="little").tobytes()
-            position_options.append((_BITMAP, 0, cctx.compress(bitmap)))
-        coding, gap_width_used, positions = min(position_options, key=lambda o: len(o[2]))
-        header = _SPARSE_HEADER.pack(transform, coding, gap_width_used, 0, len(changed), len(positions))
-        return header + positions + values, transform
+            positions.append((_BITMAP, 0, _compressor(self.zstd_level).compress(bitmap)))
+        if self.exhaustive:
+            idx = np.frombuffer(indices, dtype=np.uint32).astype(np.int64)
+            positions.append((_GAPS, 1, self._encode_gaps(np.diff(idx, prepend=-1) - 1)))
+        coding, pos_param, section = min(positions, key=lambda o: len(o[2]))
+        header = _SPARSE_HEADER.pack(transform, coding, pos_param, value_param, count, len(section))
+        return header + section + values, transform
 
-    def _encode_gaps(self, gaps: npt.NDArray[np.intp]) -> bytes:
-        # Gaps are roughly geometric: one byte each, with 255 escaping to a u32 in a second
-        # stream. Huffman over that byte stream gets close to the entropy of the positions,
-        # where splitting wider gaps into byte planes would pay a bit per symbol per plane.
+    def _encode_values(self, tv: bytes, bv: bytes, width: int, transform: int) -> tuple[bytes, int]:
+        """The value section for one transform, and its value parameter."""
+        cctx = _compressor(self.zstd_level)
+        if transform == _ZIGZAG2:
+            symbols, k, prefix, suffix = _K.pack2(tv, bv, width)
+            frame = cctx.compress(symbols)
+            return _U32.pack(len(frame)) + frame + _U32.pack(len(prefix)) + prefix + suffix, k
+        u = _UINT[width]
+        changes = self._changes(np.frombuffer(tv, dtype=u), np.frombuffer(bv, dtype=u), transform, width)
+        return cctx.compress(planes(changes, width)), 0
+
+    def _encode_gaps(self, gaps: npt.NDArray[np.int64]) -> bytes:
+        # One byte per gap, with 255 escaping to a u32 in a second stream: Huffman over the
+        # byte stream adapts to any gap distribution (Rice codes suit geometric gaps best).
         cctx = _compressor(self.zstd_level)
         small = np.minimum(gaps, 255).astype(np.uint8)
         large = (gaps[gaps >= 255] - 255).astype(np.uint32)
         head = cctx.compress(small.tobytes())
         return _U64.pack(len(head)) + head + cctx.compress(planes(large, 4))
 
+    # -- decoding -----------------------------------------------------------------------------
+
+    def _decode_dense(self, payload: bytes, base: Bytes, out: Bytes, width: int) -> None:
+        if len(payload) < _DENSE_HEADER.size:
+            raise CorruptObjectError("dense chunk", "truncated header")
+        (transform,) = _DENSE_HEADER.unpack_from(payload)
+        if transform not in (_XOR, _ZIGZAG):
+            raise CorruptObjectError("dense chunk", f"unknown transform {transform}")
+        raw = _unzstd(memoryview(payload)[_DENSE_HEADER.size :], len(out), "dense chunk")
+        u = _UINT[width]
+        c = unplanes(raw, width).view(u)
+        if transform == _XOR:
+            np.bitwise_xor(base.view(u), c, out=out.view(u))
+        else:
+            np.add(base.view(u), unzigzag(c), out=out.view(u))
+
+    def _decode_sparse(self, payload: bytes, width: int, n: int) -> tuple[bytes, Data, int]:
+        """(u32 indices, values as elements, scatter transform) of a sparse payload, all checked."""
+        if len(payload) < _SPARSE_HEADER.size:
+            raise CorruptObjectError("sparse chunk", "truncated header")
+        transform, coding, pos_param, value_param, count, pos_len = _SPARSE_HEADER.unpack_from(payload)
+        if not 1 <= count <= n or n > _MAX_SPARSE_ELEMENTS:
+            raise CorruptObjectError("sparse chunk", f"{count} changes in a chunk of {n} elements")
+        if transform not in (_XOR, _ZIGZAG, _ZIGZAG2):
+            raise CorruptObjectError("sparse chunk", f"unknown transform {transform}")
+        if value_param != 0 and not (transform == _ZIGZAG2 and value_param < 8 * width):
+            raise CorruptObjectError("sparse chunk", f"bad value parameter {value_param}")
+        body = memoryview(payload)[_SPARSE_HEADER.size :]
+        pos_raw = _take(body, 0, pos_len, "position section")
+        val_raw = body[pos_len:]
+        try:
+            indices = self._decode_positions(pos_raw, coding, pos_param, count, n)
+            if transform == _ZIGZAG2:
+                return indices, self._decode_zigzag2(val_raw, count, value_param, width), _ZIGZAG
+            values = unplanes(_unzstd(val_raw, count * width, "sparse chunk values"), width)
+            return indices, values, transform
+        except ValueError as e:  # the kernels refuse malformed streams
+            raise CorruptObjectError("sparse chunk", str(e)) from None
+
+    def _decode_positions(self, data: memoryview, coding: int, param: int, count: int, n: int) -> bytes:
+        if coding == _RICE:
+            if param > _MAX_RICE_K:
+                raise CorruptObjectError("sparse chunk", f"bad Rice parameter {param}")
+            return _K.rice_decode(data, count, param, n)
+        if coding == _BITMAP:
+            if param != 0:
+                raise CorruptObjectError("sparse chunk", f"bad bitmap parameter {param}")
+            bitmap = np.frombuffer(_unzstd(data, (n + 7) // 8, "sparse chunk positions"), dtype=np.uint8)
+            bits = np.unpackbits(bitmap, bitorder="little")
+            if bits[n:].any():
+                raise CorruptObjectError("sparse chunk", "bitmap padding is not zero")
+            idx = np.flatnonzero(bits)
+        elif coding == _GAPS:
+            if param != 1:
+                raise CorruptObjectError("sparse chunk", f"bad gap width {param}")
+            idx = np.cumsum(self._decode_gaps(data, count), dtype=np.int64) + np.arange(count, dtype=np.int64)
+        else:
+            raise CorruptObjectError("sparse chunk", f"unknown position coding {coding}")
+        if len(idx) != count or idx[-1] >= n:
+            raise CorruptObjectError("sparse chunk", "positions out of range")
+        return idx.astype(np.uint32).tobytes()
+
     def _decode_gaps(self, data: memoryview, count: int) -> npt.NDArray[np.int64]:
         if len(data) < _U64.size:
             raise CorruptObjectError("sparse chunk", "truncated gap section")
         (head_len,) = _U64.unpack_from(data)
-        if head_len > len(data) - _U64.size:
-            raise CorruptObjectError("sparse chunk", "gap section runs past the payload")
-        head = data[_U64.size : _U64.size + head_len]
+        head = _take(data, _U64.size, head_len, "gap section")
         small = np.frombuffer(_unzstd(head, count, "sparse chunk gaps"), dtype=np.uint8)
         escapes = small == 255
         n_large = int(np.count_nonzero(escapes))
@@ -316,60 +495,13 @@ class PlanesZstdCodec:
         gaps[escapes] += large.view(np.uint32)
         return gaps
 
-    # -- decoding -----------------------------------------------------------------------------
-
-    def _decode_full(self, payload: bytes, width: int, nbytes: int) -> Bytes:
-        return unplanes(_unzstd(payload, nbytes, "full chunk"), width)
-
-    def _decode_dense(self, payload: bytes, base: Bytes, width: int, nbytes: int) -> Bytes:
-        if len(payload) < _DENSE_HEADER.size:
-            raise CorruptObjectError("dense chunk", "truncated header")
-        (transform,) = _DENSE_HEADER.unpack_from(payload)
-        changes = unplanes(_unzstd(memoryview(payload)[_DENSE_HEADER.size :], nbytes, "dense chunk"), width)
-        u = _UINT[width]
-        b = base.view(u)
-        c = changes.view(u)
-        if transform == _XOR:
-            out = b ^ c
-        elif transform == _ZIGZAG:
-            out = b + _unzigzag(c, width)
-        else:
-            raise CorruptObjectError("dense chunk", f"unknown transform {transform}")
-        return out.view(np.uint8)
-
-    def _decode_sparse(self, payload: bytes, base: Bytes, width: int, nbytes: int) -> Bytes:
-        n = nbytes // width
-        if len(payload) < _SPARSE_HEADER.size:
-            raise CorruptObjectError("sparse chunk", "truncated header")
-        transform, coding, gap_width, _, count, pos_len = _SPARSE_HEADER.unpack_from(payload)
-        if count == 0 or count > n:
-            raise CorruptObjectError("sparse chunk", f"{count} changes in a chunk of {n} elements")
-        body = memoryview(payload)[_SPARSE_HEADER.size :]
-        if pos_len > len(body):
-            raise CorruptObjectError("sparse chunk", "position section runs past the payload")
-        pos_raw, val_raw = body[:pos_len], body[pos_len:]
-        if coding == _GAPS:
-            if gap_width != 1:
-                raise CorruptObjectError("sparse chunk", f"bad gap width {gap_width}")
-            gaps = self._decode_gaps(pos_raw, count)
-            idx = np.cumsum(gaps, dtype=np.int64) + np.arange(count, dtype=np.int64)
-        elif coding == _BITMAP:
-            bitmap = np.frombuffer(_unzstd(pos_raw, (n + 7) // 8, "sparse chunk positions"), dtype=np.uint8)
-            idx = np.flatnonzero(np.unpackbits(bitmap, count=n, bitorder="little"))
-        else:
-            raise CorruptObjectError("sparse chunk", f"unknown position coding {coding}")
-        if len(idx) != count or (count and (idx[-1] >= n or idx[0] < 0)):
-            raise CorruptObjectError("sparse chunk", "positions out of range")
-        u = _UINT[width]
-        values = unplanes(_unzstd(val_raw, count * width, "sparse chunk values"), width).view(u)
-        out = base.view(u).copy()
-        if transform == _XOR:
-            out[idx] ^= values
-        elif transform == _ZIGZAG:
-            out[idx] += _unzigzag(values, width)
-        else:
-            raise CorruptObjectError("sparse chunk", f"unknown transform {transform}")
-        return out.view(np.uint8)
+    def _decode_zigzag2(self, data: memoryview, count: int, k: int, width: int) -> bytes:
+        sym_len = _U32.unpack(_take(data, 0, _U32.size, "symbol length"))[0]
+        symbols = _unzstd(_take(data, _U32.size, sym_len, "symbol frame"), (count + 3) // 4, "sparse chunk values")
+        at = _U32.size + sym_len
+        prefix_len = _U32.unpack(_take(data, at, _U32.size, "escape length"))[0]
+        prefix = _take(data, at + _U32.size, prefix_len, "escape prefix")
+        return _K.unpack2(symbols, count, k, prefix, data[at + _U32.size + prefix_len :], width)
 
 
 def _check_width(width: int) -> None:
@@ -392,3 +524,22 @@ def codec_from_spec(
         return PlanesZstdCodec(zstd_level=zstd_level, chunk_bytes=chunk_bytes, full_zstd_level=full_zstd_level)
     except UsageError as e:
         raise CorruptObjectError("manifest", f"bad codec parameters: {e}") from None
+
+
+def decode_reverse(codec: PlanesZstdCodec, chunk: EncodedChunk, target: Bytes, width: int) -> Bytes:
+    """The base a delta chunk was encoded against, from its target: ``decode`` run backwards
+    (a rollback without downloads). ``same``, ``sparse`` and ``dense`` chunks reverse (an XOR
+    is its own inverse, a wrapping difference is subtracted); ``full`` ones cannot (UsageError).
+    The caller checks the result against the chunk's base digest, as every decode is checked."""
+    if chunk.encoding == FULL:
+        raise UsageError("a full chunk does not determine its base")
+    if chunk.encoding == SAME:
+        return codec.decode(chunk, target, width, len(target)).copy()
+    if not chunk.payload:
+        raise CorruptObjectError("chunk", "delta chunk without a payload")
+    # Decoded against a base of zeros, a payload yields its change alone (0 ^ c, 0 + d).
+    change = codec.decode(chunk, np.zeros(len(target), dtype=np.uint8), width, len(target))
+    u = _UINT[width]
+    t, c = np.ascontiguousarray(target).view(u), change.view(u)
+    base = t ^ c if chunk.payload[0] == _XOR else t - c  # the transform is the first payload byte
+    return base.view(np.uint8)

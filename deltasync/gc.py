@@ -4,12 +4,16 @@
 multiple of ``keep_every`` (if given) and always the latest. Required versions are the
 retained ones plus every ancestor on each retained version's chain back to its nearest
 snapshot (:meth:`Repository.chain`), so every retained version stays pullable. Everything
-else is deleted. gc only ever deletes under ``manifests/``, ``packs/`` and ``blobs/`` (plus
-its own ``gc/pending.json``); ``refs/latest``, the marker and any other prefix are left alone.
+else is deleted. A squash (see squash.py) is kept exactly while both versions it connects
+are kept, and its packs count as referenced. gc only ever deletes under ``manifests/``,
+``squashes/``, ``packs/`` and ``blobs/`` (plus its own ``gc/pending.json``); ``refs/latest``,
+the marker and any other prefix are left alone.
 
 **Order.** Readers must never see a broken committed version, so:
 
-1. Manifests of unrequired versions go first, newest first. A delta's ancestors are older
+1. Squashes that touch an unrequired version go first (a planner skips a squash whose
+   version is missing, and falls back to plain deltas when its packs are), then manifests
+   of unrequired versions, newest first. A delta's ancestors are older
    than it, so at every instant each manifest still present has its whole chain present:
    a concurrent ``log``/``verify``/pull sees a smaller repository, never a delta whose
    snapshot is gone. A required version's chain is never touched.
@@ -37,7 +41,9 @@ well above the time a retry takes.
 **Concurrent pulls.** A pull of a retained version reads only that version's chain (a plan
 from a locally held version walks back from the target and stops at the held version or
 the nearest snapshot, so it stays inside the chain), and gc never deletes those manifests
-or any object they reference.
+or any object they reference. A pull may also take a squash out of a version gc deletes;
+a chunk whose squash pack is gone is then rebuilt from plain deltas or the snapshot
+(DESIGN.md invariant 3), so such a pull costs more bytes but still completes.
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError, VersionNotFoundError
-from .manifest import ManifestInfo, manifest_key
+from .manifest import ManifestInfo, manifest_key, parse_manifest
 from .progress import human_bytes
-from .repository import Repository, blob_key
+from .repository import Repository, blob_key, squash_key
 from .storage import Store
 from .v1 import manifest_pb2 as pb
 
@@ -71,6 +77,8 @@ class GcReport:
     dry_run: bool
     versions_kept: list[int] = field(default_factory=list)
     versions_deleted: list[int] = field(default_factory=list)
+    squashes_kept: list[tuple[int, int]] = field(default_factory=list)
+    squashes_deleted: list[tuple[int, int]] = field(default_factory=list)
     packs_deleted: list[str] = field(default_factory=list)
     blobs_deleted: list[str] = field(default_factory=list)
     bytes_freed: int = 0
@@ -82,7 +90,9 @@ class GcReport:
         verb = "would delete" if self.dry_run else "deleted"
         line = (
             f"{'gc (dry run)' if self.dry_run else 'gc'}: kept {len(self.versions_kept)} version(s), "
-            f"{verb} {len(self.versions_deleted)} version(s), {len(self.packs_deleted)} pack(s), "
+            f"{verb} {len(self.versions_deleted)} version(s), "
+            f"{f'{len(self.squashes_deleted)} squash(es), ' if self.squashes_deleted else ''}"
+            f"{len(self.packs_deleted)} pack(s), "
             f"{len(self.blobs_deleted)} blob(s), {human_bytes(self.bytes_freed)} "
             f"{'to free' if self.dry_run else 'freed'}"
         )
@@ -148,16 +158,28 @@ class _Collector:
                 continue
             freed_sizes.update(_references(info))
 
-        # Phase 1: manifests.
+        # Phase 1: squashes touching a doomed version, then manifests. Squashes are listed
+        # first: a squash is written after its versions, so both are among those refreshed.
+        squashes = self.repo.squashes()
         self._refresh()
         doomed = [v for v in doomed if v not in self.required]
+        deleted = set(doomed)
+        doomed_squashes = [(a, c) for a, c in squashes if {a, c} & deleted or not {a, c} <= self.seen]
+        for a, c in doomed_squashes:
+            refs = self._squash_references(a, c)
+            if refs is not None:
+                freed_sizes.update(refs)
+        for a, c in doomed_squashes:
+            report.bytes_freed += self._object_bytes(squash_key(a, c))
+            if not report.dry_run:
+                self.store.delete(squash_key(a, c))
+            report.squashes_deleted.append((a, c))
         for v in doomed:
             key = manifest_key(v)
             report.bytes_freed += self._manifest_bytes(v)
             if not report.dry_run:
                 self.store.delete(key)
             report.versions_deleted.append(v)
-        deleted = set(doomed)
 
         # Phase 2: objects. List them before the manifests: an object uploaded after this
         # listing is not a candidate; one listed before is referenced by every manifest
@@ -171,6 +193,14 @@ class _Collector:
             except VersionNotFoundError:
                 continue  # deleted meanwhile (another gc): what it named is no longer needed
         report.versions_kept = remaining
+        kept, gone = set(remaining), set(report.squashes_deleted)
+        for a, c in self.repo.squashes():
+            if (a, c) in gone or a not in kept or c not in kept:
+                continue  # one the next run deletes (its versions went meanwhile): keep nothing for it
+            refs = self._squash_references(a, c)
+            if refs is not None:
+                referenced.update(refs)
+                report.squashes_kept.append((a, c))
 
         now = clock()
         pending = self._load_pending()
@@ -219,10 +249,24 @@ class _Collector:
         return versions
 
     def _manifest_bytes(self, version: int) -> int:
+        return self._object_bytes(manifest_key(version))
+
+    def _object_bytes(self, key: str) -> int:
         try:
-            return self.store.size(manifest_key(version))
+            return self.store.size(key)
         except ObjectNotFoundError:
             return 0
+
+    def _squash_references(self, a: int, c: int) -> dict[str, int | None] | None:
+        """Objects a squash names; None (with a note) when it is gone or unreadable."""
+        key = squash_key(a, c)
+        try:
+            return _references(parse_manifest(self.store.get(key), expect_version=c))
+        except ObjectNotFoundError:
+            return None
+        except CorruptObjectError as e:
+            self.report.notes.append(f"squash {a}->{c}: {e}; its objects are collected as orphans")
+            return None
 
     def _delete_object(self, key: str, size: int | None) -> tuple[str, int | None]:
         try:

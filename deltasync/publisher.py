@@ -38,6 +38,8 @@ from .v1 import manifest_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
+    from .squash import SquashResult
+
 Bits = npt.NDArray[np.uint8]
 Reader = Callable[[int, int], Bits]
 
@@ -58,6 +60,11 @@ class PublisherConfig:
     """Target size of one pack (the unit of upload and download)."""
     progress: bool | None = None
     """Show a progress line; None: only when stderr is a terminal."""
+    squash_strides: tuple[int, ...] = ()
+    """After committing version C, also store C as one delta from C - s for each stride s
+    dividing C (a squash, see squash.py), when that is smaller than what a subscriber at
+    C - s would fetch: far-behind subscribers then skip the versions in between. Each
+    squash rebuilds the changed chunks of C - s from the repository, after the commit."""
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -68,6 +75,8 @@ class PublisherConfig:
             raise UsageError(f"max_delta_fraction must be in (0, 10], got {self.max_delta_fraction}")
         if self.pack_bytes < 1 << 16:
             raise UsageError(f"pack_bytes must be at least 64 KiB, got {self.pack_bytes}")
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 2 for s in self.squash_strides):
+            raise UsageError(f"squash_strides must be integers >= 2, got {self.squash_strides!r}")
 
     @property
     def threads(self) -> int:
@@ -214,6 +223,7 @@ class Publisher:
         self._bits: dict[str, Bits] = {}
         self._bits_version: int | None = None
         self.last_result: PublishResult | None = None
+        self.last_squashes: list[SquashResult] = []
 
     # -- library entry point -------------------------------------------------------------------
 
@@ -241,7 +251,16 @@ class Publisher:
         result = self._publish(sources, [], bases, parent, version, metadata, keep=new_bits, base_arrays=self._bits)
         self._bits = new_bits
         self._bits_version = result.version
+        self._squash(result.version, {key: _array_reader(arr) for key, arr in new_bits.items()})
         return result.version
+
+    def _squash(self, version: int, target: Mapping[str, Reader]) -> None:
+        """After the commit: the squashes into ``version`` that ``squash_strides`` ask for."""
+        self.last_squashes = []
+        if self.config.squash_strides:
+            from .squash import squash_after_commit
+
+            self.last_squashes = squash_after_commit(self, version, target)
 
     def _memory_bases(self, parent: int | None) -> dict[str, _BaseTensor]:
         if parent is None:
@@ -300,6 +319,7 @@ class Publisher:
             result = self._publish(
                 sources, self._dir_files(ckpt), bases, parent, version, metadata, blob_root=ckpt.root
             )
+            self._squash(result.version, {s.key: s.read for s in sources})
         if cache_dir is not None:
             _replace_cache(Path(cache_dir), ckpt, self.repo.manifest(result.version))
         return result.version

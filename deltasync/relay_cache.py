@@ -37,7 +37,7 @@ import lmdb
 from .errors import CorruptObjectError, UsageError
 from .storage import Store
 
-CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/")
+CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/", "squashes/")
 MARKER = "deltasync-relay-cache"  # marks a directory as a relay cache
 _VALUE = struct.Struct("<Qd")  # size, last access (unix seconds); the relative path follows
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the limit, so it runs in bursts

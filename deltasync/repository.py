@@ -8,6 +8,7 @@ Layout (all keys relative to the store root)::
     manifests/<version:020d>.pb     one per committed version: its presence is the commit
     squashes/<C:020d>-<A:020d>.pb   optional: version C as a delta against version A (see squash.py)
     refs/latest                     the newest committed version id (a hint; manifests rule)
+    refs/pin                        optional: the version subscribers should serve instead (see pin)
 
 Commit order (DESIGN.md invariant 2): packs and blobs, then the manifest with a conditional
 put, then ``refs/latest``. A reader only trusts versions whose manifest exists.
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 import zstandard
 
+from .codec import FULL
 from .digest import digest
 from .errors import (
     CorruptObjectError,
@@ -30,11 +32,12 @@ from .errors import (
     ObjectNotFoundError,
     RepositoryFormatError,
     RepositoryNotFoundError,
+    SignatureError,
     UsageError,
     VersionConflictError,
     VersionNotFoundError,
 )
-from .manifest import ManifestInfo, manifest_key, parse_manifest, serialize, version_from_key
+from .manifest import ManifestInfo, key_of, manifest_key, parse_manifest, serialize, version_from_key
 from .signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_signing_key, sign_manifest
 from .storage import Store, open_store
 from .v1 import manifest_pb2 as pb
@@ -42,6 +45,7 @@ from .v1 import manifest_pb2 as pb
 REPO_FORMAT = 1
 MARKER = "deltasync.json"
 LATEST = "refs/latest"
+PIN = "refs/pin"
 BLOB_PART_BYTES = 64 << 20
 
 
@@ -144,6 +148,30 @@ class Repository:
             return None
         return max(newest, hint) if hint in versions else newest
 
+    # -- the pin: which version following subscribers serve ---------------------------------
+
+    def pinned(self) -> int | None:
+        """The pinned version, or None when subscribers follow the latest."""
+        try:
+            raw = self.store.get(PIN)
+        except ObjectNotFoundError:
+            return None
+        try:
+            text = raw.decode().strip()
+            return int(text) if text else None
+        except (UnicodeDecodeError, ValueError):
+            raise CorruptObjectError(PIN, f"not a version id: {raw[:40]!r}") from None
+
+    def pin(self, version: int | None) -> None:
+        """Make following subscribers serve ``version`` (a committed one), forward or back,
+        e.g. after an evaluation gate failed; None clears the pin: they follow the latest again."""
+        if version is None:
+            self.store.delete(PIN)
+            return
+        self.ensure_exists()
+        self.manifest(version)  # only a committed version can be pinned
+        self.store.put(PIN, f"{version}\n".encode())
+
     def manifest(self, version: int) -> ManifestInfo:
         """The validated manifest of ``version`` (cached: versions are immutable)."""
         with self._lock:
@@ -225,7 +253,8 @@ class Repository:
     def squash(self, a: int, c: int) -> ManifestInfo:
         """The validated squash ``a`` -> ``c`` (cached). Besides what every manifest is checked
         for (and its signature, with trusted keys), it must be a delta from ``a`` whose tensors
-        and chunk digests are exactly those of committed version ``c``."""
+        and chunk digests are exactly those of committed version ``c``, and whose every chunk
+        stored against a base names the digest of that chunk in committed version ``a``."""
         with self._lock:
             cached = self._squashes.get((a, c))
         if cached is not None:
@@ -239,24 +268,24 @@ class Repository:
             info = parse_manifest(raw, expect_version=c, authenticate=self._authenticator(c))
         except CorruptObjectError as e:
             raise CorruptObjectError(f"squash {a}->{c}", e.detail) from None
-        _check_squash(info, a, self.manifest(c))
+        except SignatureError as e:
+            raise SignatureError(c, f"squash {a}->{c}: {e.detail}") from None
+        _check_squash(info, self.manifest(a), self.manifest(c))
         with self._lock:
             self._squashes[(a, c)] = info
         return info
 
     def put_squash(self, manifest: pb.Manifest) -> ManifestInfo:
-        """Store a squash whose packs are already durable (signed like a commit). A squash
-        already stored for the same pair is left as it is (any valid one serves)."""
+        """Store a squash whose packs are already durable (signed like a commit). Raises
+        ObjectExistsError when one is stored for the same pair already (it stays: any valid
+        one serves)."""
         a, c = manifest.parent, manifest.version
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
         data = serialize(manifest)
         info = parse_manifest(data, expect_version=c, authenticate=self._authenticator(c))
-        _check_squash(info, a, self.manifest(c))
-        try:
-            self.store.put(squash_key(a, c), data, if_absent=True)
-        except ObjectExistsError:
-            return self.squash(a, c)
+        _check_squash(info, self.manifest(a), self.manifest(c))
+        self.store.put(squash_key(a, c), data, if_absent=True)
         with self._lock:
             self._squashes[(a, c)] = info
         return info
@@ -288,11 +317,14 @@ class Repository:
         return data
 
 
-def _check_squash(info: ManifestInfo, a: int, target: ManifestInfo) -> None:
-    """A squash must rebuild exactly ``target``: same entries, same chunk digests."""
+def _check_squash(info: ManifestInfo, base: ManifestInfo, target: ManifestInfo) -> None:
+    """A squash must rebuild exactly ``target`` (same entries, same chunk digests) from
+    ``base``: every chunk not stored in full is a change of ``base``'s chunk."""
+    a = base.version
     what = f"squash {a}->{target.version}"
     if info.is_snapshot or info.parent != a:
         raise CorruptObjectError(what, f"is not a delta from version {a}")
+    base_entries = base.entries()
     if info.pb.version_digest != target.pb.version_digest or len(info.pb.tensors) != len(target.pb.tensors):
         raise CorruptObjectError(what, f"does not describe the chunks of version {target.version}")
     for mine, theirs in zip(info.pb.tensors, target.pb.tensors, strict=True):
@@ -303,3 +335,8 @@ def _check_squash(info: ManifestInfo, a: int, target: ManifestInfo) -> None:
             or [c.target_digest for c in mine.chunks] != [c.target_digest for c in theirs.chunks]
         ):
             raise CorruptObjectError(what, f"tensor {mine.name!r} differs from version {target.version}")
+        held = base_entries.get(key_of(mine))
+        held_digests = [c.target_digest for c in held.chunks] if held is not None else []
+        for idx, c in enumerate(mine.chunks):
+            if c.encoding != FULL and (idx >= len(held_digests) or held_digests[idx] != c.base_digest):
+                raise CorruptObjectError(what, f"tensor {mine.name!r} chunk {idx} has a base that version {a} does not hold")

@@ -1,20 +1,25 @@
 """The subscriber: brings a local copy (a directory, or tensors in memory) to a version.
 
-Planning picks the cheaper of two paths by stored bytes: the delta chain from the version
-held locally, or the nearest snapshot plus its chain. Applying is per chunk and idempotent
-(DESIGN.md invariant 3): target digest already present → keep; base digest present →
-apply the chain; otherwise → rebuild the chunk from the snapshot. Every step is verified
-against its digest, and a directory only changes once every file is complete and verified.
+Planning finds the cheapest path by stored bytes through the version graph: its edges are
+the deltas (parent -> version) and the squashes (A -> C, see squash.py); a path starts at
+the version held locally (free) or at any snapshot (its stored bytes). Applying is per
+chunk and idempotent (DESIGN.md invariant 3): target digest already present → keep; base
+digest present → apply the path; otherwise → rebuild the chunk from the snapshot. Every
+step is verified against its digest, and a directory only changes once every file is
+complete and verified. A squash is redundant data: a chunk it fails to rebuild is rebuilt
+from plain deltas instead (with a warning), so damage to a squash never fails a pull.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import heapq
+import logging
 import math
 import os
 import shutil
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,14 +35,29 @@ from .checkpoint import FileReader, build_header
 from .codec import FULL, SAME, EncodedChunk
 from .digest import StreamDigest, digest
 from .errors import (
-    CheckpointError,
     ChecksumMismatchError,
     CorruptObjectError,
     DeltasyncError,
     ObjectNotFoundError,
     UsageError,
+    VersionNotFoundError,
 )
 from .fetch import PackFetcher
+from .localstate import (
+    INCOMING,
+    LIBRARY_FILE,
+    STATE_DIR,
+    LocalState,
+    ProgressRecorder,
+    PullStopped,
+    StateDB,
+    WorkInProgress,
+    copy_lock,
+    finish_install,
+)
+from .localstate import install_staged as install_staged
+from .localstate import read_local_state as read_local_state  # re-exported: the publisher's cache, tests
+from .localstate import write_local_state as write_local_state
 from .manifest import ManifestInfo, check_relpath, key_of
 from .progress import Progress
 from .repository import Repository, open_repository
@@ -51,87 +71,188 @@ if TYPE_CHECKING:
     import torch
 
 Bits = npt.NDArray[np.uint8]
-STATE_DIR = ".deltasync"
-LIBRARY_FILE = "model.safetensors"
+log = logging.getLogger(__name__)
 
 
-# -- local state of a directory copy --------------------------------------------------------------
+# -- local state of a directory copy: see localstate.py --------------------------------------------
+
+# -- directory copies: where entries live in files, and files being rebuilt -----------------------
 
 
 @dataclass(frozen=True)
-class LocalState:
-    version: int
-    version_digest: str
-    files: tuple[str, ...]
+class Placement:
+    """Where one manifest entry's bytes live in a directory copy of its version."""
+
+    file: str  # relative path
+    start: int  # offset in the file of the entry's data (of the whole logical tensor, for a slice)
+    tensor: pb.Tensor
 
 
-def read_local_state(out: Path) -> LocalState | None:
+def placements(info: ManifestInfo) -> dict[str, Placement]:
+    """Entry key -> placement, for a version of files or a library version (one file)."""
+    if info.pb.files:
+        headers = {f.path: len(f.header) for f in info.pb.files}
+        return {key_of(t): Placement(t.file, headers[t.file] + t.data_offset, t) for t in info.pb.tensors}
+    header, offsets = _library_layout(info)
+    return {key_of(t): Placement(LIBRARY_FILE, len(header) + offsets[t.name], t) for t in info.pb.tensors}
+
+
+def version_files(info: ManifestInfo) -> list[pb.File]:
+    """The files of a version in a directory (a library version: one safetensors file)."""
+    if info.pb.files:
+        return list(info.pb.files)
+    header, _ = _library_layout(info)
+    size = len(header) + sum(math.prod(_logical_shape(t)) * dtypes.itemsize(t.dtype) for t in _first_of_each_name(info))
+    return [pb.File(path=LIBRARY_FILE, kind=pb.File.SAFETENSORS, header=header, size=size)]
+
+
+def read_placed(reader: FileReader, root: Path, p: Placement, off: int, length: int) -> Bits:
+    """Bytes [off, off + length) of entry ``p`` from its file under ``root`` (CheckpointError
+    when the file is missing or short)."""
+    t = p.tensor
+    if not t.full_shape:
+        return reader.read(root / p.file, p.start + off, length)
+    buf = np.empty(length, dtype=np.uint8)
+    for dst, src, n in runs(t.full_shape, t.slice_offsets, t.shape, dtypes.itemsize(t.dtype), off, off + length):
+        buf[src : src + n] = reader.read(root / p.file, p.start + dst, n)
+    return buf
+
+
+def write_placed(fd: int, p: Placement, off: int, data: Bits) -> None:
+    t = p.tensor
+    if not t.full_shape:
+        os.pwrite(fd, data.data, p.start + off)
+        return
+    for dst, src, n in runs(t.full_shape, t.slice_offsets, t.shape, dtypes.itemsize(t.dtype), off, off + len(data)):
+        os.pwrite(fd, data[src : src + n].data, p.start + dst)
+
+
+def file_digest(path: Path) -> bytes | None:
+    """Digest of a regular file's bytes, or None when it is not one (or unreadable)."""
+    d = StreamDigest()
     try:
-        raw = json.loads((out / STATE_DIR / "state.json").read_text())
-        return LocalState(int(raw["version"]), str(raw["version_digest"]), tuple(raw["files"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        if path.is_symlink() or not path.is_file():
+            return None
+        with open(path, "rb") as fh:
+            while block := fh.read(8 << 20):
+                d.update(block)
+    except OSError:
+        return None
+    return d.digest()
+
+
+def held_manifest(db: StateDB, state: LocalState | None, repo: Repository | None) -> ManifestInfo | None:
+    """The manifest of the version a copy holds: recorded in the copy (so it serves even
+    after gc deleted that version upstream), else from the repository (older copies)."""
+    if state is None:
+        return None
+    held = db.manifest()
+    if held is not None and held.version == state.version:
+        return held
+    if repo is None:
+        return None
+    try:
+        return repo.manifest(state.version)
+    except DeltasyncError:
         return None
 
 
-def write_local_state(out: Path, info: ManifestInfo) -> None:
-    state_dir = out / STATE_DIR
-    state_dir.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "version": info.version,
-        "version_digest": info.pb.version_digest.hex(),
-        "files": _output_files(info),
-    }
-    tmp = state_dir / "state.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, state_dir / "state.json")
+def begin_staging(root: Path, db: StateDB, info: ManifestInfo) -> tuple[Path, ProgressRecorder]:
+    """The staging directory for a pull of ``info`` (kept from an interrupted pull), with
+    the work-in-progress record written."""
+    staging = root / STATE_DIR / INCOMING
+    prev = db.wip()
+    if any(t.full_shape for t in info.pb.tensors) and (prev is None or prev.target != info.version):
+        # Parts of sliced tensors that no rank published must read as zeros, and only a
+        # fresh file guarantees that: no file digest would catch stale bytes there.
+        shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    wip = WorkInProgress(info.version, "fetch", time.time(), 0, sum(len(t.chunks) for t in info.pb.tensors))
+    db.set_wip(wip)
+    return staging, ProgressRecorder(db, wip)
 
 
-def _output_files(info: ManifestInfo) -> list[str]:
-    return [f.path for f in info.pb.files] if info.pb.files else [LIBRARY_FILE]
+class StagedFiles:
+    """The files of one version being rebuilt under ``staging``: safetensors files get their
+    header and final size up front (bytes already there are kept: a resumed pull's chunks),
+    then chunks are written at their placements."""
+
+    def __init__(self, info: ManifestInfo, staging: Path) -> None:
+        self.info = info
+        self.staging = staging
+        self.places = placements(info)
+        self.files = files = version_files(info)
+        self.blobs = [f for f in files if f.kind == pb.File.BLOB]
+        self.fds: dict[str, int] = {}
+        self.digests: dict[str, StreamDigest] = {}
+        for f in files:
+            _make_room(staging, self.path(f.path))
+
+    def path(self, rel: str) -> Path:
+        return self.staging / check_relpath(rel)
+
+    def open(self) -> None:
+        for f in self.files:
+            if f.kind != pb.File.SAFETENSORS:
+                continue
+            path = self.path(f.path)
+            fd = self.fds[f.path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.pwrite(fd, f.header, 0)
+            os.ftruncate(fd, f.size)
+            self.digests[f.path] = StreamDigest()
+            self.digests[f.path].update(f.header)
+
+    def write(self, t: pb.Tensor, off: int, data: Bits, *, streamed: bool = True) -> None:
+        """Write a verified chunk; ``streamed``: chunks come in file order (file digests accumulate)."""
+        p = self.places[key_of(t)]
+        write_placed(self.fds[p.file], p, off, data)
+        if streamed and not t.full_shape:  # library versions carry no file digest: every chunk is verified
+            self.digests[p.file].update(data)
+
+    def verify_streamed(self) -> None:
+        for f in self.info.pb.files:
+            if f.kind == pb.File.SAFETENSORS:
+                self._check(f, self.digests[f.path].digest())
+
+    def verify_by_reading(self) -> None:
+        """Check every file's digest by reading it back (after chunks written in any order)."""
+        for f in self.info.pb.files:
+            if f.kind == pb.File.SAFETENSORS:
+                self._check(f, file_digest(self.path(f.path)) or b"")
+
+    def _check(self, f: pb.File, actual: bytes) -> None:
+        if actual != f.digest:
+            raise ChecksumMismatchError(
+                version=self.info.version, tensor=f"<file {f.path}>", chunk=-1,
+                expected=f.digest.hex(), actual=actual.hex(),
+            )
+
+    def fsync(self) -> None:
+        for fd in self.fds.values():
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
-def install_staged(out: Path, staging: Path, info: ManifestInfo) -> None:
-    """Move verified files from ``staging`` into ``out``; drop files the old version had."""
-    old = read_local_state(out)
-    new_files = _output_files(info)
-    _refuse_symlinks(out, [*new_files, *(old.files if old is not None else ())])
-    if old is not None:
-        # Drop the old version's extra files first, and the directories that leaves empty,
-        # so that a path which is a directory in one version and a file in the other installs.
-        for rel in sorted(set(old.files) - set(new_files)):
-            with contextlib.suppress(OSError, DeltasyncError):
-                check_relpath(rel)
-                (out / rel).unlink()
-                _prune_empty_dirs(out, (out / rel).parent)
-    for rel in new_files:
-        dest = out / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging / rel, dest)
-    shutil.rmtree(staging, ignore_errors=True)
+def _make_room(staging: Path, path: Path) -> None:
+    """Clear what an interrupted pull of another version left in the way of ``path``: a
+    directory where the file goes, or a file where one of its directories goes."""
+    d = staging
+    for part in path.relative_to(staging).parts[:-1]:
+        d = d / part
+        if d.is_symlink() or (d.exists() and not d.is_dir()):
+            d.unlink()
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _refuse_symlinks(out: Path, rels: list[str]) -> None:
-    """Refuse to write or delete through a directory symlink inside ``out``: it could point
-    anywhere. (A symlink in place of a file is replaced by the file, never followed.)"""
-    seen: set[str] = set()
-    for rel in rels:
-        parts = rel.split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            d = "/".join(parts[:i])
-            if d not in seen:
-                seen.add(d)
-                if (out / d).is_symlink():
-                    raise CheckpointError(str(out / d), "is a symbolic link; deltasync does not write through links")
-
-
-def _prune_empty_dirs(out: Path, d: Path) -> None:
-    """Remove ``d`` and its parents below ``out`` while they are empty."""
-    while d != out and out in d.parents:
-        try:
-            d.rmdir()
-        except OSError:  # not empty (or not ours to remove): stop here
-            return
-        d = d.parent
+def state_url(url: str) -> str:
+    """A repository URL as recorded in a copy's state: plain paths made absolute."""
+    return url if "://" in url or not url else os.path.abspath(url)
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -140,18 +261,27 @@ def _prune_empty_dirs(out: Path, d: Path) -> None:
 @dataclass(frozen=True)
 class Plan:
     target: int
-    base: int | None  # local version the chain starts from; None: from a snapshot
-    versions: tuple[int, ...]  # manifests whose chunks may be read, oldest first
+    base: int | None  # local version the path starts from; None: from a snapshot
+    versions: tuple[int, ...]  # the path: its start, then the version each step reaches
     fetch_bytes: int  # stored bytes the chunks of this plan reference
+    squashes: tuple[tuple[int, int], ...] = ()  # the steps (a, c) that are squashes
 
 
 class _Chain:
-    """Manifests of one path to the target, with per-version tensor lookups."""
+    """Manifests of one path to the target, each a delta against the one before it (the
+    first is the start), with per-version tensor lookups."""
 
-    def __init__(self, infos: list[ManifestInfo]) -> None:
+    def __init__(self, infos: list[ManifestInfo], squashes: Iterable[ManifestInfo] = ()) -> None:
         self.infos = infos
         self.by_version = {i.version: i for i in infos}
         self.tensors = {i.version: i.entries() for i in infos}
+        self._squashes = {id(i) for i in squashes}
+
+    def is_squash(self, info: ManifestInfo) -> bool:
+        return id(info) in self._squashes
+
+    def squash_edges(self) -> tuple[tuple[int, int], ...]:
+        return tuple((i.parent or 0, i.version) for i in self.infos if self.is_squash(i))
 
     def steps(self, name: str, idx: int, stop_at: int | None) -> tuple[list[tuple[ManifestInfo, pb.Chunk]], bool]:
         """Records needed for chunk ``idx`` of entry ``name``, newest first; True if they end at ``stop_at``."""
@@ -180,6 +310,10 @@ class _Chain:
                 total += sum(c.length for _, c in steps)
         return total
 
+    def plan(self, base: int | None, want: Want | None) -> Plan:
+        target = self.infos[-1].version
+        return Plan(target, base, tuple(self.by_version), self.cost(base, want), self.squash_edges())
+
 
 #: Chunks to materialise: entry key -> chunk indices (None: every chunk of every entry).
 Want = dict[str, list[int]]
@@ -195,9 +329,10 @@ def _wanted(want: Want | None, key: str, n_chunks: int) -> Iterable[int]:
 
 
 class _LocalBits:
-    """Bits of the version held locally, by tensor name."""
+    """Bits at hand locally, by entry key: of the version held (None: none is), and for a
+    directory also the chunks a resumed pull staged (see ``Subscriber._dir_local``)."""
 
-    def __init__(self, version: int, read: Callable[[str, int, int], Bits | None]) -> None:
+    def __init__(self, version: int | None, read: Callable[[str, int, int], Bits | None]) -> None:
         self.version = version
         self.read = read
 
@@ -224,24 +359,118 @@ class Subscriber:
         self._mem_version: int | None = None
         self._mem_bits: dict[str, Bits] = {}
         self.last_plan: Plan | None = None
+        self._bad_squashes: set[tuple[int, int]] = set()  # unreadable or untrusted: warned about once
 
     # -- planning ----------------------------------------------------------------------------
 
-    def plan(self, target: int, local: int | None, want: Want | None = None) -> tuple[Plan, _Chain]:
-        """The cheaper of: the chain from ``local``, or the nearest snapshot and its chain."""
-        full_chain = _Chain(self.repo.chain(target))
-        best = Plan(target, None, tuple(full_chain.by_version), full_chain.cost(None, want))
-        chain = full_chain
+    def plan(
+        self, target: int, local: int | None, want: Want | None = None, *, squashes: bool = True
+    ) -> tuple[Plan, _Chain]:
+        """The cheapest way to ``target`` in stored bytes, from ``local`` or from a snapshot.
+
+        Candidates: the nearest snapshot and its chain, the chain of deltas from ``local``,
+        and (with ``squashes``) the cheapest path through the graph of deltas and squashes.
+        Ties go to a path from ``local``, then to the shorter path.
+        """
+        snap = _Chain(self.repo.chain(target))
+        options = [(snap, snap.plan(None, want))]
         if local is not None and local <= target:
             with contextlib.suppress(DeltasyncError):
                 inc = self.repo.chain(target, stop_at=local)
                 if inc[0].version == local:
                     inc_chain = _Chain(inc)
-                    cost = inc_chain.cost(local, want)
-                    if cost <= best.fetch_bytes:
-                        best = Plan(target, local, tuple(inc_chain.by_version), cost)
-                        chain = inc_chain
-        return best, chain
+                    options.append((inc_chain, inc_chain.plan(local, want)))
+        if squashes:
+            found = self._graph_path(target, local, want, bound=min(o[1].fetch_bytes for o in options))
+            if found is not None and found.squash_edges():
+                base = local if found.infos[0].version == local else None
+                options.append((found, found.plan(base, want)))
+        chain, plan = min(options, key=lambda o: (o[1].fetch_bytes, o[1].base is None, len(o[1].versions)))
+        return plan, chain
+
+    def _graph_path(self, target: int, local: int | None, want: Want | None, *, bound: int) -> _Chain | None:
+        """Dijkstra, backwards from ``target``, over versions and the edges into them: a
+        delta from its parent, a squash from its first version. A path starts at ``local``
+        (free) or at a snapshot (its bytes). An edge costs the bytes of the wanted chunks it
+        stores (an upper bound of what a path reads: a full chunk makes older steps moot);
+        the candidates are then compared exactly. Only paths cheaper than ``bound`` are
+        explored, so a repository without squashes costs one listing.
+        """
+        into: dict[int, list[int]] = {}
+        for a, c in self.repo.squashes():
+            if c <= target:
+                into.setdefault(c, []).append(a)
+        if not into:
+            return None
+        wanted: dict[str, list[int] | None] = (
+            dict(want) if want is not None else dict.fromkeys(self.repo.manifest(target).entries())
+        )
+
+        def cost(info: ManifestInfo) -> int:
+            entries = info.entries()
+            total = 0
+            for key, idxs in wanted.items():
+                t = entries.get(key)
+                if t is None:
+                    continue
+                if idxs is None:
+                    total += sum(c.length for c in t.chunks)
+                else:
+                    total += sum(t.chunks[i].length for i in idxs if i < len(t.chunks))
+            return total
+
+        # dist[v]: (bytes, steps) from v to the target; via[v]: the edge leaving v on that path.
+        dist: dict[int, tuple[int, int]] = {target: (0, 0)}
+        via: dict[int, tuple[ManifestInfo, int]] = {}
+        squash_infos: list[ManifestInfo] = []
+        best: tuple[int, int, int] | None = None  # (bytes, 0 local / 1 snapshot, start)
+        heap = [(0, 0, target)]
+        while heap:
+            d, h, v = heapq.heappop(heap)
+            if (d, h) > dist[v]:
+                continue
+            if d > (best[0] if best is not None else bound):
+                break
+            try:
+                info = self.repo.manifest(v)
+            except DeltasyncError:
+                continue  # not (or no longer) a committed version: no path through it
+            if v == local:
+                best = min(best or (d, 0, v), (d, 0, v))
+                continue  # nothing is cheaper than starting here
+            edges: list[tuple[int, ManifestInfo]] = []
+            if info.is_snapshot:
+                start = (d + cost(info), 1, v)
+                best = min(best or start, start)
+            elif info.parent is not None:
+                edges.append((info.parent, info))
+            for a in into.get(v, ()):
+                if (a, v) in self._bad_squashes:
+                    continue
+                try:
+                    sq = self.repo.squash(a, v)
+                except VersionNotFoundError:
+                    continue  # version a is gone (gc deletes the squash next)
+                except DeltasyncError as e:
+                    self._bad_squashes.add((a, v))
+                    log.warning("ignoring squash %d->%d: %s", a, v, e)
+                    continue
+                squash_infos.append(sq)
+                edges.append((a, sq))
+            for u, edge in edges:
+                du = (d + cost(edge), h + 1)
+                if u not in dist or du < dist[u]:
+                    dist[u] = du
+                    via[u] = (edge, v)
+                    heapq.heappush(heap, (*du, u))
+        if best is None:
+            return None
+        v = best[2]
+        infos = [self.repo.manifest(v)]  # cached: loaded above
+        while v != target:
+            edge, v = via[v]
+            infos.append(edge)
+        return _Chain(infos, squash_infos)
 
     # -- library -----------------------------------------------------------------------------
 
@@ -284,117 +513,105 @@ class Subscriber:
 
     # -- directories -------------------------------------------------------------------------
 
-    def pull_to_dir(self, out: str | os.PathLike[str], version: int | None = None) -> int:
+    def pull_to_dir(
+        self, out: str | os.PathLike[str], version: int | None = None, *, stop: Callable[[], bool] | None = None
+    ) -> int:
         """Bring directory ``out`` to ``version`` (default: latest); returns the version.
 
-        Files are rebuilt byte for byte in a staging area and moved into place only once
-        every chunk and every file digest is verified; on any error ``out`` is untouched.
+        Files are rebuilt byte for byte in ``out/.deltasync/incoming`` and moved into place
+        only once every chunk and every file digest is verified; on any error ``out`` keeps
+        the version it held. Staged files outlive an interrupted pull (an error, a kill, a
+        ``stop``): the next pull, to any version, reuses every staged chunk whose digest is
+        its target's, so it resumes instead of starting over. The move into place is
+        journaled in the copy's state (localstate.py): a pull killed there is finished, not
+        redone, by the next one. ``stop`` is asked between chunks; once it returns True the
+        pull raises PullStopped. Another process changing ``out`` meanwhile gets CopyInUseError.
         """
         target = self.repo.resolve(version)
         info = self.repo.manifest(target)
         root = Path(out)
         root.mkdir(parents=True, exist_ok=True)
-        state = read_local_state(root)
-        staging = root / STATE_DIR / "incoming"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        try:
-            with FileReader() as reader:
-                local = self._dir_local(root, state, reader)
-                self._pull_files(info, staging, local)
-            install_staged(root, staging, info)
-            write_local_state(root, info)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        with copy_lock(root):
+            self._pull_dir(root, info, stop=stop)
         return target
 
-    def _dir_local(self, root: Path, state: LocalState | None, reader: FileReader) -> _LocalBits | None:
-        if state is None:
-            return None
-        try:
-            held = self.repo.manifest(state.version)
-        except DeltasyncError:
-            return None  # that version is gone from the repository: pull from a snapshot
-        layout: dict[str, tuple[Path, int, int]] = {}
-        if held.pb.files:
-            headers = {f.path: len(f.header) for f in held.pb.files}
-            for t in held.pb.tensors:
-                layout[t.name] = (root / t.file, headers[t.file] + t.data_offset, t.nbytes)
-        else:
-            header, placement = _library_layout(held)
-            for t in held.pb.tensors:
-                if not t.full_shape:  # slices are scattered in the file: rebuilt, not reused
-                    layout[t.name] = (root / LIBRARY_FILE, len(header) + placement[t.name], t.nbytes)
+    def _pull_dir(self, root: Path, info: ManifestInfo, *, stop: Callable[[], bool] | None = None) -> None:
+        finish_install(root)  # a pull killed while moving files into place: complete it first
+        db = StateDB.open(root)
+        assert db is not None
+        state = db.state()
+        staging, recorder = begin_staging(root, db, info)
+        with FileReader() as reader:
+            local = self._dir_local(root, db, state, reader, staging=staging, target=info)
+            self._pull_files(info, staging, local, stop=stop, recorder=recorder, root=root)
+        install_staged(root, staging, info, repo=state_url(self.repo.url))
 
-        def read_file(name: str, off: int, length: int) -> Bits | None:
-            entry = layout.get(name)
-            if entry is None or off + length > entry[2]:
+    def _dir_local(
+        self, root: Path, db: StateDB, state: LocalState | None, reader: FileReader, *, staging: Path, target: ManifestInfo
+    ) -> _LocalBits:
+        """Bits at hand: a chunk staged by an interrupted pull when its digest is the
+        target's, else the bits of the version held (whatever their state: checked by digest)."""
+        held = held_manifest(db, state, self.repo)
+        held_at = placements(held) if held is not None else {}
+        target_at = placements(target)
+
+        def read(key: str, off: int, length: int) -> Bits | None:
+            p = target_at.get(key)
+            if p is not None:
+                idx = off // target.codec.chunk_step(dtypes.element_width(p.tensor.dtype))
+                with contextlib.suppress(DeltasyncError):
+                    bits = read_placed(reader, staging, p, off, length)
+                    if idx < len(p.tensor.chunks) and digest(bits) == p.tensor.chunks[idx].target_digest:
+                        return bits
+            h = held_at.get(key)
+            if h is None or off + length > h.tensor.nbytes:
                 return None
             try:
-                return reader.read(entry[0], entry[1] + off, length)
+                return read_placed(reader, root, h, off, length)
             except DeltasyncError:
                 return None  # missing or truncated local file: repair from the repository
 
-        return _LocalBits(state.version, read_file)
+        return _LocalBits(state.version if state is not None else None, read)
 
-    def _pull_files(self, info: ManifestInfo, staging: Path, local: _LocalBits | None) -> None:
-        files = list(info.pb.files)
-        sizes: dict[str, int] = {}
-        if not files:  # a version published from a state dict: one safetensors file
-            header, offsets = _library_layout(info)
-            files = [pb.File(path=LIBRARY_FILE, kind=pb.File.SAFETENSORS, header=header)]
-            placement = {name: (LIBRARY_FILE, o) for name, o in offsets.items()}
-            sizes[LIBRARY_FILE] = len(header) + sum(
-                math.prod(_logical_shape(t)) * dtypes.itemsize(t.dtype) for t in _first_of_each_name(info)
-            )
-        else:
-            placement = {t.name: (t.file, t.data_offset) for t in info.pb.tensors}
-        fds: dict[str, int] = {}
-        digests: dict[str, StreamDigest] = {}
+    def _pull_files(
+        self,
+        info: ManifestInfo,
+        staging: Path,
+        local: _LocalBits | None,
+        *,
+        stop: Callable[[], bool] | None = None,
+        recorder: ProgressRecorder | None = None,
+        root: Path | None = None,
+    ) -> None:
+        staged = StagedFiles(info, staging)
         try:
-            for f in files:
-                path = staging / check_relpath(f.path)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if f.kind == pb.File.BLOB:
-                    self._write_blob(f, path)
-                    continue
-                fd = fds[f.path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.write(fd, f.header)
-                if f.path in sizes:
-                    os.ftruncate(fd, sizes[f.path])  # parts of sliced tensors no rank published stay zero
-                digests[f.path] = StreamDigest()
-                digests[f.path].update(f.header)
-
-            header_len = {f.path: len(f.header) for f in files}
+            for f in staged.blobs:
+                if stop is not None and stop():
+                    raise PullStopped(info.version)
+                self._write_blob(f, staged.path(f.path), root)
+            staged.open()
 
             def sink(t: pb.Tensor, off: int, data: Bits) -> None:
-                fname, data_offset = placement[t.name]
-                start = header_len[fname] + data_offset
-                if t.full_shape:
-                    itemsize = dtypes.itemsize(t.dtype)
-                    for dst, src, n in runs(t.full_shape, t.slice_offsets, t.shape, itemsize, off, off + len(data)):
-                        os.pwrite(fds[fname], data[src : src + n].data, start + dst)
-                    return  # library versions carry no file digest: every chunk is verified
-                os.pwrite(fds[fname], data.data, start + off)
-                digests[fname].update(data)
+                if stop is not None and stop():
+                    raise PullStopped(info.version)
+                staged.write(t, off, data)
+                if recorder is not None:
+                    recorder.advance()
 
             self._run(info, local, sink)
-            for f in info.pb.files:
-                if f.kind == pb.File.SAFETENSORS:
-                    actual = digests[f.path].digest()
-                    if actual != f.digest:
-                        raise ChecksumMismatchError(
-                            version=info.version, tensor=f"<file {f.path}>", chunk=-1,
-                            expected=f.digest.hex(), actual=actual.hex(),
-                        )
-            for fd in fds.values():
-                os.fsync(fd)
+            staged.verify_streamed()
+            staged.fsync()
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            staged.close()
 
-    def _write_blob(self, f: pb.File, path: Path) -> None:
+    def _write_blob(self, f: pb.File, path: Path, root: Path | None = None) -> None:
+        """A non-tensor file: already staged, or unchanged in ``root`` (copied), or downloaded."""
+        if file_digest(path) == f.digest:
+            return  # staged by an interrupted pull
+        if root is not None and file_digest(root / f.path) == f.digest:
+            shutil.copyfile(root / f.path, path)
+            if file_digest(path) == f.digest:
+                return
         d = StreamDigest()
         with open(path, "wb") as fh:
             for part in f.blob_parts:
@@ -406,7 +623,7 @@ class Subscriber:
 
     def check(self, version: int) -> None:
         """Rebuild ``version`` chunk by chunk from its snapshot, verifying every step; output discarded."""
-        self._run(self.repo.manifest(version), None, lambda t, off, data: None)
+        self._run(self.repo.manifest(version), None, lambda t, off, data: None, squashes=False)
 
     # -- the shared chunk pipeline -----------------------------------------------------------
 
@@ -418,19 +635,48 @@ class Subscriber:
         *,
         dest: dict[str, Bits] | None = None,
         want: Want | None = None,
+        squashes: bool = True,
     ) -> None:
         """Materialise the chunks of ``info`` (all, or those in ``want``) in order: into
         ``dest`` arrays by entry key (written by the workers), and through ``sink`` (called in
-        order on this thread)."""
-        plan, chain = self.plan(info.version, local.version if local is not None else None, want)
+        order on this thread). Without ``squashes`` only the stored chains are read."""
+        local_version = local.version if local is not None else None
+        plan, chain = self.plan(info.version, local_version, want, squashes=squashes)
         self.last_plan = plan
-        use_local = local if plan.base is not None else None
-        snapshot_chain: list[_Chain] = [chain] if plan.base is None else []
+        snapshot_chain: list[_Chain] = [chain] if plan.base is None and not plan.squashes else []
+        plain_chain: list[_Chain | None] = []  # deltas only, from the local version: after a squash fails
+        broken: set[tuple[int, int]] = set()
+        lock = threading.Lock()
 
         def full_chain() -> _Chain:
-            if not snapshot_chain:
-                snapshot_chain.append(_Chain(self.repo.chain(info.version)))
-            return snapshot_chain[0]
+            with lock:
+                if not snapshot_chain:
+                    snapshot_chain.append(_Chain(self.repo.chain(info.version)))
+                return snapshot_chain[0]
+
+        def plain_from_local() -> _Chain | None:
+            with lock:
+                if not plain_chain:
+                    found = None
+                    if local_version is not None and local_version <= info.version:
+                        with contextlib.suppress(DeltasyncError):
+                            inc = self.repo.chain(info.version, stop_at=local_version)
+                            found = _Chain(inc) if inc[0].version == local_version else None
+                    plain_chain.append(found)
+                return plain_chain[0]
+
+        Route = tuple[Bits | None, list[tuple[ManifestInfo, pb.Chunk]]]
+
+        def route(via: _Chain | None, start: int | None, key: str, idx: int, held: Bits | None, held_digest: bytes) -> Route:
+            """Base bits and steps for one chunk along ``via``; from the snapshot chain when
+            the path needs local bits that do not match (repair)."""
+            if via is not None:
+                steps, at_start = via.steps(key, idx, start)
+                if not at_start:
+                    return None, steps  # the path stores this chunk in full
+                if held is not None and steps and steps[-1][1].base_digest == held_digest:
+                    return held, steps
+            return None, full_chain().steps(key, idx, None)[0]
 
         progress = Progress(f"pull v{info.version}", info.pb.raw_bytes, enabled=self.progress)
         codec = info.codec
@@ -454,22 +700,24 @@ class Subscriber:
 
         def materialise(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
             width = dtypes.element_width(t.dtype)
-            target = t.chunks[idx]
-            base: Bits | None = None
-            steps: list[tuple[ManifestInfo, pb.Chunk]] | None = None
             key = key_of(t)
-            if local is not None:
-                held = local.read(key, off, length)
-                if held is not None:
-                    held_digest = digest(held)
-                    if held_digest == target.target_digest:
-                        return held  # already there (idempotent, resumable)
-                    if use_local is not None:
-                        inc, at_local = chain.steps(key, idx, use_local.version)
-                        if at_local and inc and inc[-1][1].base_digest == held_digest:
-                            base, steps = held, inc
-            if steps is None:
-                steps, _ = full_chain().steps(key, idx, None)
+            held = local.read(key, off, length) if local is not None else None
+            held_digest = digest(held) if held is not None else b""
+            if held is not None and held_digest == t.chunks[idx].target_digest:
+                return held  # already there (idempotent, resumable)
+            base, steps = route(chain, plan.base, key, idx, held, held_digest)
+            try:
+                return self._apply(t, idx, length, width, base, steps, fetcher, cpu)
+            except (CorruptObjectError, ChecksumMismatchError) as e:
+                used = {(s.parent or 0, s.version) for s, _ in steps if chain.is_squash(s)}
+                if not used:
+                    raise
+                with lock:
+                    new = used - broken
+                    broken.update(used)
+                for a, c in sorted(new):
+                    log.warning("squash %d->%d is unusable (%s); rebuilding its chunks from plain deltas", a, c, e)
+            base, steps = route(plain_from_local(), local_version, key, idx, held, held_digest)
             return self._apply(t, idx, length, width, base, steps, fetcher, cpu)
 
         def jobs() -> Iterator[tuple[pb.Tensor, int, Callable[[], Bits]]]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .errors import CorruptObjectError, ObjectNotFoundError
 from .repository import Repository
+from .squash import verify_squash
 from .subscriber import Subscriber
 from .v1 import manifest_pb2 as pb
 
@@ -13,6 +14,7 @@ from .v1 import manifest_pb2 as pb
 @dataclass
 class VerifyReport:
     versions: list[int] = field(default_factory=list)
+    squashes: list[tuple[int, int]] = field(default_factory=list)
     chunks: int = 0
     packs: int = 0
     blobs: int = 0
@@ -25,7 +27,9 @@ def verify_repository(
     """Raise the first problem found (naming version, tensor, chunk or object); else a report.
 
     Each version is rebuilt chunk by chunk from its snapshot (bounded memory, output
-    discarded), so every stored chunk on every chain is decoded and digest-checked.
+    discarded), so every stored chunk on every chain is decoded and digest-checked. So is
+    every chunk of each squash between two present versions (only those into ``version``
+    when one is given).
     """
     repo = url if isinstance(url, Repository) else Repository(url)
     repo.ensure_exists()
@@ -63,6 +67,21 @@ def verify_repository(
         Subscriber(repo, workers=workers, progress=progress).check(v)
         report.chunks += sum(len(t.chunks) for t in info.pb.tensors)
         report.versions.append(v)
+    present = set(versions) if version is None else set(repo.versions())
+    stale = 0
+    for a, c in repo.squashes():
+        if version is not None and c != versions[0]:
+            continue
+        if a not in present or c not in present:
+            stale += 1
+            continue
+        report.chunks += verify_squash(repo, a, c, workers=workers)
+        report.squashes.append((a, c))
+        for p in repo.squash(a, c).pb.packs:
+            referenced.add(p.key)
+            seen_packs.add(p.key)
+    if stale:
+        report.notes.append(f"{stale} squash(es) connect a version that is gone (gc removes them)")
     report.packs = len(seen_packs)
     report.blobs = len(seen_blobs)
     if version is None:

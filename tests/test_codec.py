@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, cast
 
 import numpy as np
@@ -14,6 +18,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import deltasync.codec as codec_module
+from deltasync import _kernels_py
 from deltasync.codec import (
     DENSE,
     ENCODING_NAMES,
@@ -37,8 +43,17 @@ UINT: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.ui
 # Payload layouts, as documented in deltasync/codec.py (codec_version 1).
 SPARSE_HEADER = struct.Struct("<BBBBQQ")
 U64 = struct.Struct("<Q")
-XOR, ZIGZAG = 0, 1
-BITMAP, GAPS = 0, 1
+U32 = struct.Struct("<I")
+XOR, ZIGZAG, ZIGZAG2 = 0, 1, 2
+BITMAP, GAPS, RICE = 0, 1, 2
+
+c_kernels: ModuleType | None
+try:
+    from deltasync import _kernels as c_kernels
+except ImportError:  # pragma: no cover - the extension is built by every normal install
+    c_kernels = None
+# Every implementation of the kernels: the numpy twin always, the C extension when built.
+KERNEL_IMPLS: list[ModuleType] = [_kernels_py] + ([c_kernels] if c_kernels is not None else [])
 
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -241,11 +256,28 @@ def test_few_changes_in_a_large_chunk_are_sparse_and_gap_coded() -> None:
     enc = roundtrip(PlanesZstdCodec(), target.view(np.uint8), base.view(np.uint8), 2)
     assert enc.encoding == SPARSE
     _, coding, _, _, count, _ = _sparse_header(enc.payload)
-    assert (coding, count) == (GAPS, len(idx))
+    assert (coding, count) == (RICE, len(idx))  # gaps, Rice-coded
     assert len(enc.payload) < 200
+    exhaustive = roundtrip(PlanesZstdCodec(exhaustive=True), target.view(np.uint8), base.view(np.uint8), 2)
+    assert len(exhaustive.payload) <= len(enc.payload)
 
 
-def test_moderate_density_uses_a_bitmap() -> None:
+def test_moderate_density_in_runs_uses_a_bitmap() -> None:
+    n = 16384
+    rng = np.random.default_rng(8)
+    base = rng.integers(0, 1 << 32, n, dtype=np.uint32)
+    target = base.copy()
+    idx = np.flatnonzero(np.repeat(rng.random(n // 16) < 0.2, 16))  # runs of 16 changed elements
+    target[idx] += np.uint32(1)
+    enc = roundtrip(PlanesZstdCodec(), target.view(np.uint8), base.view(np.uint8), 4)
+    assert enc.encoding == SPARSE
+    transform, coding, _, _, count, _ = _sparse_header(enc.payload)
+    assert (coding, count) == (BITMAP, len(idx))
+    assert transform in (ZIGZAG, ZIGZAG2)  # +1 on random bits: a zigzag of the difference, not XOR
+
+
+def test_moderate_density_at_random_uses_rice() -> None:
+    """Independent positions have geometric gaps, for which Rice codes are near the entropy."""
     n = 16384
     rng = np.random.default_rng(8)
     base = rng.integers(0, 1 << 32, n, dtype=np.uint32)
@@ -253,9 +285,22 @@ def test_moderate_density_uses_a_bitmap() -> None:
     idx = np.flatnonzero(rng.random(n) < 0.2)
     target[idx] += np.uint32(1)
     enc = roundtrip(PlanesZstdCodec(), target.view(np.uint8), base.view(np.uint8), 4)
-    assert enc.encoding == SPARSE
     transform, coding, _, _, count, _ = _sparse_header(enc.payload)
-    assert (transform, coding, count) == (ZIGZAG, BITMAP, len(idx))
+    assert (coding, count) == (RICE, len(idx))
+    assert transform in (ZIGZAG, ZIGZAG2)
+    positions_floor = n * _binary_entropy(len(idx) / n) / 8
+    assert len(enc.payload) < 1.03 * positions_floor + 64  # values are all +1: nearly free
+
+
+def _binary_entropy(p: float) -> float:
+    return float(-(p * np.log2(p) + (1 - p) * np.log2(1 - p)))
+
+
+def _entropy(values: npt.NDArray[Any]) -> float:
+    """Zero-order entropy in bits of the whole array."""
+    _, counts = np.unique(values, return_counts=True)
+    probs = counts / counts.sum()
+    return float(-(counts * np.log2(probs)).sum())
 
 
 def test_rl_step_delta_is_much_smaller_than_full() -> None:
@@ -271,6 +316,28 @@ def test_rl_step_delta_is_much_smaller_than_full() -> None:
     enc = roundtrip(codec, target.view(np.uint8), base.view(np.uint8), 2)
     assert enc.encoding == SPARSE
     assert len(enc.payload) < 0.03 * target.nbytes
+    transform, coding, _, _, count, _ = _sparse_header(enc.payload)
+    assert (transform, coding, count) == (ZIGZAG2, RICE, len(idx))
+    # zero-order entropy of positions and values: the floor no coding of independent symbols beats
+    floor = (n * _binary_entropy(len(idx) / n) + _entropy(target[idx] - base[idx])) / 8
+    assert len(enc.payload) < 1.025 * floor
+
+
+def test_rl_step_with_larger_moves_stays_near_the_entropy() -> None:
+    """Mostly +-1 ulp with a long tail (the measured shape): the tail goes to the escapes."""
+    n = 1 << 20
+    rng = np.random.default_rng(12)
+    base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    target = base.copy()
+    idx = np.flatnonzero(rng.random(n) < 0.01)
+    magnitude = np.where(rng.random(len(idx)) < 0.9, 1, np.minimum(rng.pareto(1.0, len(idx)) + 2, 30000))
+    step = (np.where(rng.random(len(idx)) < 0.5, 1, -1) * magnitude.astype(np.int64)).astype(np.int16)
+    target[idx] += step.view(np.uint16)
+    enc = roundtrip(PlanesZstdCodec(), target.view(np.uint8), base.view(np.uint8), 2)
+    transform, coding, _, _, _, _ = _sparse_header(enc.payload)
+    assert (transform, coding) == (ZIGZAG2, RICE)
+    floor = (n * _binary_entropy(len(idx) / n) + _entropy(step)) / 8
+    assert len(enc.payload) < 1.04 * floor
 
 
 def test_everything_changed_at_random_is_stored_full() -> None:
@@ -366,8 +433,12 @@ def _gaps(gaps: list[int]) -> bytes:
 
 
 def _sparse(count: int, positions: bytes, values: bytes, *, transform: int = XOR, coding: int = GAPS,
-            pos_len: int | None = None) -> EncodedChunk:
-    header = SPARSE_HEADER.pack(transform, coding, 1, 0, count, len(positions) if pos_len is None else pos_len)
+            pos_len: int | None = None, pos_param: int | None = None, value_param: int = 0) -> EncodedChunk:
+    if pos_param is None:
+        pos_param = 1 if coding == GAPS else 0
+    header = SPARSE_HEADER.pack(
+        transform, coding, pos_param, value_param, count, len(positions) if pos_len is None else pos_len
+    )
     return EncodedChunk(SPARSE, header + positions + values)
 
 
@@ -393,7 +464,113 @@ def _bitmap(indices: list[int], n: int = N) -> bytes:
     return _zstd(np.packbits(mask, bitorder="little").tobytes())
 
 
+def _bitstream(bits: list[int]) -> bytes:
+    """LSB-first bits, zero-padded to whole bytes (the documented bit order)."""
+    out = bytearray((len(bits) + 7) // 8)
+    for i, bit in enumerate(bits):
+        out[i // 8] |= bit << (i % 8)
+    return bytes(out)
+
+
+def _rice_parts(indices: list[int], k: int) -> tuple[bytes, bytes]:
+    """Position section, Rice coding, written from the documented layout (not the codec):
+    the unary stream and the low-bits stream."""
+    unary: list[int] = []
+    low: list[int] = []
+    prev = -1
+    for i in indices:
+        gap = i - prev - 1
+        prev = i
+        unary += [0] * (gap >> k) + [1]
+        low += [(gap >> j) & 1 for j in range(k)]
+    return _bitstream(unary), _bitstream(low)
+
+
+def _rice(indices: list[int], k: int) -> bytes:
+    unary, low = _rice_parts(indices, k)
+    return unary + low
+
+
+def _zz2_raw(symbols: bytes, prefix: bytes, suffix: bytes, *, frame: bytes | None = None) -> bytes:
+    frame = _zstd(symbols) if frame is None else frame
+    return U32.pack(len(frame)) + frame + U32.pack(len(prefix)) + prefix + suffix
+
+
+def _zigzag2(zs: list[int], k: int) -> bytes:
+    """Value section of the 2-bit zigzag transform, written from the documented layout."""
+    symbols = bytearray((len(zs) + 3) // 4)
+    prefix: list[int] = []
+    suffix: list[int] = []
+    for i, z in enumerate(zs):
+        symbols[i // 4] |= min(z - 1, 3) << (2 * (i % 4))
+        if z >= 4:
+            e = z - 4
+            x = (e >> k) + 1
+            nb = x.bit_length() - 1
+            prefix += [0] * nb + [1]
+            suffix += [(e >> j) & 1 for j in range(k)] + [((x - (1 << nb)) >> j) & 1 for j in range(nb)]
+    return _zz2_raw(bytes(symbols), _bitstream(prefix), _bitstream(suffix))
+
+
+def _rice_zz2(count: int, positions: bytes, values: bytes, k: int = 0, value_param: int = 0) -> EncodedChunk:
+    return _sparse(count, positions, values, transform=ZIGZAG2, coding=RICE, pos_param=k, value_param=value_param)
+
+
+def test_handmade_rice_and_zigzag2_payload_decodes() -> None:
+    # z = zigzag(change): 1 is -1, 2 is +1, 9 is -5 (an escape, e = 5), 200 is +100
+    for k, ek in ((0, 0), (2, 1), (5, 3)):
+        chunk = _rice_zz2(4, _rice([3, 50, 51, 99], k), _zigzag2([1, 2, 9, 200], ek), k, ek)
+        out = PlanesZstdCodec().decode(chunk, BASE, W, N * W).view(np.int32)
+        assert np.flatnonzero(out).tolist() == [3, 50, 51, 99]
+        assert out[[3, 50, 51, 99]].tolist() == [-1, 1, -5, 100]
+    # the widest change an element can take: z = 2**32 - 1, e = 2**32 - 5
+    chunk = _rice_zz2(1, _rice([7], 0), _zigzag2([(1 << 32) - 1], 2), 0, 2)
+    out = PlanesZstdCodec().decode(chunk, BASE, W, N * W).view(np.uint32)
+    assert out[7] == 0x80000000  # zigzag 2**32 - 1 is -2**31
+
+
+def test_handmade_byte_gaps_with_escapes_decode() -> None:
+    base = np.zeros(4000 * W, dtype=np.uint8)
+    chunk = _sparse(3, _gaps([0, 300, 3000]), VALUES3)
+    out = PlanesZstdCodec().decode(chunk, base, W, len(base))
+    assert np.flatnonzero(out.view(np.uint32)).tolist() == [0, 301, 3302]
+
+
+RICE3 = _rice([3, 50, 99], 2)
+RICE3_UNARY, RICE3_LOW = _rice_parts([3, 50, 99], 2)  # 26 unary bits: 6 padding bits in byte 3
+ZZ3 = _zigzag2([1, 2, 9], 1)  # one escape
+ESC_SYMBOLS = bytes([0 | 1 << 2 | 3 << 4])  # z = 1, 2, escape
+
 HOSTILE_SPARSE: dict[str, EncodedChunk] = {
+    "rice parameter too large": _rice_zz2(3, _rice([3, 50, 99], 0), ZZ3, 32, 1),
+    "rice stream ends early": _rice_zz2(4, RICE3, _zigzag2([1, 2, 9, 1], 1), 2, 1),
+    "rice stream has a trailing byte": _rice_zz2(3, RICE3_UNARY + b"\x00" + RICE3_LOW, ZZ3, 2, 1),
+    "rice extra code": _rice_zz2(3, _rice([3, 50, 99, 100], 0), ZZ3, 0, 1),
+    "rice padding bit set": _rice_zz2(3, RICE3_UNARY[:3] + bytes([RICE3_UNARY[3] | 0x80]) + RICE3_LOW, ZZ3, 2, 1),
+    "rice low padding bit set": _rice_zz2(3, RICE3_UNARY + bytes([RICE3_LOW[0] | 0x80]), ZZ3, 2, 1),
+    "rice position past the end": _rice_zz2(3, _rice([3, 50, 100], 2), ZZ3, 2, 1),
+    "rice long unary run": _rice_zz2(3, b"\x00" * 100 + _rice([3, 50, 99], 0), ZZ3, 0, 1),
+    "rice low bits truncated": _rice_zz2(3, RICE3[:-1], ZZ3, 2, 1),
+    "rice empty": _rice_zz2(3, b"", ZZ3, 2, 1),
+    "zigzag2 parameter too large": _rice_zz2(3, RICE3, _zigzag2([1, 2, 9], 1), 2, 32),
+    "zigzag2 parameter without escapes": _rice_zz2(3, RICE3, _zigzag2([1, 2, 3], 0), 2, 1),
+    "zigzag2 symbol frame of wrong size": _rice_zz2(3, RICE3, _zz2_raw(ESC_SYMBOLS + b"\x00", b"\x04", b"\x02"), 2, 0),
+    "zigzag2 symbol padding set": _rice_zz2(3, RICE3, _zz2_raw(bytes([ESC_SYMBOLS[0] | 0x40]), b"\x04", b"\x02"), 2, 0),
+    "zigzag2 symbol length huge": _rice_zz2(3, RICE3, U32.pack(2**32 - 1) + ZZ3[4:], 2, 1),
+    "zigzag2 symbol length truncated": _rice_zz2(3, RICE3, b"\x05\x00", 2, 1),
+    "zigzag2 prefix length huge": _rice_zz2(3, RICE3, _zz2_raw(ESC_SYMBOLS, b"", b"")[:-4] + U32.pack(2**32 - 1), 2, 0),
+    "zigzag2 escape missing": _rice_zz2(3, RICE3, _zz2_raw(ESC_SYMBOLS, b"", b""), 2, 0),
+    "zigzag2 escape suffix missing": _rice_zz2(3, RICE3, _zz2_raw(ESC_SYMBOLS, b"\x04", b""), 2, 0),
+    "zigzag2 escape wider than the element": _rice_zz2(3, RICE3, _zigzag2([1, 2, 1 << 32], 0), 2, 0),
+    "zigzag2 escape one past the widest": _rice_zz2(3, RICE3, _zigzag2([1, 2, 1 << 32], 3), 2, 3),
+    "zigzag2 escape prefix over 63": _rice_zz2(3, RICE3, _zz2_raw(ESC_SYMBOLS, _bitstream([0] * 70 + [1]), bytes(16)), 2, 0),
+    "zigzag2 trailing suffix byte": _rice_zz2(3, RICE3, ZZ3 + b"\x00", 2, 1),
+    "zigzag2 extra escape code": _rice_zz2(3, RICE3, _zz2_raw(ESC_SYMBOLS, _bitstream([0, 0, 1, 1]), _bitstream([0, 1])), 2, 0),
+    "xor with a value parameter": _sparse(3, _gaps([0, 1, 2]), VALUES3, value_param=1),
+    "bitmap with a parameter": _sparse(3, _bitmap([3, 50, 99]), VALUES3, coding=BITMAP, pos_param=1),
+    "bitmap padding set": _sparse(3, _zstd(np.packbits(np.isin(np.arange(104), [3, 50, 101]), bitorder="little").tobytes()),
+                                  VALUES3, coding=BITMAP),
+    "gaps with another width": _sparse(3, _gaps([0, 1, 2]), VALUES3, pos_param=2),
     "count zero": _sparse(0, _gaps([]), _zstd(b"")),
     "count past n": _sparse(N + 1, _gaps([0] * (N + 1)), _zstd(bytes(4 * (N + 1)))),
     "count huge": _sparse(2**64 - 1, _gaps([0]), VALUES3),
@@ -424,6 +601,23 @@ HOSTILE_SPARSE: dict[str, EncodedChunk] = {
 def test_hostile_sparse_payloads_are_corrupt(name: str) -> None:
     with pytest.raises(CorruptObjectError):
         PlanesZstdCodec().decode(HOSTILE_SPARSE[name], BASE, W, N * W)
+    out = np.full(N * W, 0xA5, dtype=np.uint8)
+    with pytest.raises(CorruptObjectError):
+        PlanesZstdCodec().decode_into(HOSTILE_SPARSE[name], BASE, out, W)
+    assert (out == 0xA5).all()  # a refused payload leaves the output untouched
+
+
+def test_well_formed_twins_of_the_hostile_cases_decode() -> None:
+    """The hostile cases above differ from these in one field; these must decode."""
+    twins = [
+        _rice_zz2(3, RICE3, ZZ3, 2, 1),
+        _rice_zz2(3, _rice([3, 50, 99], 0), ZZ3, 0, 1),
+        _rice_zz2(3, RICE3, _zz2_raw(ESC_SYMBOLS, _bitstream([0, 0, 1]), _bitstream([0, 1])), 2, 0),
+        _rice_zz2(3, RICE3, _zigzag2([1, 2, (1 << 32) - 1], 3), 2, 3),
+    ]
+    for chunk in twins:
+        out = PlanesZstdCodec().decode(chunk, BASE, W, N * W)
+        assert np.flatnonzero(out.view(np.uint32)).tolist() == [3, 50, 99]
 
 
 @pytest.mark.parametrize(
@@ -521,3 +715,193 @@ def test_codec_from_spec() -> None:
         codec_from_spec(name, 1, 3, 100, 1)
     with pytest.raises(CorruptObjectError, match="bad codec parameters"):
         codec_from_spec(name, 1, 3, 4096, 30)
+
+
+# -- decode_into: caller's buffer, in place ---------------------------------------------------
+
+
+@PROPERTY
+@given(case=cases(max_n=2000), exhaustive=st.booleans())
+def test_decode_into_matches_decode(case: Case, exhaustive: bool) -> None:
+    enc = PlanesZstdCodec(exhaustive=exhaustive).encode(case.target, case.base, case.width)
+    codec = PlanesZstdCodec()
+    out = np.full(len(case.target), 0x5A, dtype=np.uint8)
+    assert codec.decode_into(enc, case.base, out, case.width) is out
+    assert out.tobytes() == case.target.tobytes()
+    work = case.base.copy()  # in place: out is base
+    assert codec.decode_into(enc, work, work, case.width).tobytes() == case.target.tobytes()
+    assert work.tobytes() == case.target.tobytes()
+
+
+def test_decode_into_full_needs_no_base() -> None:
+    target = np.arange(400, dtype=np.uint8)
+    out = np.zeros(400, dtype=np.uint8)
+    PlanesZstdCodec().decode_into(PlanesZstdCodec().encode(target, None, 4), None, out, 4)
+    assert out.tobytes() == target.tobytes()
+
+
+def test_decode_into_refuses_bad_outputs() -> None:
+    case = make_case(5, 4, 100, "few")
+    enc = PlanesZstdCodec().encode(case.target, case.base, 4)
+    codec = PlanesZstdCodec()
+    readonly = np.zeros(400, np.uint8)
+    readonly.flags.writeable = False
+    wide = np.zeros(800, np.uint8)
+    for bad in (np.zeros(100, np.uint32), np.zeros((4, 100), np.uint8), wide[::2], readonly):
+        with pytest.raises(UsageError, match="out must be"):
+            codec.decode_into(enc, case.base, cast(Bytes, bad), 4)
+    both = np.concatenate([case.base, np.zeros(4, np.uint8)])
+    with pytest.raises(UsageError, match="overlaps"):  # out starts one element into base
+        codec.decode_into(enc, both[:400], both[4:], 4)
+    with pytest.raises(CorruptObjectError, match="needs a base"):
+        codec.decode_into(enc, case.base, np.zeros(404, np.uint8), 4)
+    with pytest.raises(CorruptObjectError, match="whole"):
+        codec.decode_into(enc, case.base[:398], np.zeros(398, np.uint8), 4)
+
+
+@pytest.mark.parametrize("encoding", [SAME, SPARSE, DENSE, FULL])
+def test_decode_into_leaves_out_alone_on_corrupt_payloads(encoding: Encoding) -> None:
+    case = make_case(6, 2, 5000, "dense" if encoding in (DENSE, FULL) else "sparse")
+    codec = PlanesZstdCodec(exhaustive=True)
+    enc = codec.encode(case.target, case.base, 2)
+    payload = enc.payload if enc.encoding == encoding else b"\x01"
+    for bad in (payload[:-1], payload + b"\x00", b"\x07" + payload[1:]):
+        work = case.base.copy()
+        try:
+            codec.decode_into(EncodedChunk(encoding, bad), work, work, 2)
+        except CorruptObjectError:
+            assert work.tobytes() == case.base.tobytes()
+
+
+# -- kernels: the C extension and its numpy twin ------------------------------------------------
+
+
+@contextmanager
+def kernels(impl: ModuleType) -> Iterator[None]:
+    """Run the codec on one implementation of the kernels."""
+    saved = codec_module._K
+    codec_module._K = cast(Any, impl)
+    try:
+        yield
+    finally:
+        codec_module._K = saved
+
+
+def test_the_c_kernels_are_built_and_used() -> None:
+    if os.environ.get("DELTASYNC_NO_KERNELS"):
+        assert codec_module.KERNELS == "numpy"
+        return
+    assert c_kernels is not None, "deltasync._kernels was not built: pip install -e . needs a C compiler"
+    assert codec_module.KERNELS == "c"
+
+
+def _same_outcome(calls: list[Any]) -> Any:
+    """Call each thunk; all must raise ValueError or all return the same value."""
+    results: list[object] = []
+    for call in calls:
+        try:
+            results.append(call())
+        except ValueError:
+            results.append(ValueError)
+    assert all(r == results[0] for r in results), results
+    return results[0]
+
+
+@PROPERTY
+@given(case=cases(max_n=4000), limit_fraction=st.sampled_from([0.0, 0.3, 1.0]))
+def test_kernels_agree(case: Case, limit_fraction: float) -> None:
+    w, n = case.width, case.n
+    limit = int(limit_fraction * n)
+    scans = [k.scan(case.target, case.base, w, limit) for k in KERNEL_IMPLS]
+    assert all(sc == scans[0] for sc in scans)
+    count, idx, tv, bv = scans[0]
+    assert count == int(np.count_nonzero(case.target.view(UINT[w]) != case.base.view(UINT[w])))
+    if idx is None or tv is None or bv is None or count == 0:
+        return
+    rice = _same_outcome([lambda k=k: k.rice_encode(idx) for k in KERNEL_IMPLS])
+    assert _same_outcome([lambda k=k: k.rice_decode(rice[1], count, rice[0], n) for k in KERNEL_IMPLS]) == idx
+    packed = _same_outcome([lambda k=k: k.pack2(tv, bv, w) for k in KERNEL_IMPLS])
+    values = _same_outcome([lambda k=k: k.unpack2(packed[0], count, packed[1], packed[2], packed[3], w) for k in KERNEL_IMPLS])
+    outs = []
+    for k in KERNEL_IMPLS:
+        out = np.zeros_like(case.base)
+        k.scatter(out, case.base, idx, values, w, 1)
+        outs.append(out.tobytes())
+        work = case.base.copy()
+        k.scatter(work, None, idx, values, w, 1)
+        outs.append(work.tobytes())
+    assert outs == [case.target.tobytes()] * len(outs)
+
+
+@PROPERTY
+@given(case=cases(max_n=3000), exhaustive=st.booleans())
+def test_payloads_are_the_same_with_either_kernels(case: Case, exhaustive: bool) -> None:
+    codec = PlanesZstdCodec(exhaustive=exhaustive)
+    payloads = []
+    for impl in KERNEL_IMPLS:
+        with kernels(impl):
+            enc = codec.encode(case.target, case.base, case.width)
+            payloads.append(enc)
+            assert codec.decode(enc, case.base, case.width, len(case.target)).tobytes() == case.target.tobytes()
+    assert all(p == payloads[0] for p in payloads)
+
+
+def _mutate(data: bytes, draws: st.DataObject) -> bytes:
+    draw = draws.draw
+    kind = draw(st.sampled_from(["flip", "cut", "append", "zero"]))
+    if not data or kind == "append":
+        return data + draw(st.binary(min_size=1, max_size=3))
+    at = draw(st.integers(0, len(data) - 1))
+    if kind == "flip":
+        return data[:at] + bytes([data[at] ^ (1 << draw(st.integers(0, 7)))]) + data[at + 1 :]
+    if kind == "zero":
+        return data[:at] + b"\x00" + data[at + 1 :]
+    return data[:at]
+
+
+@PROPERTY
+@given(case=cases(max_n=1500), data=st.data())
+def test_kernels_refuse_the_same_damaged_streams(case: Case, data: st.DataObject) -> None:
+    w, n = case.width, case.n
+    count, idx, tv, bv = _kernels_py.scan(case.target, case.base, w, n)
+    if not count or idx is None or tv is None or bv is None:
+        return
+    k, rice = _kernels_py.rice_encode(idx)
+    bad_rice = _mutate(rice, data)
+    bad_k = data.draw(st.sampled_from([k, k, max(0, k - 1), k + 1, 31, 32]))
+    _same_outcome([lambda m=m: m.rice_decode(bad_rice, count, bad_k, n) for m in KERNEL_IMPLS])
+    symbols, ek, prefix, suffix = _kernels_py.pack2(tv, bv, w)
+    streams = [symbols, prefix, suffix]
+    which = data.draw(st.integers(0, 2))
+    streams[which] = _mutate(streams[which], data)
+    bad_ek = data.draw(st.sampled_from([ek, ek, ek + 1, max(0, ek - 1), 8 * w - 1, 8 * w]))
+    _same_outcome([lambda m=m: m.unpack2(streams[0], count, bad_ek, streams[1], streams[2], w) for m in KERNEL_IMPLS])
+
+
+@pytest.mark.skipif(c_kernels is None or getattr(c_kernels, "simd", "") != "avx512bw", reason="no AVX-512 here")
+def test_the_sse2_scan_agrees_with_the_avx512_one() -> None:
+    """The scan picks its SIMD at import; run the SSE2 one in a child process and compare."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from deltasync import _kernels as k\n"
+        "assert k.simd == 'sse2'\n"
+        "for w in (1, 2, 4, 8):\n"
+        "    rng = np.random.default_rng(w)\n"
+        "    b = rng.integers(0, 256, 8 * 1000 + w * 37, dtype=np.uint8)\n"
+        "    t = b.copy(); t[rng.random(len(t)) < 0.02] ^= 1\n"
+        "    sys.stdout.write(repr(k.scan(t, b, w, len(t))) + '\\n')\n"
+    )
+    assert c_kernels is not None
+    env = dict(os.environ, DELTASYNC_NO_AVX512="1")
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    expected = []
+    for w in (1, 2, 4, 8):
+        rng = np.random.default_rng(w)
+        b = rng.integers(0, 256, 8 * 1000 + w * 37, dtype=np.uint8)
+        t = b.copy()
+        t[rng.random(len(t)) < 0.02] ^= 1
+        expected.append(repr(c_kernels.scan(t, b, w, len(t))))
+    assert child.stdout.splitlines() == expected

@@ -59,6 +59,10 @@ def all_paths(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*")}
 
 
+def outside_state(paths: set[str]) -> set[str]:
+    return {p for p in paths if p != ".deltasync" and not p.startswith(".deltasync/")}
+
+
 def kinds(repo: Path) -> list[str]:
     r = Repository(str(repo))
     return ["snapshot" if r.manifest(v).is_snapshot else "delta" for v in r.versions()]
@@ -384,7 +388,8 @@ def test_corrupt_pack_leaves_out_dir_untouched(tmp_path: Path, target: str) -> N
     else:
         (out / "keep.txt").parent.mkdir(parents=True)
         (out / "keep.txt").write_text("keep")
-    before_digests = tree_digests(out, include_state=True)
+    before_digests = tree_digests(out)
+    before_state = read_local_state(out)
     before_paths = all_paths(out)
     _flip_middle_byte(repo / packs[0].key)
 
@@ -394,9 +399,9 @@ def test_corrupt_pack_leaves_out_dir_untouched(tmp_path: Path, target: str) -> N
     assert f"version {version}" in msg and "tensor '" in msg and "chunk " in msg, msg
     if isinstance(info.value, ChecksumMismatchError):
         assert info.value.version == version and info.value.chunk >= 0
-    assert tree_digests(out, include_state=True) == before_digests
-    # No staging leftovers: at most the (empty) state directory appeared.
-    assert all_paths(out) - {".deltasync"} == before_paths - {".deltasync"}
+    assert tree_digests(out) == before_digests and read_local_state(out) == before_state
+    # Nothing changed outside the state directory (which keeps the staged work for a retry).
+    assert outside_state(all_paths(out)) == outside_state(before_paths)
     # A pull of a version that does not need the bad pack still works.
     if target == "delta":
         subscriber(repo).pull_to_dir(out, 1)
@@ -411,14 +416,16 @@ def test_corrupt_blob_leaves_out_dir_untouched(tmp_path: Path) -> None:
     pub.publish_dir(ckpts[1], base_dir=ckpts[0])
     out = tmp_path / "out"
     subscriber(repo).pull_to_dir(out, 1)
-    before = tree_digests(out, include_state=True)
+    before = tree_digests(out)
     r = Repository(str(repo))
     f = next(f for f in r.manifest(2).pb.files if f.path == "generation_config.json")
     blob = repo / "blobs" / f.blob_parts[0].hex()
     blob.write_bytes(b"\x00" + blob.read_bytes()[1:])
     with pytest.raises(CorruptObjectError, match=f"blobs/{f.blob_parts[0].hex()}"):
         subscriber(repo).pull_to_dir(out, 2)
-    assert tree_digests(out, include_state=True) == before
+    assert tree_digests(out) == before
+    state = read_local_state(out)
+    assert state is not None and state.version == 1
 
 
 def test_missing_version(tmp_path: Path) -> None:
@@ -600,7 +607,7 @@ def test_pull_after_interrupted_pull(tmp_path: Path, monkeypatch: pytest.MonkeyP
     pub.publish_dir(ckpts[1], base_dir=ckpts[0])
     out = tmp_path / "out"
     subscriber(repo).pull_to_dir(out, 1)
-    before = tree_digests(out, include_state=True)
+    before = tree_digests(out)
 
     calls = 0
     real_apply = Subscriber._apply
@@ -615,12 +622,15 @@ def test_pull_after_interrupted_pull(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(Subscriber, "_apply", dying_apply)
     with pytest.raises(KeyboardInterrupt):
         subscriber(repo).pull_to_dir(out, 2)
-    assert tree_digests(out, include_state=True) == before
+    assert tree_digests(out) == before
+    state = read_local_state(out)
+    assert state is not None and state.version == 1
+    assert (out / ".deltasync" / "incoming").is_dir()  # the staged work is kept for the next pull
     monkeypatch.undo()
     subscriber(repo).pull_to_dir(out, 2)
     assert tree_digests(out) == tree_digests(ckpts[1])
     assert not (out / ".deltasync" / "incoming").exists()
-    assert os.listdir(out / ".deltasync") == ["state.json"]
+    assert sorted(os.listdir(out / ".deltasync")) == ["lock", "state.lmdb"]
 
 
 def test_flipped_byte_is_a_checksum_mismatch_naming_tensor_and_chunk(tmp_path: Path) -> None:
@@ -730,4 +740,4 @@ def test_path_that_turns_from_directory_into_file(tmp_path: Path) -> None:
     for v, src in [(1, v1), (2, v2), (1, v1), (2, v2)]:
         subscriber(repo).pull_to_dir(out, v)
         assert tree_digests(out) == tree_digests(src), f"version {v}"
-        assert all_paths(out) - {".deltasync", ".deltasync/state.json"} == all_paths(src) | {"mine"}
+        assert outside_state(all_paths(out)) == all_paths(src) | {"mine"}

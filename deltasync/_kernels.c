@@ -1,0 +1,879 @@
+/* Hot loops of the chunk codec (deltasync/codec.py), as a CPython extension module.
+ *
+ * deltasync/_kernels_py.py is the pure-numpy twin of every function here: same arguments,
+ * byte-identical results, the same inputs refused (tests/test_codec.py checks both). The
+ * codec uses this module when it imports and the twin otherwise, so everything below is an
+ * optimisation, never a format decision of its own; the layouts are documented in codec.py.
+ *
+ * Every loop runs without the GIL, so the codec's thread pools scale. Malformed input data
+ * raises ValueError (the codec turns it into CorruptObjectError); nothing reads or writes
+ * outside the buffers it was given.
+ *
+ * Bit streams are LSB-first: bit i is (byte[i / 8] >> (i % 8)) & 1. A unary code of q is q
+ * zero bits then a one. Streams are padded with zero bits to whole bytes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "deltasync._kernels supports little-endian hosts only (numpy fallback elsewhere)"
+#endif
+
+#define MAX_RICE_K 31
+#define PAD 16 /* zero bytes after every scratch bit buffer, so 8-byte loads never run off it */
+
+/* -- small helpers ----------------------------------------------------------------------- */
+
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+static inline uint64_t load_elem(const uint8_t *p, int w) {
+    uint64_t v = 0;
+    memcpy(&v, p, (size_t)w);
+    return v;
+}
+
+static inline void store_elem(uint8_t *p, uint64_t v, int w) { memcpy(p, &v, (size_t)w); }
+
+static inline int bitlen(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+
+static inline uint64_t width_mask(int w) { return w == 8 ? ~(uint64_t)0 : (((uint64_t)1 << (8 * w)) - 1); }
+
+static inline uint64_t zigzag(uint64_t d, int w) {
+    int shift = 64 - 8 * w;
+    int64_t s = (int64_t)(d << shift) >> shift; /* sign-extend the w-byte difference */
+    return ((uint64_t)s << 1 ^ (uint64_t)(s >> 63)) & width_mask(w);
+}
+
+static inline uint64_t unzigzag(uint64_t z) { return (z >> 1) ^ (0 - (z & 1)); }
+
+/* OR ``v`` (< 2**57) into the zeroed bit buffer at bit ``pos``. */
+static inline void put_bits57(uint8_t *buf, uint64_t pos, uint64_t v) {
+    uint8_t *p = buf + (pos >> 3);
+    store64(p, load64(p) | (v << (pos & 7)));
+}
+
+static inline void put_bits(uint8_t *buf, uint64_t pos, uint64_t v, int n) {
+    if (n > 32) {
+        put_bits57(buf, pos, v & 0xFFFFFFFFu);
+        put_bits57(buf, pos + 32, v >> 32);
+    } else if (n > 0) {
+        put_bits57(buf, pos, v);
+    }
+}
+
+static inline uint64_t get_bits57(const uint8_t *buf, uint64_t pos, int n) {
+    uint64_t v = load64(buf + (pos >> 3)) >> (pos & 7);
+    return n == 0 ? 0 : (v & (((uint64_t)1 << n) - 1));
+}
+
+static inline uint64_t get_bits(const uint8_t *buf, uint64_t pos, int n) {
+    if (n > 32) return get_bits57(buf, pos, 32) | (get_bits57(buf, pos + 32, n - 32) << 32);
+    return get_bits57(buf, pos, n);
+}
+
+/* Position of the next one bit at or after ``pos`` in a stream of ``nbits`` bits held in a
+ * buffer with PAD zero bytes after it; ``nbits`` if there is none. */
+static inline uint64_t next_one(const uint8_t *buf, uint64_t pos, uint64_t nbits) {
+    while (pos < nbits) {
+        uint64_t w = load64(buf + (pos >> 3)) >> (pos & 7);
+        if (w) {
+            uint64_t at = pos + (uint64_t)__builtin_ctzll(w);
+            return at < nbits ? at : nbits;
+        }
+        pos += 64 - (pos & 7);
+    }
+    return nbits;
+}
+
+/* A copy of ``src`` followed by PAD zero bytes (bit readers load 8 bytes at a time). */
+static uint8_t *padded_copy(const void *src, size_t len) {
+    uint8_t *p = (uint8_t *)malloc(len + PAD);
+    if (p) {
+        if (len) memcpy(p, src, len);
+        memset(p + len, 0, PAD);
+    }
+    return p;
+}
+
+/* Bits ``nbits`` .. 8*len of a ``len``-byte stream must be zero padding, and nothing more. */
+static int exact_padding(const uint8_t *buf, size_t len, uint64_t nbits) {
+    if (len != (nbits + 7) / 8) return 0;
+    if (nbits & 7) return (buf[len - 1] >> (nbits & 7)) == 0;
+    return 1;
+}
+
+static int check_width(int w) {
+    if (w == 1 || w == 2 || w == 4 || w == 8) return 1;
+    PyErr_Format(PyExc_ValueError, "element width must be 1, 2, 4 or 8, got %d", w);
+    return 0;
+}
+
+/* Buffers: a read-only or writable C-contiguous view, released by the caller. */
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable) {
+    return PyObject_GetBuffer(obj, view, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS);
+}
+
+/* -- scan: one pass over target and base ------------------------------------------------- */
+
+typedef struct {
+    uint32_t *idx;
+    uint8_t *tv, *bv;
+    size_t len, cap;
+} Changes;
+
+static int changes_reserve(Changes *c, size_t need, int w) {
+    if (need <= c->cap) return 1;
+    size_t cap = c->cap ? c->cap : 256;
+    while (cap < need) cap *= 2;
+    uint32_t *idx = (uint32_t *)realloc(c->idx, cap * sizeof(uint32_t));
+    if (!idx) return 0;
+    c->idx = idx;
+    uint8_t *tv = (uint8_t *)realloc(c->tv, cap * (size_t)w);
+    if (!tv) return 0;
+    c->tv = tv;
+    uint8_t *bv = (uint8_t *)realloc(c->bv, cap * (size_t)w);
+    if (!bv) return 0;
+    c->bv = bv;
+    c->cap = cap;
+    return 1;
+}
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+
+static inline __m128i ld(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+
+/* Bit j set iff element j of the 64 elements at t and b differs (SSE2: x86-64 baseline). */
+static inline uint64_t change_mask64(const uint8_t *t, const uint8_t *b, int w) {
+    uint64_t eq = 0;
+    if (w == 1) {
+        for (int q = 0; q < 4; q++)
+            eq |= (uint64_t)(uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(ld(t + 16 * q), ld(b + 16 * q))) << (16 * q);
+    } else if (w == 2) {
+        for (int q = 0; q < 4; q++) {
+            const uint8_t *tq = t + 32 * q, *bq = b + 32 * q;
+            __m128i e0 = _mm_cmpeq_epi16(ld(tq), ld(bq)), e1 = _mm_cmpeq_epi16(ld(tq + 16), ld(bq + 16));
+            eq |= (uint64_t)(uint32_t)_mm_movemask_epi8(_mm_packs_epi16(e0, e1)) << (16 * q);
+        }
+    } else if (w == 4) {
+        for (int q = 0; q < 4; q++) {
+            const uint8_t *tq = t + 64 * q, *bq = b + 64 * q;
+            __m128i e0 = _mm_cmpeq_epi32(ld(tq), ld(bq)), e1 = _mm_cmpeq_epi32(ld(tq + 16), ld(bq + 16));
+            __m128i e2 = _mm_cmpeq_epi32(ld(tq + 32), ld(bq + 32)), e3 = _mm_cmpeq_epi32(ld(tq + 48), ld(bq + 48));
+            __m128i p = _mm_packs_epi16(_mm_packs_epi32(e0, e1), _mm_packs_epi32(e2, e3));
+            eq |= (uint64_t)(uint32_t)_mm_movemask_epi8(p) << (16 * q);
+        }
+    } else {
+        for (int q = 0; q < 32; q++) {
+            __m128i e = _mm_cmpeq_epi32(ld(t + 16 * q), ld(b + 16 * q));
+            e = _mm_and_si128(e, _mm_shuffle_epi32(e, _MM_SHUFFLE(2, 3, 0, 1))); /* both halves equal */
+            eq |= (uint64_t)(uint32_t)_mm_movemask_pd(_mm_castsi128_pd(e)) << (2 * q);
+        }
+    }
+    return ~eq;
+}
+#else
+static inline uint64_t change_mask64(const uint8_t *t, const uint8_t *b, int w) {
+    uint64_t m = 0;
+    for (int j = 0; j < 64; j++) m |= (uint64_t)(load_elem(t + j * w, w) != load_elem(b + j * w, w)) << j;
+    return m;
+}
+#endif
+
+/* Lowest set bit of m (63 when m is 0: a defined garbage value, overwritten later). */
+static inline uint32_t low_bit(uint64_t m) { return (uint32_t)__builtin_ctzll(m | ((uint64_t)1 << 63)); }
+
+/* Count changed elements; while the count stays <= limit, also record each one. Returns the
+ * count, or -1 when out of memory. Branch-light: the positions of a 64-element mask are
+ * written four at a time without asking how many there are (the usual case is 0 or 1). */
+#define DEFINE_SCAN(SCAN_ATTR, SCAN_NAME, MASK_FN) \
+SCAN_ATTR static inline __attribute__((always_inline)) int64_t SCAN_NAME(const uint8_t *t, const uint8_t *b, size_t n, \
+                                                               int w, size_t limit, Changes *c) { \
+    size_t count = 0, e = 0; \
+    int collect = 1; \
+    for (; e + 64 <= n; e += 64) { \
+        uint64_t m = MASK_FN(t + e * (size_t)w, b + e * (size_t)w, w); \
+        size_t cnt = (size_t)__builtin_popcountll(m); \
+        count += cnt; \
+        if (!collect) continue; \
+        if (count > limit) { \
+            collect = 0; \
+            continue; \
+        } \
+        if (c->len + 64 > c->cap && !changes_reserve(c, c->len + 64, w)) return -1; \
+        uint32_t *out = c->idx + c->len, base = (uint32_t)e; \
+        uint8_t *tv = c->tv + c->len * (size_t)w, *bv = c->bv + c->len * (size_t)w; \
+        const uint8_t *tg = t + e * (size_t)w, *bg = b + e * (size_t)w; \
+        for (int r = 0; r < 4; r++) { \
+            uint32_t j = low_bit(m); \
+            out[r] = base + j; \
+            memcpy(tv + r * w, tg + j * (uint32_t)w, (size_t)w); /* j = 63 when m ran out: in the group */ \
+            memcpy(bv + r * w, bg + j * (uint32_t)w, (size_t)w); \
+            m &= m - 1; \
+        } \
+        for (int r = 4; m; r++) { \
+            uint32_t j = low_bit(m); \
+            out[r] = base + j; \
+            memcpy(tv + r * w, tg + j * (uint32_t)w, (size_t)w); \
+            memcpy(bv + r * w, bg + j * (uint32_t)w, (size_t)w); \
+            m &= m - 1; \
+        } \
+        c->len += cnt; \
+    } \
+    for (; e < n; e++) { \
+        if (load_elem(t + e * (size_t)w, w) == load_elem(b + e * (size_t)w, w)) continue; \
+        count++; \
+        if (!collect) continue; \
+        if (count > limit) { \
+            collect = 0; \
+            continue; \
+        } \
+        if (c->len + 64 > c->cap && !changes_reserve(c, c->len + 64, w)) return -1; \
+        memcpy(c->tv + c->len * (size_t)w, t + e * (size_t)w, (size_t)w); \
+        memcpy(c->bv + c->len * (size_t)w, b + e * (size_t)w, (size_t)w); \
+        c->idx[c->len++] = (uint32_t)e; \
+    } \
+    return (int64_t)count; \
+}
+
+DEFINE_SCAN(, scan_impl, change_mask64)
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_AVX512 1
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f,avx512bw")))
+
+/* change_mask64 with AVX-512BW compares straight to mask registers (chosen at run time). */
+AVX512 static inline uint64_t change_mask64_avx512(const uint8_t *t, const uint8_t *b, int w) {
+    if (w == 1) return _mm512_cmpneq_epi8_mask(_mm512_loadu_si512(t), _mm512_loadu_si512(b));
+    uint64_t m = 0;
+    for (int q = 0; q < w; q++) {
+        __m512i x = _mm512_loadu_si512(t + 64 * q), y = _mm512_loadu_si512(b + 64 * q);
+        uint64_t part = w == 2 ? (uint64_t)_mm512_cmpneq_epi16_mask(x, y)
+                      : w == 4 ? (uint64_t)_mm512_cmpneq_epi32_mask(x, y)
+                               : (uint64_t)_mm512_cmpneq_epi64_mask(x, y);
+        m |= part << (q * (64 / w));
+    }
+    return m;
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
+#if HAVE_AVX512
+DEFINE_SCAN(AVX512, scan_impl_avx512, change_mask64_avx512)
+#endif
+
+static int use_avx512 = 0; /* set once at import */
+
+#if HAVE_AVX512
+AVX512 static int64_t scan_any_avx512(const uint8_t *t, const uint8_t *b, size_t n, int w, size_t limit,
+                                      Changes *c) {
+    switch (w) {
+    case 1: return scan_impl_avx512(t, b, n, 1, limit, c);
+    case 2: return scan_impl_avx512(t, b, n, 2, limit, c);
+    case 4: return scan_impl_avx512(t, b, n, 4, limit, c);
+    default: return scan_impl_avx512(t, b, n, 8, limit, c);
+    }
+}
+#endif
+
+static int64_t scan_any(const uint8_t *t, const uint8_t *b, size_t n, int w, size_t limit, Changes *c) {
+#if HAVE_AVX512
+    if (use_avx512) return scan_any_avx512(t, b, n, w, limit, c);
+#endif
+    switch (w) {
+    case 1: return scan_impl(t, b, n, 1, limit, c);
+    case 2: return scan_impl(t, b, n, 2, limit, c);
+    case 4: return scan_impl(t, b, n, 4, limit, c);
+    default: return scan_impl(t, b, n, 8, limit, c);
+    }
+}
+
+PyDoc_STRVAR(scan_doc,
+             "scan(target, base, width, limit) -> (count, indices, target_values, base_values)\n\n"
+             "Changed elements of two equal-length buffers. ``indices`` are u32, the values are the\n"
+             "elements' bytes; all three are None when count > limit (then only counted).");
+
+static PyObject *k_scan(PyObject *self, PyObject *args) {
+    PyObject *to, *bo;
+    int w;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "OOin:scan", &to, &bo, &w, &limit)) return NULL;
+    if (!check_width(w)) return NULL;
+    Py_buffer tb, bb;
+    if (get_buffer(to, &tb, 0) < 0) return NULL;
+    if (get_buffer(bo, &bb, 0) < 0) {
+        PyBuffer_Release(&tb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (tb.len != bb.len || tb.len % w) {
+        PyErr_SetString(PyExc_ValueError, "target and base must be equal lengths of whole elements");
+        goto done;
+    }
+    size_t n = (size_t)tb.len / (size_t)w;
+    if (n > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "too many elements for u32 indices");
+        goto done;
+    }
+    Changes c = {0};
+    int64_t count;
+    size_t lim = limit < 0 ? 0 : (size_t)limit;
+    Py_BEGIN_ALLOW_THREADS
+    count = scan_any((const uint8_t *)tb.buf, (const uint8_t *)bb.buf, n, w, lim, &c);
+    Py_END_ALLOW_THREADS
+    if (count < 0) {
+        PyErr_NoMemory();
+    } else if ((size_t)count > lim) {
+        result = Py_BuildValue("(LOOO)", (long long)count, Py_None, Py_None, Py_None);
+    } else {
+        /* y# turns a NULL pointer into None: no changes recorded means empty bytes */
+        result = Py_BuildValue("(Ly#y#y#)", (long long)count, c.idx ? (const char *)c.idx : "",
+                               (Py_ssize_t)(c.len * 4), c.tv ? (const char *)c.tv : "",
+                               (Py_ssize_t)(c.len * (size_t)w), c.bv ? (const char *)c.bv : "",
+                               (Py_ssize_t)(c.len * (size_t)w));
+    }
+    free(c.idx);
+    free(c.tv);
+    free(c.bv);
+done:
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&bb);
+    return result;
+}
+
+/* -- Rice-coded gaps between positions --------------------------------------------------- */
+
+/* For k = lo, lo + 1, lo + 2 (each <= MAX_RICE_K): sum over the gaps of ceil((g >> k) / 2),
+ * which exceeds m iff the Rice cost m * (1 + k) + sum(g >> k) still drops from k to k + 1, and
+ * sum(g >> k), the unary bits. One pass; also checks that the indices increase. */
+static int rice_stats(const uint32_t *idx, size_t m, int lo, uint64_t halves[3], uint64_t sums[3]) {
+    int k0 = lo, k1 = lo + 1 > MAX_RICE_K ? MAX_RICE_K : lo + 1, k2 = lo + 2 > MAX_RICE_K ? MAX_RICE_K : lo + 2;
+    uint64_t h0 = 0, h1 = 0, h2 = 0, s0 = 0, s1 = 0, s2 = 0;
+    int64_t prev = -1;
+    int bad = 0;
+    for (size_t i = 0; i < m; i++) {
+        bad |= (int64_t)idx[i] <= prev;
+        uint64_t g = (uint64_t)((int64_t)idx[i] - prev - 1);
+        prev = idx[i];
+        uint64_t q0 = g >> k0, q1 = g >> k1, q2 = g >> k2;
+        s0 += q0, s1 += q1, s2 += q2;
+        h0 += (q0 + 1) >> 1, h1 += (q1 + 1) >> 1, h2 += (q2 + 1) >> 1;
+    }
+    halves[0] = h0, halves[1] = h1, halves[2] = h2;
+    sums[0] = s0, sums[1] = s1, sums[2] = s2;
+    return !bad;
+}
+
+PyDoc_STRVAR(rice_encode_doc,
+             "rice_encode(indices) -> (k, data)\n\n"
+             "Strictly increasing u32 positions as Rice-coded gaps (gap = index - previous - 1,\n"
+             "previous of the first is -1) with the cheapest k (the smallest among equals): the\n"
+             "unary stream of gap >> k, then the k low bits of every gap.");
+
+/* The cheapest Rice parameter (the smallest among equals) and its unary bits sum(g >> k).
+ * The cost m * (1 + k) + sum(g >> k) is convex in k, so k is the smallest with halves(k) <= m;
+ * look around a guess (log2 of the mean gap) in one pass, and move the window (rarely) when
+ * the answer is outside it. Returns 0 if the indices do not increase. */
+static int rice_choose(const uint32_t *idx, size_t m, int *k, uint64_t *sum_q) {
+    uint64_t mean = ((uint64_t)idx[m - 1] + 1 - m) / m, halves[3], sums[3];
+    int lo = bitlen(mean) >= 2 ? bitlen(mean) - 2 : 0;
+    for (;;) {
+        if (!rice_stats(idx, m, lo, halves, sums)) return 0;
+        if (lo > 0 && halves[0] <= m) { /* the answer is below lo: a window ending at lo */
+            lo = lo >= 2 ? lo - 2 : 0;
+            continue;
+        }
+        int j = halves[0] <= m ? 0 : halves[1] <= m ? 1 : 2;
+        if (halves[j] > m && lo + 2 < MAX_RICE_K) { /* the answer is above lo + 2 */
+            lo += 3;
+            continue;
+        }
+        *k = lo + j > MAX_RICE_K ? MAX_RICE_K : lo + j;
+        *sum_q = sums[j];
+        return 1;
+    }
+}
+
+static PyObject *k_rice_encode(PyObject *self, PyObject *args) {
+    PyObject *io;
+    if (!PyArg_ParseTuple(args, "O:rice_encode", &io)) return NULL;
+    Py_buffer ib;
+    if (get_buffer(io, &ib, 0) < 0) return NULL;
+    PyObject *result = NULL;
+    uint8_t *buf = NULL;
+    if (ib.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "indices must be u32");
+        goto done;
+    }
+    const uint32_t *idx = (const uint32_t *)ib.buf;
+    size_t m = (size_t)ib.len / 4;
+    int k = 0, ok = 1, oom = 0;
+    uint64_t sum_q = 0, ulen = 0, llen = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (m) ok = rice_choose(idx, m, &k, &sum_q);
+    if (m && ok) {
+        ulen = (sum_q + m + 7) / 8;
+        llen = ((uint64_t)m * (uint64_t)k + 7) / 8;
+        buf = (uint8_t *)calloc(ulen + llen + PAD, 1);
+        oom = !buf;
+    }
+    if (buf) {
+        uint8_t *low = buf + ulen;
+        uint64_t upos = 0, lpos = 0, mask = ((uint64_t)1 << k) - 1;
+        int64_t prev = -1;
+        for (size_t i = 0; i < m; i++) {
+            uint64_t g = (uint64_t)((int64_t)idx[i] - prev - 1);
+            prev = idx[i];
+            upos += g >> k;
+            buf[upos >> 3] |= (uint8_t)(1u << (upos & 7));
+            upos++;
+            put_bits57(low, lpos, g & mask); /* k <= 31 */
+            lpos += (uint64_t)k;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing");
+        goto done;
+    }
+    if (oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_BuildValue("(iy#)", k, buf ? (const char *)buf : "", (Py_ssize_t)(ulen + llen));
+done:
+    free(buf);
+    PyBuffer_Release(&ib);
+    return result;
+}
+
+PyDoc_STRVAR(rice_decode_doc,
+             "rice_decode(data, count, k, n) -> indices\n\n"
+             "Inverse of rice_encode: ``count`` u32 positions, each < n. ValueError unless ``data``\n"
+             "is exactly what rice_encode writes for some positions.");
+
+static PyObject *k_rice_decode(PyObject *self, PyObject *args) {
+    PyObject *dobj;
+    Py_ssize_t count, n;
+    int k;
+    if (!PyArg_ParseTuple(args, "Onin:rice_decode", &dobj, &count, &k, &n)) return NULL;
+    if (k < 0 || k > MAX_RICE_K) return PyErr_Format(PyExc_ValueError, "bad Rice parameter %d", k);
+    if (count < 1 || n < 1 || count > n || (uint64_t)n > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "bad count %zd for %zd elements", count, n);
+    Py_buffer db;
+    if (get_buffer(dobj, &db, 0) < 0) return NULL;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    size_t m = (size_t)count;
+    uint64_t lbits = (uint64_t)m * (uint64_t)k, llen = (lbits + 7) / 8;
+    uint8_t *buf = NULL, *low = NULL;
+    uint32_t *idx = NULL;
+    if ((uint64_t)db.len < llen + 1) {
+        PyErr_SetString(PyExc_ValueError, "Rice stream too short");
+        goto done;
+    }
+    uint64_t ulen = (uint64_t)db.len - llen;
+    buf = padded_copy(db.buf, (size_t)ulen);
+    low = padded_copy((const uint8_t *)db.buf + ulen, (size_t)llen);
+    idx = (uint32_t *)malloc(m * sizeof(uint32_t));
+    if (!buf || !low || !idx) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    /* Pass 1: the unary parts, from the positions of the one bits (word by word, so codes do
+     * not wait on each other); q goes into idx for now. */
+    const uint64_t qmax = (uint64_t)n >> k, words = (ulen + 7) / 8;
+    uint64_t last = UINT64_MAX; /* position of the previous one bit; the first "previous" is -1 */
+    size_t j = 0;
+    for (uint64_t wi = 0; wi < words && j < m; wi++) {
+        uint64_t word = load64(buf + 8 * wi);
+        while (word && j < m) {
+            uint64_t at = 64 * wi + (uint64_t)__builtin_ctzll(word), q = at - last - 1;
+            if (q > qmax) {
+                err = "position past the end of the chunk";
+                break;
+            }
+            idx[j++] = (uint32_t)q;
+            last = at;
+            word &= word - 1;
+        }
+        if (err) break;
+    }
+    if (!err && j < m) err = "Rice stream ends early";
+    /* Pass 2: positions from the unary parts and the low bits. */
+    uint64_t pos = UINT64_MAX;
+    for (size_t i = 0; i < m && !err; i++) {
+        pos += 1 + (((uint64_t)idx[i] << k) | get_bits57(low, (uint64_t)i * (uint64_t)k, k));
+        if (pos >= (uint64_t)n) err = "position past the end of the chunk";
+        idx[i] = (uint32_t)pos;
+    }
+    if (!err && !exact_padding(buf, (size_t)ulen, last + 1)) err = "Rice stream has trailing data";
+    if (!err && !exact_padding(low, (size_t)llen, lbits)) err = "Rice low bits have trailing data";
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize((const char *)idx, (Py_ssize_t)(m * 4));
+done:
+    free(buf);
+    free(low);
+    free(idx);
+    PyBuffer_Release(&db);
+    return result;
+}
+
+/* -- 2-bit symbols with exp-Golomb escapes ------------------------------------------------ */
+
+/* Cost in bits of exp-Golomb order k over the escapes. */
+static uint64_t expg_cost(const uint64_t *e, size_t m, int k) {
+    uint64_t bits = (uint64_t)m * (uint64_t)(1 + k);
+    for (size_t i = 0; i < m; i++) bits += 2 * (uint64_t)(bitlen((e[i] >> k) + 1) - 1);
+    return bits;
+}
+
+/* The 2-bit symbols of pack2 (into zeroed ``syms``) and its escapes; returns their count. */
+static inline __attribute__((always_inline)) size_t symbols_impl(const uint8_t *t, const uint8_t *b, size_t count,
+                                                                 int w, uint8_t *syms, uint64_t *esc, int *bad) {
+    size_t m = 0;
+    int zero = 0;
+    for (size_t i = 0; i < count; i++) {
+        uint64_t z = zigzag(load_elem(t + i * (size_t)w, w) - load_elem(b + i * (size_t)w, w), w);
+        zero |= z == 0;
+        uint64_t s = z - 1 < 3 ? z - 1 : 3;
+        syms[i >> 2] |= (uint8_t)(s << (2 * (i & 3)));
+        esc[m] = z - 4;
+        m += z >= 4;
+    }
+    *bad = zero;
+    return m;
+}
+
+PyDoc_STRVAR(pack2_doc,
+             "pack2(target_values, base_values, width) -> (symbols, k, prefix, suffix)\n\n"
+             "z = zigzag(target - base) >= 1 of every change as the 2-bit symbol min(z - 1, 3), four\n"
+             "to a byte, first in the low bits; every z >= 4 also as e = z - 4 in exp-Golomb order\n"
+             "k (the cheapest k < 8 * width, the smallest among equals) split in two streams:\n"
+             "``prefix`` holds nb = bit_length((e >> k) + 1) - 1 in unary, ``suffix`` the k low\n"
+             "bits of e then the nb low bits of (e >> k) + 1.");
+
+static PyObject *k_pack2(PyObject *self, PyObject *args) {
+    PyObject *to, *bo;
+    int w;
+    if (!PyArg_ParseTuple(args, "OOi:pack2", &to, &bo, &w)) return NULL;
+    if (!check_width(w)) return NULL;
+    Py_buffer tb, bb;
+    if (get_buffer(to, &tb, 0) < 0) return NULL;
+    if (get_buffer(bo, &bb, 0) < 0) {
+        PyBuffer_Release(&tb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint8_t *syms = NULL, *pre = NULL, *suf = NULL;
+    uint64_t *esc = NULL;
+    if (tb.len != bb.len || tb.len % w) {
+        PyErr_SetString(PyExc_ValueError, "target and base values must be equal lengths of whole elements");
+        goto done;
+    }
+    size_t count = (size_t)tb.len / (size_t)w, nsym = (count + 3) / 4, m = 0;
+    syms = (uint8_t *)calloc(nsym + 1, 1);
+    esc = (uint64_t *)malloc((count + 1) * sizeof(uint64_t));
+    if (!syms || !esc) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int k = 0, bad = 0, oom = 0;
+    uint64_t plen = 0, slen = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const uint8_t *t = (const uint8_t *)tb.buf, *b = (const uint8_t *)bb.buf;
+    switch (w) {
+    case 1: m = symbols_impl(t, b, count, 1, syms, esc, &bad); break;
+    case 2: m = symbols_impl(t, b, count, 2, syms, esc, &bad); break;
+    case 4: m = symbols_impl(t, b, count, 4, syms, esc, &bad); break;
+    default: m = symbols_impl(t, b, count, 8, syms, esc, &bad); break;
+    }
+    if (!bad && m) {
+        uint64_t emax = 0;
+        for (size_t i = 0; i < m; i++) emax = esc[i] > emax ? esc[i] : emax;
+        int kmax = bitlen(emax) < 8 * w - 1 ? bitlen(emax) : 8 * w - 1;
+        uint64_t best = UINT64_MAX;
+        for (int kk = 0; kk <= kmax; kk++) {
+            uint64_t c = expg_cost(esc, m, kk);
+            if (c < best) {
+                best = c;
+                k = kk;
+            }
+        }
+        uint64_t pbits = 0, sbits = 0;
+        for (size_t i = 0; i < m; i++) {
+            int nb = bitlen((esc[i] >> k) + 1) - 1;
+            pbits += (uint64_t)nb + 1;
+            sbits += (uint64_t)(nb + k);
+        }
+        plen = (pbits + 7) / 8;
+        slen = (sbits + 7) / 8;
+        pre = (uint8_t *)calloc(plen + PAD, 1);
+        suf = (uint8_t *)calloc(slen + PAD, 1);
+        if (!pre || !suf) {
+            oom = 1;
+        } else {
+            uint64_t ppos = 0, spos = 0;
+            for (size_t i = 0; i < m; i++) {
+                uint64_t x = (esc[i] >> k) + 1;
+                int nb = bitlen(x) - 1;
+                ppos += (uint64_t)nb;
+                pre[ppos >> 3] |= (uint8_t)(1u << (ppos & 7));
+                ppos++;
+                put_bits(suf, spos, k ? esc[i] & (~(uint64_t)0 >> (64 - k)) : 0, k);
+                spos += (uint64_t)k;
+                put_bits(suf, spos, x - ((uint64_t)1 << nb), nb);
+                spos += (uint64_t)nb;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "an unchanged element has no symbol");
+        goto done;
+    }
+    if (oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_BuildValue("(y#iy#y#)", (const char *)syms, (Py_ssize_t)nsym, k, pre ? (const char *)pre : "",
+                           (Py_ssize_t)plen, suf ? (const char *)suf : "", (Py_ssize_t)slen);
+done:
+    free(syms);
+    free(esc);
+    free(pre);
+    free(suf);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&bb);
+    return result;
+}
+
+PyDoc_STRVAR(unpack2_doc,
+             "unpack2(symbols, count, k, prefix, suffix, width) -> values\n\n"
+             "Inverse of pack2: the ``count`` zigzagged changes as w-byte elements. ValueError\n"
+             "unless the streams are exactly what pack2 writes for some changes.");
+
+static PyObject *k_unpack2(PyObject *self, PyObject *args) {
+    PyObject *so, *po, *fo;
+    Py_ssize_t count;
+    int k, w;
+    if (!PyArg_ParseTuple(args, "OniOOi:unpack2", &so, &count, &k, &po, &fo, &w)) return NULL;
+    if (!check_width(w)) return NULL;
+    if (count < 1) return PyErr_Format(PyExc_ValueError, "bad count %zd", count);
+    if (k < 0 || k >= 8 * w) return PyErr_Format(PyExc_ValueError, "bad escape parameter %d", k);
+    Py_buffer sb, pb, fb;
+    if (get_buffer(so, &sb, 0) < 0) return NULL;
+    if (get_buffer(po, &pb, 0) < 0) {
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    if (get_buffer(fo, &fb, 0) < 0) {
+        PyBuffer_Release(&sb);
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const char *err = NULL;
+    uint8_t *pre = NULL, *suf = NULL, *out = NULL;
+    size_t n = (size_t)count;
+    if ((size_t)sb.len != (n + 3) / 4) {
+        PyErr_SetString(PyExc_ValueError, "symbol stream of the wrong size");
+        goto done;
+    }
+    pre = padded_copy(pb.buf, (size_t)pb.len);
+    suf = padded_copy(fb.buf, (size_t)fb.len);
+    out = (uint8_t *)malloc(n * (size_t)w + 1);
+    if (!pre || !suf || !out) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const uint8_t *s = (const uint8_t *)sb.buf;
+    const uint64_t emax = width_mask(w) - 4, hmax = emax >> k;
+    const uint64_t lmax = k ? emax & (~(uint64_t)0 >> (64 - k)) : 0;
+    const uint64_t pbits = 8 * (uint64_t)pb.len, sbits = 8 * (uint64_t)fb.len;
+    uint64_t ppos = 0, spos = 0;
+    int any = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t sym = (s[i >> 2] >> (2 * (i & 3))) & 3, z = sym + 1;
+        if (sym == 3) {
+            any = 1;
+            uint64_t one = next_one(pre, ppos, pbits);
+            if (one >= pbits) {
+                err = "escape stream ends early";
+                break;
+            }
+            uint64_t nb = one - ppos;
+            ppos = one + 1;
+            if (nb > 63 || spos + (uint64_t)k + nb > sbits) {
+                err = "escape runs past its stream";
+                break;
+            }
+            uint64_t low = get_bits(suf, spos, k);
+            spos += (uint64_t)k;
+            uint64_t hi = ((uint64_t)1 << nb) - 1 + get_bits(suf, spos, (int)nb); /* (e >> k) */
+            spos += nb;
+            if (hi > hmax || (hi == hmax && low > lmax)) {
+                err = "escaped change wider than the element";
+                break;
+            }
+            z = ((hi << k) | low) + 4;
+        }
+        store_elem(out + i * (size_t)w, z, w);
+    }
+    if (!err && (n & 3) && (s[n >> 2] >> (2 * (n & 3))) != 0) err = "symbol stream has trailing data";
+    if (!err && !any && k != 0) err = "escape parameter without escapes";
+    if (!err && !exact_padding(pre, (size_t)pb.len, ppos)) err = "escape stream has trailing data";
+    if (!err && !exact_padding(suf, (size_t)fb.len, spos)) err = "escape stream has trailing data";
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * (size_t)w));
+done:
+    free(pre);
+    free(suf);
+    free(out);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&fb);
+    return result;
+}
+
+/* -- scatter: apply changes in place ----------------------------------------------------- */
+
+/* Copy ``src`` (unless NULL) into ``o`` a block at a time and apply the changes that fall in
+ * each block while it is still in cache; ``idx`` is strictly increasing and < n. */
+static inline __attribute__((always_inline)) void apply_impl(uint8_t *o, const uint8_t *src, size_t n,
+                                                             const uint32_t *idx, const uint8_t *v, size_t m,
+                                                             int w, int transform) {
+    const size_t block = (size_t)(32768 / w); /* elements */
+    size_t i = 0;
+    for (size_t start = 0; start < n; start += block) {
+        size_t end = start + block < n ? start + block : n;
+        if (src) memcpy(o + start * (size_t)w, src + start * (size_t)w, (end - start) * (size_t)w);
+        else if (i == m) break;
+        for (; i < m && idx[i] < end; i++) {
+            uint8_t *p = o + (size_t)idx[i] * (size_t)w;
+            uint64_t x = load_elem(v + i * (size_t)w, w), cur = load_elem(p, w);
+            store_elem(p, transform == 0 ? cur ^ x : cur + unzigzag(x), w);
+        }
+    }
+}
+
+PyDoc_STRVAR(scatter_doc,
+             "scatter(out, base, indices, values, width, transform)\n\n"
+             "Copy ``base`` into ``out`` (unless base is None: out already holds it), then apply each\n"
+             "change: transform 0 XORs the value in, 1 adds the unzigzagged value (wrapping).\n"
+             "``indices`` (u32) must be strictly increasing and in range.");
+
+static PyObject *k_scatter(PyObject *self, PyObject *args) {
+    PyObject *oo, *bo, *io, *vo;
+    int w, transform;
+    if (!PyArg_ParseTuple(args, "OOOOii:scatter", &oo, &bo, &io, &vo, &w, &transform)) return NULL;
+    if (!check_width(w)) return NULL;
+    if (transform != 0 && transform != 1) return PyErr_Format(PyExc_ValueError, "bad transform %d", transform);
+    Py_buffer ob, bb = {0}, ib, vb;
+    int have_base = bo != Py_None;
+    if (get_buffer(oo, &ob, 1) < 0) return NULL;
+    if (have_base && get_buffer(bo, &bb, 0) < 0) {
+        PyBuffer_Release(&ob);
+        return NULL;
+    }
+    if (get_buffer(io, &ib, 0) < 0) {
+        PyBuffer_Release(&ob);
+        if (have_base) PyBuffer_Release(&bb);
+        return NULL;
+    }
+    if (get_buffer(vo, &vb, 0) < 0) {
+        PyBuffer_Release(&ob);
+        if (have_base) PyBuffer_Release(&bb);
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    size_t n = (size_t)ob.len / (size_t)w, m = (size_t)ib.len / 4;
+    const uint32_t *idx = (const uint32_t *)ib.buf;
+    if (ob.len % w || ib.len % 4 || (size_t)vb.len != m * (size_t)w || (have_base && bb.len != ob.len)) {
+        PyErr_SetString(PyExc_ValueError, "scatter: buffers of mismatched sizes");
+        goto done;
+    }
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    bad = m && idx[m - 1] >= n;
+    for (size_t i = 1; i < m; i++) bad |= idx[i] <= idx[i - 1];
+    if (!bad) {
+        uint8_t *o = (uint8_t *)ob.buf;
+        const uint8_t *src = have_base && bb.buf != ob.buf ? (const uint8_t *)bb.buf : NULL;
+        const uint8_t *v = (const uint8_t *)vb.buf;
+        switch (w) {
+        case 1: apply_impl(o, src, n, idx, v, m, 1, transform); break;
+        case 2: apply_impl(o, src, n, idx, v, m, 2, transform); break;
+        case 4: apply_impl(o, src, n, idx, v, m, 4, transform); break;
+        default: apply_impl(o, src, n, idx, v, m, 8, transform); break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "scatter: indices must be increasing and in range");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&ob);
+    if (have_base) PyBuffer_Release(&bb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&vb);
+    return result;
+}
+
+/* -- module ------------------------------------------------------------------------------ */
+
+static PyMethodDef methods[] = {
+    {"scan", k_scan, METH_VARARGS, scan_doc},
+    {"rice_encode", k_rice_encode, METH_VARARGS, rice_encode_doc},
+    {"rice_decode", k_rice_decode, METH_VARARGS, rice_decode_doc},
+    {"pack2", k_pack2, METH_VARARGS, pack2_doc},
+    {"unpack2", k_unpack2, METH_VARARGS, unpack2_doc},
+    {"scatter", k_scatter, METH_VARARGS, scatter_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "deltasync._kernels",
+    .m_doc = "Hot loops of the chunk codec; deltasync._kernels_py is the pure-numpy twin.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+#if HAVE_AVX512
+    __builtin_cpu_init();
+    use_avx512 = __builtin_cpu_supports("avx512bw") && !getenv("DELTASYNC_NO_AVX512");
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddStringConstant(m, "simd", use_avx512 ? "avx512bw" : "sse2") < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,136 @@
+"""Engines: where verified versions are swapped in (DESIGN.md "engine").
+
+* :class:`TorchEngine` — a ``torch.nn.Module`` served in this process; only changed
+  elements are written, in place.
+* :class:`FanoutEngine` — ranks of a torch.distributed group: one rank fetches and decodes,
+  broadcasts the changes, every rank writes the part it holds, all switch together.
+* :class:`HttpEngine` — an inference server (SGLang, vLLM, or any with the same shape of
+  endpoints) that loads weights from a directory.
+
+All share :class:`Engine` (stage, then pause / write / resume; ``swaps`` records every
+pause). :func:`build_engine` makes one from a short spec string, for the command line.
+Backends import torch lazily, so importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ..errors import UsageError
+from .base import Engine, EngineError, ServingLock, Staged, StaleUpdateError, SwapRecord
+
+if TYPE_CHECKING:
+    from .fanout import FanoutEngine
+    from .http_engine import PRESETS, HttpEngine, HttpPreset, ReferenceServer
+    from .torch_engine import TorchEngine
+
+__all__ = [
+    "PRESETS",
+    "Engine",
+    "EngineError",
+    "FanoutEngine",
+    "HttpEngine",
+    "HttpPreset",
+    "ReferenceServer",
+    "ServingLock",
+    "Staged",
+    "StaleUpdateError",
+    "SwapRecord",
+    "TorchEngine",
+    "build_engine",
+]
+
+_LAZY = {
+    "TorchEngine": "torch_engine",
+    "FanoutEngine": "fanout",
+    "HttpEngine": "http_engine",
+    "HttpPreset": "http_engine",
+    "PRESETS": "http_engine",
+    "ReferenceServer": "http_engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+SPECS = (
+    "torch:MODULE:FACTORY",
+    "fanout[:MODULE:FACTORY]",
+    "http:sglang@URL",
+    "http:vllm@URL",
+    "http:generic@URL",
+)
+
+
+def build_engine(spec: str, **options: Any) -> Engine:
+    """An engine from a spec string (what ``deltasync subscribe --engine`` takes).
+
+    * ``torch`` with ``model=<nn.Module or dict of tensors>``, or ``torch:pkg.mod:factory``
+      where ``factory()`` returns the module (built on the device it should serve from);
+    * ``fanout`` (this process is rank 0 of an initialised torch.distributed group, or
+      one is initialised from the ``MASTER_ADDR``/``RANK``/``WORLD_SIZE`` environment),
+      optionally ``fanout:pkg.mod:factory`` for a module this rank serves too;
+    * ``http:PRESET@URL`` with ``model_dir=`` (where versions are written for the server
+      to load); PRESET is ``sglang``, ``vllm`` or ``generic``.
+
+    ``repo`` (URL, Store or Repository) is required for all; other options go to the
+    engine's constructor (e.g. ``version``, ``workers``, ``timeout``, ``trusted_keys``).
+    """
+    kind, _, rest = spec.partition(":")
+    if "repo" not in options:
+        raise UsageError("build_engine needs repo=")
+    if kind == "torch":
+        from .torch_engine import TorchEngine
+
+        model = options.pop("model", None)
+        if rest:
+            if model is not None:
+                raise UsageError("give either a torch:MODULE:FACTORY spec or model=, not both")
+            model = _call_factory(rest)
+        if model is None:
+            raise UsageError("the torch engine needs a model: --engine torch:MODULE:FACTORY, or model= from Python")
+        repo = options.pop("repo")
+        return _construct(TorchEngine, model, repo, **options)
+    if kind == "fanout":
+        from .fanout import FanoutEngine, init_from_env
+
+        model = options.pop("model", None)
+        if rest:
+            model = _call_factory(rest)
+        init_from_env()
+        return _construct(FanoutEngine, model, **options)
+    if kind == "http":
+        from .http_engine import HttpEngine
+
+        preset, at, url = rest.partition("@")
+        if not at or not preset or not url:
+            raise UsageError(f"http engine spec must be http:PRESET@URL, got {spec!r}")
+        return _construct(HttpEngine, url, preset=preset, **options)
+    raise UsageError(f"unknown engine {spec!r}; expected one of: {', '.join(SPECS)}")
+
+
+def _construct(cls: Any, *args: Any, **options: Any) -> Engine:
+    try:
+        engine: Engine = cls(*args, **options)
+    except TypeError as e:  # an option the engine does not take
+        raise UsageError(f"{cls.kind} engine: {e}") from None
+    return engine
+
+
+def _call_factory(ref: str) -> Any:
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {ref!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {module_name!r}: {e}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"{module_name}:{attr} is not a callable factory")
+    return factory()

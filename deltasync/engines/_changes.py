@@ -1,0 +1,226 @@
+"""What changes between the bits an engine serves and a target version, chunk by chunk.
+
+Staging runs the subscriber's chunk pipeline with the served bits as the local copy: a
+chunk whose target digest matches what is served is skipped, any other is fetched,
+decoded and checked against its digest (repaired from a snapshot when the served bits
+are not the chain's base). Each verified chunk is then compared with the served chunk,
+word by word (a word is a codec element: 1, 2, 4 or 8 bytes of bit pattern), giving the
+positions and new values that differ — or the whole chunk when most of it differs. Only
+those are kept, so staged memory grows with what changed, not with the model.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import dtypes
+from ..manifest import key_of
+from ..subscriber import Subscriber, _LocalBits
+from ..v1 import manifest_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+Bits = npt.NDArray[np.uint8]
+Words = npt.NDArray[np.generic]
+Index = npt.NDArray[np.int64]
+ReadFn = Callable[[str, int, int], "Bits | None"]
+
+#: Signed views of each word width (torch has no wide unsigned ops; bits are bits).
+WORD_NP: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+@dataclass
+class DenseRun:
+    """A run of words that is rewritten whole."""
+
+    start: int
+    new: Words
+
+
+@dataclass
+class EntryChanges:
+    """Changes to one manifest entry, in words of the entry's row-major data."""
+
+    tensor: pb.Tensor
+    width: int
+    sparse_idx: list[Index] = field(default_factory=list)
+    sparse_new: list[Words] = field(default_factory=list)
+    dense: list[DenseRun] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return key_of(self.tensor)
+
+    @property
+    def elements(self) -> int:
+        return sum(len(i) for i in self.sparse_idx) + sum(len(r.new) for r in self.dense)
+
+
+@dataclass
+class VersionChanges:
+    version: int
+    entries: dict[str, EntryChanges]
+    """Entries with at least one changed word, by entry key."""
+    chunks_total: int
+    chunks_changed: int
+    fetched_bytes: int
+
+    @property
+    def elements(self) -> int:
+        return sum(e.elements for e in self.entries.values())
+
+
+def compute_changes(
+    sub: Subscriber,
+    version: int,
+    *,
+    held_version: int | None,
+    read: ReadFn,
+    keys: Iterable[str] | None,
+    dense_fraction: float,
+    dest: dict[str, Bits] | None = None,
+) -> VersionChanges:
+    """Changes that bring the bits ``read`` returns (of ``held_version``) to ``version``.
+
+    ``read(key, offset, length)`` returns the served bytes of an entry, or None when they
+    are unknown (that chunk then comes back whole). ``keys`` limits the entries considered.
+    With ``dest``, decoded chunks are also written into those arrays by the pipeline, and
+    whole-chunk runs of entries read as unknown are views of them (no second copy).
+    """
+    info = sub.repo.manifest(version)
+    entries = info.entries()
+    want = None if keys is None else {k: list(range(len(entries[k].chunks))) for k in keys if k in entries}
+    lock = threading.Lock()
+    held: dict[tuple[str, int], Bits | None] = {}
+
+    def remembered_read(key: str, off: int, length: int) -> Bits | None:
+        bits = read(key, off, length)
+        with lock:
+            held[(key, off)] = bits
+        return bits
+
+    # Version 0 names no version: the planner then starts from a snapshot, and chunks
+    # already served are still recognised by their digest.
+    local = _LocalBits(held_version if held_version is not None else 0, remembered_read)
+    workers = max(1, sub.workers)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff")
+    slots = threading.BoundedSemaphore(2 * workers)  # decoded chunks waiting for a diff stay bounded
+    pending: list[tuple[pb.Tensor, Future[DenseRun | tuple[Index, Words] | None]]] = []
+    total = 0
+
+    def sink(t: pb.Tensor, off: int, data: Bits) -> None:
+        nonlocal total
+        key = key_of(t)
+        total += 1
+        with lock:
+            seen = (key, off) in held
+            old = held.pop((key, off), None)
+        if not seen:  # the pipeline read every chunk it was given; this is only a safety net
+            old = read(key, off, len(data))
+        if old is not None and (old is data or np.may_share_memory(old, data)):
+            return  # the pipeline returned the served bits: already the target
+        if old is None and dest is not None:
+            data = dest[key][off : off + len(data)]
+        slots.acquire()
+        fut = pool.submit(_diff, t, off, data, old, dense_fraction)
+        fut.add_done_callback(lambda _: slots.release())
+        pending.append((t, fut))
+
+    try:
+        sub._run(info, local, sink, dest=dest, want=want)
+        out: dict[str, EntryChanges] = {}
+        changed = 0
+        for t, fut in pending:
+            result = fut.result()
+            if result is None:
+                continue
+            changed += 1
+            key = key_of(t)
+            entry = out.get(key)
+            if entry is None:
+                entry = out[key] = EntryChanges(t, dtypes.element_width(t.dtype))
+            if isinstance(result, DenseRun):
+                entry.dense.append(result)
+            else:
+                idx, new = result
+                entry.sparse_idx.append(idx)
+                entry.sparse_new.append(new)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    plan = sub.last_plan
+    return VersionChanges(version, out, total, changed, plan.fetch_bytes if plan is not None else 0)
+
+
+def _diff(t: pb.Tensor, off: int, data: Bits, old: Bits | None, dense_fraction: float) -> DenseRun | tuple[Index, Words] | None:
+    width = dtypes.element_width(t.dtype)
+    word = WORD_NP[width]
+    start = off // width
+    new = data.view(word)
+    if old is None:
+        return DenseRun(start, new)
+    idx = np.flatnonzero(new != old.view(word))
+    if idx.size == 0:
+        return None
+    if idx.size > dense_fraction * new.size:
+        return DenseRun(start, new)
+    return (idx + start).astype(np.int64, copy=False), new[idx]
+
+
+# -- geometry: where an entry's words sit in a holder's words -----------------------------------
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A row-major block (``offsets``, ``shape``) of a logical tensor of ``full_shape``."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    words_per_item: int = 1  # 2 for 16-byte items, coded as pairs of 8-byte words
+
+    @property
+    def words(self) -> int:
+        return math.prod(self.shape) * self.words_per_item
+
+
+def entry_geometry(t: pb.Tensor) -> Geometry:
+    shape = tuple(t.shape)
+    full = tuple(t.full_shape) or shape
+    offsets = tuple(t.slice_offsets) or (0,) * len(shape)
+    per_item = dtypes.itemsize(t.dtype) // dtypes.element_width(t.dtype)
+    return Geometry(offsets, shape, full, per_item)
+
+
+def map_words(words: torch.Tensor, src: Geometry, dst: Geometry) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Map word positions in ``src``'s data to ``dst``'s: (mask of those inside ``dst`` or
+    None when all are, positions in ``dst``). Works on any device."""
+    if src.offsets == dst.offsets and src.shape == dst.shape:
+        return None, words
+    k = src.words_per_item
+    items, sub = (words // k, words % k) if k > 1 else (words, None)
+    coords = []
+    rest = items
+    for size in reversed(src.shape):
+        coords.append(rest % size)
+        rest = rest // size
+    coords.reverse()
+    inside: torch.Tensor | None = None
+    local = None
+    for c, s_off, d_off, d_size in zip(coords, src.offsets, dst.offsets, dst.shape, strict=True):
+        pos = c + (s_off - d_off)
+        ok = (pos >= 0) & (pos < d_size)
+        inside = ok if inside is None else inside & ok
+        local = pos if local is None else local * d_size + pos
+    assert local is not None and inside is not None  # 0-d blocks are always whole
+    if sub is not None:
+        local = local * k + sub
+    return inside, local

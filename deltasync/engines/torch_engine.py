@@ -1,0 +1,355 @@
+"""The in-process engine: a ``torch.nn.Module`` (or a dict of tensors) served in this process.
+
+Staging diffs every chunk of the target version against the bits the module serves now
+(see ``_changes``), then turns the changes into per-tensor writes: one index scatter of
+all sparse changes of a tensor, and a copy per rewritten chunk. On GPU the positions and
+values go through pinned host memory with non-blocking copies while the old version still
+serves, so the pause is device work only. Writes go through integer views of the bit
+patterns (``int16`` for bf16, ...), so every dtype is written bit-exactly.
+
+The pause holds the serving lock exclusively for the write alone; requests in flight
+finish on the old weights first, new ones wait. If a write fails half way the old values
+(kept at staging) are written back before the error is raised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import UsageError
+from ..manifest import key_of
+from ..repository import Repository
+from ..signing import PublicKeyLike
+from ..storage import Store
+from ..subscriber import Subscriber
+from ..v1 import manifest_pb2 as pb
+from ._changes import Bits, EntryChanges, Geometry, VersionChanges, Words, compute_changes, entry_geometry, map_words
+from .base import Engine, EngineError, Staged
+
+if TYPE_CHECKING:
+    import torch
+
+
+def word_dtype(width: int) -> torch.dtype:
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+
+
+def word_view(t: torch.Tensor, what: str) -> torch.Tensor:
+    """Flat view of ``t``'s bit patterns as words of its codec width (shares memory)."""
+    import torch
+
+    if not t.is_contiguous():
+        raise UsageError(f"{what} is not contiguous; an engine writes tensors in place")
+    width = dtypes.element_width(dtypes.from_torch(t.dtype))
+    flat = t.detach().reshape(-1).view(torch.uint8)  # bool, fp8, bf16, complex: all have a byte view
+    return flat if width == 1 else flat.view(word_dtype(width))
+
+
+def to_torch(arr: Words) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to a GPU through pinned memory, without blocking."""
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    import torch
+
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(d)
+
+
+@dataclass
+class TensorWrite:
+    """What one tensor gets during the pause."""
+
+    name: str
+    words: torch.Tensor
+    idx: torch.Tensor | None = None  # int64 word positions, on the tensor's device
+    new: torch.Tensor | None = None
+    old: torch.Tensor | None = None  # host copy, to write back on failure
+    dense: list[tuple[int, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        n = 0 if self.new is None else self.new.numel()
+        n += sum(v.numel() for _, v, _ in self.dense)
+        return n * self.words.element_size()
+
+    def apply(self) -> None:
+        if self.idx is not None and self.new is not None:
+            if self.words.device.type == "cpu":
+                # Same speed as scatter_ at scale, without a thread-pool round trip per tensor.
+                self.words.numpy()[self.idx.numpy()] = self.new.numpy()
+            else:
+                self.words.scatter_(0, self.idx, self.new)
+        for start, new, _ in self.dense:
+            self.words[start : start + new.numel()].copy_(new, non_blocking=True)
+
+    def undo(self) -> None:
+        device = self.words.device
+        if self.idx is not None and self.old is not None:
+            self.words.scatter_(0, self.idx, self.old.to(device))
+        for start, _, old in self.dense:
+            if old is not None:
+                self.words[start : start + old.numel()].copy_(old.to(device))
+
+
+def apply_writes(writes: list[TensorWrite]) -> int:
+    """Write every change, then wait for the devices; on failure write the old values back."""
+    done: list[TensorWrite] = []
+    try:
+        for w in writes:
+            done.append(w)
+            w.apply()
+        synchronize(w.words.device for w in writes)
+    except BaseException as e:
+        try:
+            for w in reversed(done):
+                w.undo()
+            synchronize(w.words.device for w in done)
+        except BaseException as undo_error:
+            raise EngineError(f"write failed ({e}) and restoring the old values failed too ({undo_error}); "
+                              "the weights are now a mix: reload them") from e
+        raise
+    return sum(w.nbytes for w in writes)
+
+
+@dataclass
+class Run:
+    """Changed words of one manifest entry: at ``idx`` (entry word positions), or, when
+    ``idx`` is None, the contiguous words from ``start``."""
+
+    name: str
+    geometry: Geometry
+    new: torch.Tensor
+    idx: torch.Tensor | None = None
+    start: int = 0
+
+
+def runs_of(changes: Iterable[EntryChanges]) -> Iterator[Run]:
+    """Runs from the diff of each entry (all sparse changes of an entry in one run)."""
+    for e in changes:
+        geometry = entry_geometry(e.tensor)
+        if e.sparse_idx:
+            idx = to_torch(np.concatenate(e.sparse_idx))
+            yield Run(e.tensor.name, geometry, to_torch(np.concatenate(e.sparse_new)), idx)
+        for d in e.dense:
+            yield Run(e.tensor.name, geometry, to_torch(d.new), None, d.start)
+
+
+def build_writes(runs: Iterable[Run], words: Mapping[str, torch.Tensor], geometry: Mapping[str, Geometry]) -> list[TensorWrite]:
+    """Per-tensor writes: runs mapped into the part of each tensor this process holds
+    (a whole tensor, or a tensor-parallel slice), uploaded to its device, with the old
+    values kept for an undo."""
+    import torch
+
+    by_name: dict[str, list[Run]] = {}
+    for r in runs:
+        if r.name in words:
+            by_name.setdefault(r.name, []).append(r)
+    out: list[TensorWrite] = []
+    for name, todo in by_name.items():
+        target = words[name]
+        dst = geometry[name]
+        device = target.device
+        w = TensorWrite(name, target)
+        idx_parts: list[torch.Tensor] = []
+        new_parts: list[torch.Tensor] = []
+        for r in todo:
+            same = r.geometry.offsets == dst.offsets and r.geometry.shape == dst.shape
+            if r.idx is None and same:
+                n = r.new.numel()
+                old = target[r.start : r.start + n].to("cpu", copy=True)
+                w.dense.append((r.start, upload(r.new, device), old))
+                continue
+            pos = r.idx.long() if r.idx is not None else torch.arange(r.start, r.start + r.new.numel(), device=r.new.device)
+            mask, local = map_words(pos, r.geometry, dst)
+            values = r.new
+            if mask is not None:
+                local, values = local[mask], values[mask]
+            if local.numel():
+                idx_parts.append(local)
+                new_parts.append(values)
+        if idx_parts:
+            idx = upload(torch.cat(idx_parts) if len(idx_parts) > 1 else idx_parts[0], device)
+            w.idx = idx
+            w.new = upload(torch.cat(new_parts) if len(new_parts) > 1 else new_parts[0], device)
+            w.old = target[idx].cpu()
+        if w.idx is not None or w.dense:
+            out.append(w)
+    return out
+
+
+@dataclass
+class TorchStaged(Staged):
+    writes: list[TensorWrite] = field(default_factory=list)
+
+
+class TorchEngine(Engine):
+    """Serve a ``torch.nn.Module`` (or a dict of tensors) in this process.
+
+    >>> engine = TorchEngine(model, "s3://bucket/run-7")
+    >>> engine.update()                        # latest version, written in place
+    >>> with engine.serving():
+    ...     out = model(batch)
+
+    Every tensor of ``model.state_dict()`` must be in each version (``strict``); tensors
+    of the version the module does not hold are ignored. ``version`` is what the module
+    holds now, if known: staging then fetches only the delta chain from it (every chunk is
+    still checked against its digest, so a wrong claim only costs a repair).
+    """
+
+    kind = "torch"
+
+    def __init__(
+        self,
+        model: Any,
+        repo: str | Store | Repository,
+        *,
+        version: int | None = None,
+        workers: int = 0,
+        dense_fraction: float = 0.25,
+        strict: bool = True,
+        trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+        progress: bool | None = False,
+    ) -> None:
+        """``dense_fraction``: a chunk with more than this fraction of its words changed is
+        rewritten whole (one copy) rather than scattered."""
+        super().__init__(version=version)
+        if not 0.0 <= dense_fraction <= 1.0:
+            raise UsageError(f"dense_fraction must be in [0, 1], got {dense_fraction}")
+        self.model = model
+        self.dense_fraction = dense_fraction
+        self.strict = strict
+        self.subscriber = Subscriber(repo, workers=workers or os.cpu_count() or 1, progress=progress,
+                                     trusted_keys=trusted_keys)
+        self.tensors = held_tensors(model)
+        self._words = {name: word_view(t, f"tensor {name!r}") for name, t in self.tensors.items()}
+        self._geometry = {
+            name: Geometry((0,) * t.dim(), tuple(t.shape), tuple(t.shape), _words_per_item(t)) for name, t in self.tensors.items()
+        }
+        self._host = {name: w.view(-1).numpy() if w.device.type == "cpu" else None for name, w in self._bytes().items()}
+
+    def _bytes(self) -> dict[str, torch.Tensor]:
+        import torch
+
+        return {name: w.view(torch.uint8) if w.element_size() > 1 else w for name, w in self._words.items()}
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def _resolve(self, version: int | None) -> int:
+        return self.subscriber.repo.resolve(version)
+
+    def _stage(self, version: int) -> Staged:
+        info = self.subscriber.repo.manifest(version)
+        keys = check_layout(info, {n: t for n, t in self.tensors.items()}, strict=self.strict)
+        changes = compute_changes(
+            self.subscriber, version, held_version=self._version, read=self._read_factory(info),
+            keys=keys, dense_fraction=self.dense_fraction,
+        )
+        writes = build_writes(runs_of(changes.entries.values()), self._words, self._geometry)
+        synchronize(w.words.device for w in writes)  # uploads land before the pause, not during it
+        return _staged(TorchStaged(version, writes=writes), changes, sum(w.nbytes for w in writes))
+
+    def _write(self, staged: Staged) -> int:
+        assert isinstance(staged, TorchStaged)
+        return apply_writes(staged.writes)
+
+    # -- the served bits, as the pipeline's local copy ----------------------------------------------
+
+    def _read_factory(self, info: Any) -> Any:
+        import torch
+
+        entries = info.entries()
+        raw = self._bytes()
+
+        def read(key: str, off: int, length: int) -> Bits | None:
+            t = entries.get(key)
+            if t is None:
+                return None
+            host = self._host.get(t.name)
+            if not t.full_shape:  # a whole tensor: its bytes, zero-copy on CPU
+                if host is not None:
+                    return host[off : off + length]
+                return raw[t.name][off : off + length].cpu().numpy()
+            # A slice entry (published by several ranks): gather its words from the tensor.
+            width = dtypes.element_width(t.dtype)
+            pos = torch.arange(off // width, (off + length) // width, device=self._words[t.name].device)
+            _, local = map_words(pos, entry_geometry(t), self._geometry[t.name])
+            picked: np.ndarray = self._words[t.name][local].cpu().numpy()
+            return picked.view(np.uint8)
+
+        return read
+
+
+def held_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """The tensors an engine writes: a module's state dict (parameters and buffers), or a dict."""
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        state = model.state_dict(keep_vars=True)
+    elif isinstance(model, Mapping):
+        state = dict(model)
+    else:
+        raise UsageError(f"expected a torch.nn.Module or a dict of tensors, got {type(model).__name__}")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"{name!r} is not a tensor")
+        out[name] = t.detach()
+    return out
+
+
+def check_layout(info: Any, held: Mapping[str, Any], *, strict: bool) -> list[str]:
+    """Entry keys of ``info`` that ``held`` (name -> tensor, or (dtype, logical shape)) needs;
+    refuses a dtype or shape that differs (an engine writes in place: it cannot reshape)."""
+    by_name: dict[str, pb.Tensor] = {}
+    keys: list[str] = []
+    for t in info.pb.tensors:
+        if t.name in held:
+            by_name.setdefault(t.name, t)
+            keys.append(key_of(t))
+    missing = sorted(set(held) - set(by_name))
+    if missing and strict:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UsageError(f"version {info.version} has no tensor {missing[0]!r}{more} that the engine serves")
+    for name, t in by_name.items():
+        spec = held[name]
+        dtype, shape = (spec if isinstance(spec, tuple) else (dtypes.from_torch(spec.dtype), tuple(spec.shape)))
+        logical = tuple(t.full_shape) or tuple(t.shape)
+        if dtype != t.dtype or tuple(shape) != logical:
+            raise UsageError(
+                f"tensor {name!r} is {t.dtype} {logical} in version {info.version}, but the engine holds "
+                f"{dtype} {tuple(shape)}; an engine writes in place and cannot change dtypes or shapes"
+            )
+    return keys
+
+
+def _words_per_item(t: torch.Tensor) -> int:
+    return max(1, t.element_size() // 8)
+
+
+def _staged(staged: Staged, changes: VersionChanges, nbytes: int) -> Staged:
+    staged.elements_changed = changes.elements
+    staged.chunks_changed = changes.chunks_changed
+    staged.chunks_total = changes.chunks_total
+    staged.fetched_bytes = changes.fetched_bytes
+    staged.bytes_to_write = nbytes
+    return staged

@@ -1,0 +1,506 @@
+"""The state of a local copy: an LMDB environment inside it, and a lock on it.
+
+``DIR/.deltasync/`` holds::
+
+    state.lmdb/   LMDB environment: every change is one atomic, durable transaction; readers
+                  (``deltasync status``) never block the writer (the agent)
+    lock          held (flock) by the one process that changes the copy
+    incoming/     files of the pull in progress, kept across crashes: a resumed pull reuses
+                  every staged chunk whose digest is the target's
+    objects/      manifests, blobs and delta payloads of recent versions (localcache.py)
+
+Records of the environment (JSON unless noted):
+
+``state``
+    the version held: id, version digest, files, repository URL, when it was installed.
+``manifest`` (protobuf)
+    the manifest of the version held: its file layout and every chunk's target digest, so
+    that the copy can be checked offline, and read as a base even after gc deleted its
+    version upstream. (The per-chunk digests of the copy are exactly its manifest's: a copy
+    only ever changes whole versions at a time, see install below; ``check`` finds drift.)
+``wip``
+    a pull in progress: target, phase (``fetch`` or ``install``), progress; in the
+    ``install`` phase also the journal (files to move in, files to drop) and the target's
+    manifest under ``wip_manifest``, so that a process killed while moving staged files into
+    place is finished by the next one, never redone.
+``stats``
+    the agent's figures (see agent.py), read by ``deltasync status`` while the agent runs.
+
+Install protocol (DESIGN.md invariant 3): every staged file is complete, verified and
+fsynced; one transaction writes the journal; files are dropped and moved (``os.replace``,
+atomic per file; each step idempotent); one transaction records the new version and clears
+the journal. A crash between the two transactions is finished by :func:`finish_install`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from .errors import CheckpointError, DeltasyncError
+from .manifest import ManifestInfo, check_relpath, parse_manifest
+
+STATE_DIR = ".deltasync"
+STATE_DB = "state.lmdb"
+INCOMING = "incoming"
+LIBRARY_FILE = "model.safetensors"
+_LEGACY_STATE = "state.json"  # deltasync before the LMDB state
+_MAP_SIZE = 64 << 20  # initial LMDB map; doubled whenever a write does not fit
+
+T = TypeVar("T")
+
+
+class CopyInUseError(DeltasyncError):
+    """Another process is changing this local copy (an agent following it, or a pull)."""
+
+    def __init__(self, root: str, holder: str) -> None:
+        super().__init__(f"{root} is in use by another deltasync process{holder}; stop it first")
+        self.root = root
+
+
+class PullStopped(DeltasyncError):
+    """A pull stopped on request between chunks; its staged work is kept for a resume."""
+
+    exit_code = 130
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"pull of version {version} stopped; running it again resumes it")
+        self.version = version
+
+
+# -- records ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalState:
+    """The version a local copy holds."""
+
+    version: int
+    version_digest: str
+    files: tuple[str, ...]
+    repo: str = ""
+    """URL of the repository it was pulled from ("" when unknown)."""
+    installed_unix: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkInProgress:
+    """A pull that has started and not yet been recorded as the version held."""
+
+    target: int
+    phase: str  # "fetch" | "install"
+    started_unix: float
+    chunks_done: int = 0
+    chunks_total: int = 0
+    install: tuple[str, ...] = ()  # install phase: files moved from incoming/ into place
+    remove: tuple[str, ...] = ()  # install phase: files of the old version to drop first
+
+
+def output_files(info: ManifestInfo) -> list[str]:
+    """Files a version occupies in a directory (a library version: one safetensors file)."""
+    return [f.path for f in info.pb.files] if info.pb.files else [LIBRARY_FILE]
+
+
+# -- the environment ----------------------------------------------------------------------------
+
+
+class StateDB:
+    """The LMDB environment of one local copy. Use :meth:`open`; one per process and path."""
+
+    _open: dict[str, tuple[tuple[int, int], StateDB]] = {}
+    _open_lock = threading.Lock()
+
+    def __init__(self, root: Path, env: lmdb.Environment) -> None:
+        self.root = root
+        self.env = env
+        self._write_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], *, create: bool = True) -> StateDB | None:
+        """The environment of the copy at ``root``; None when it has none and not ``create``.
+
+        LMDB forbids opening one environment twice in a process (closing one handle would
+        drop the other's locks), so environments are shared per path, and reopened when the
+        directory was replaced underneath (another inode).
+        """
+        root = Path(root)
+        path = root / STATE_DIR / STATE_DB
+        if not create and not (path / "data.mdb").exists():
+            return None
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            key = os.path.realpath(path)
+            with cls._open_lock:
+                found = cls._open.get(key)
+                if found is not None:
+                    with contextlib.suppress(OSError):
+                        st = os.stat(path / "data.mdb")
+                        if (st.st_dev, st.st_ino) == found[0]:
+                            return found[1]
+                    found[1].env.close()
+                    del cls._open[key]
+                env = lmdb.open(str(path), map_size=_MAP_SIZE, max_dbs=0, subdir=True)
+                st = os.stat(path / "data.mdb")
+                db = cls(root, env)
+                cls._open[key] = ((st.st_dev, st.st_ino), db)
+                return db
+        except (OSError, lmdb.Error) as e:
+            detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise CheckpointError(str(path), f"cannot open the local state ({detail})") from None
+
+    # -- raw access ----------------------------------------------------------------------------
+
+    def _get(self, key: str) -> bytes | None:
+        with self.env.begin() as txn:
+            raw = txn.get(key.encode())
+        return bytes(raw) if raw is not None else None
+
+    def _json(self, key: str) -> dict[str, Any] | None:
+        raw = self._get(key)
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction, growing the map when it does not fit."""
+        with self._write_lock:
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    # -- records -------------------------------------------------------------------------------
+
+    def state(self) -> LocalState | None:
+        raw = self._json("state")
+        if raw is None:
+            return _legacy_state(self.root)
+        try:
+            return LocalState(
+                int(raw["version"]), str(raw["version_digest"]), tuple(str(f) for f in raw["files"]),
+                str(raw.get("repo", "")), float(raw.get("installed_unix", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def manifest(self) -> ManifestInfo | None:
+        """The manifest of the version held, as recorded locally (None if unknown or damaged).
+
+        Not authenticated again: it only says where the held bits are; every bit read is
+        checked against the digests of the (authenticated) target before use."""
+        return self._manifest("manifest")
+
+    def _manifest(self, key: str) -> ManifestInfo | None:
+        raw = self._get(key)
+        if raw is None:
+            return None
+        try:
+            return parse_manifest(raw)
+        except DeltasyncError:
+            return None
+
+    def wip(self) -> WorkInProgress | None:
+        raw = self._json("wip")
+        if raw is None:
+            return None
+        try:
+            return WorkInProgress(
+                int(raw["target"]), str(raw["phase"]), float(raw["started_unix"]),
+                int(raw.get("chunks_done", 0)), int(raw.get("chunks_total", 0)),
+                tuple(raw.get("install", ())), tuple(raw.get("remove", ())),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def set_wip(self, wip: WorkInProgress | None, *, manifest: bytes | None = None) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
+            if wip is None:
+                txn.delete(b"wip")
+                txn.delete(b"wip_manifest")
+                return
+            txn.put(b"wip", json.dumps(asdict(wip)).encode())
+            if manifest is not None:
+                txn.put(b"wip_manifest", manifest)
+
+        self._write(fn)
+
+    def wip_manifest(self) -> ManifestInfo | None:
+        return self._manifest("wip_manifest")
+
+    def record_version(self, info: ManifestInfo, *, repo: str) -> None:
+        """Record ``info`` as the version held and end the work in progress: one transaction."""
+        from .manifest import serialize
+
+        state = {
+            "version": info.version,
+            "version_digest": info.pb.version_digest.hex(),
+            "files": output_files(info),
+            "repo": repo,
+            "installed_unix": time.time(),
+        }
+        raw_manifest = serialize(info.pb)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            txn.put(b"state", json.dumps(state).encode())
+            txn.put(b"manifest", raw_manifest)
+            txn.delete(b"wip")
+            txn.delete(b"wip_manifest")
+
+        self._write(fn)
+        with contextlib.suppress(OSError):
+            (self.root / STATE_DIR / _LEGACY_STATE).unlink()
+
+    def stats(self) -> dict[str, Any]:
+        return self._json("stats") or {}
+
+    def update_stats(self, fields: dict[str, Any]) -> None:
+        """Merge ``fields`` into the stats record."""
+
+        def fn(txn: lmdb.Transaction) -> None:
+            raw = txn.get(b"stats")
+            current: dict[str, Any] = {}
+            if raw is not None:
+                with contextlib.suppress(ValueError):
+                    loaded = json.loads(bytes(raw))
+                    current = loaded if isinstance(loaded, dict) else {}
+            current.update(fields)
+            txn.put(b"stats", json.dumps(current).encode())
+
+        self._write(fn)
+
+
+def _legacy_state(root: Path) -> LocalState | None:
+    try:
+        raw = json.loads((root / STATE_DIR / _LEGACY_STATE).read_text())
+        return LocalState(int(raw["version"]), str(raw["version_digest"]), tuple(raw["files"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# -- the library functions the publisher's cache and the subscriber use -------------------------
+
+
+def read_local_state(out: str | os.PathLike[str]) -> LocalState | None:
+    """The version the copy at ``out`` holds, or None."""
+    db = StateDB.open(out, create=False)
+    return db.state() if db is not None else _legacy_state(Path(out))
+
+
+def write_local_state(out: str | os.PathLike[str], info: ManifestInfo, *, repo: str = "") -> None:
+    """Record that the copy at ``out`` holds ``info`` (idempotent; ends any work in progress)."""
+    db = StateDB.open(out)
+    assert db is not None
+    held = db.state()
+    if (
+        held is not None and db.wip() is None and held.version == info.version
+        and held.version_digest == info.pb.version_digest.hex() and (held.repo == repo or not repo)
+        and db.manifest() is not None
+    ):
+        return
+    db.record_version(info, repo=repo or (held.repo if held is not None else ""))
+
+
+# -- the lock -----------------------------------------------------------------------------------
+
+
+class _Held:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.count = 0
+        self.thread_lock = threading.RLock()
+
+
+_locks: dict[str, _Held] = {}
+_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def copy_lock(root: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the copy at ``root`` for changing it: other processes get CopyInUseError at once;
+    other threads of this process wait; the same thread may nest."""
+    state_dir = Path(root) / STATE_DIR
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(str(state_dir), f"cannot create ({e.strerror})") from None
+    key = os.path.realpath(state_dir)
+    with _locks_guard:
+        held = _locks.get(key)
+        if held is None:
+            fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = ""
+                with contextlib.suppress(OSError, ValueError):
+                    holder = f" (pid {int(os.pread(fd, 32, 0).decode().strip())})"
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise CopyInUseError(str(root), holder) from None
+                raise
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            held = _locks[key] = _Held(fd)
+        held.count += 1
+    try:
+        with held.thread_lock:
+            yield
+    finally:
+        with _locks_guard:
+            held.count -= 1
+            if held.count == 0:
+                del _locks[key]
+                os.close(held.fd)  # releases the flock
+
+
+# -- install ------------------------------------------------------------------------------------
+
+
+def install_staged(out: str | os.PathLike[str], staging: Path, info: ManifestInfo, *, repo: str = "") -> None:
+    """Move the verified files of ``info`` from ``staging`` into ``out``, drop the files of the
+    old version that ``info`` lacks, and record ``info`` as the version held. Journaled: a
+    process killed at any point leaves a copy that :func:`finish_install` completes."""
+    root = Path(out)
+    with copy_lock(root):
+        db = StateDB.open(root)
+        assert db is not None
+        old = db.state()
+        new_files = output_files(info)
+        remove = sorted(set(old.files if old is not None else ()) - set(new_files))
+        _refuse_symlinks(root, [*new_files, *remove])
+        from .manifest import serialize
+
+        wip = WorkInProgress(info.version, "install", time.time(), install=tuple(new_files), remove=tuple(remove))
+        db.set_wip(wip, manifest=serialize(info.pb))
+        _apply_journal(root, staging, info, wip, db, repo or (old.repo if old is not None else ""))
+
+
+def finish_install(out: str | os.PathLike[str]) -> int | None:
+    """Complete an install that a crash interrupted; returns its version, or None if none was."""
+    root = Path(out)
+    db = StateDB.open(root, create=False)
+    if db is None:
+        return None
+    wip = db.wip()
+    if wip is None or wip.phase != "install":
+        return None
+    info = db.wip_manifest()
+    if info is None or info.version != wip.target:  # pragma: no cover - written in one transaction
+        db.set_wip(None)
+        return None
+    held = db.state()
+    _apply_journal(root, root / STATE_DIR / INCOMING, info, wip, db, held.repo if held is not None else "")
+    return info.version
+
+
+def _apply_journal(root: Path, staging: Path, info: ManifestInfo, wip: WorkInProgress, db: StateDB, repo: str) -> None:
+    # Drop the old version's extra files first, and the directories that leaves empty, so
+    # that a path which is a directory in one version and a file in the other installs.
+    for rel in wip.remove:
+        with contextlib.suppress(OSError, DeltasyncError):
+            check_relpath(rel)
+            (root / rel).unlink()
+            _prune_empty_dirs(root, (root / rel).parent)
+    dirs: set[Path] = set()
+    for rel in wip.install:
+        src, dest = staging / check_relpath(rel), root / rel
+        if not os.path.lexists(src):
+            continue  # moved before the crash
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dest)
+        dirs.add(dest.parent)
+    for d in dirs:  # make the renames durable before the version is recorded
+        with contextlib.suppress(OSError):
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    db.record_version(info, repo=repo)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _refuse_symlinks(out: Path, rels: list[str]) -> None:
+    """Refuse to write or delete through a directory symlink inside ``out``: it could point
+    anywhere. (A symlink in place of a file is replaced by the file, never followed.)"""
+    seen: set[str] = set()
+    for rel in rels:
+        parts = rel.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            d = "/".join(parts[:i])
+            if d not in seen:
+                seen.add(d)
+                if (out / d).is_symlink():
+                    raise CheckpointError(str(out / d), "is a symbolic link; deltasync does not write through links")
+
+
+def _prune_empty_dirs(out: Path, d: Path) -> None:
+    """Remove ``d`` and its parents below ``out`` while they are empty."""
+    while d != out and out in d.parents:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (or not ours to remove): stop here
+            return
+        d = d.parent
+
+
+@dataclass
+class ProgressRecorder:
+    """Counts chunks of a pull and writes the count to the WIP record at most every
+    ``interval`` seconds (for ``deltasync status``; never needed for correctness)."""
+
+    db: StateDB
+    wip: WorkInProgress
+    interval: float = 0.5
+    done: int = 0
+    _last: float = field(default=0.0)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            self.flush()
+
+    def flush(self) -> None:
+        with contextlib.suppress(lmdb.Error):
+            self.db.set_wip(WorkInProgress(
+                self.wip.target, self.wip.phase, self.wip.started_unix, self.done, self.wip.chunks_total
+            ))
+
+
+__all__ = [
+    "INCOMING",
+    "LIBRARY_FILE",
+    "STATE_DIR",
+    "CopyInUseError",
+    "LocalState",
+    "ProgressRecorder",
+    "PullStopped",
+    "StateDB",
+    "WorkInProgress",
+    "copy_lock",
+    "finish_install",
+    "install_staged",
+    "output_files",
+    "read_local_state",
+    "write_local_state",
+]
