@@ -17,6 +17,7 @@ lower bound on what a real endpoint gives; ratios within the run are what to rea
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import subprocess
@@ -106,8 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import deltasync
     from deltasync.storage._s3 import S3Store
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
+    for k, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, value)
     server, endpoint = start_moto()
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     try:
@@ -136,11 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             t_enc = time.perf_counter()
             pub_mem.publish(state)
             t_enc = time.perf_counter() - t_enc
-            v, timed = counter.measure(lambda state=state: pub_s3.publish(state))  # type: ignore[misc]
+            published, timed = counter.measure(functools.partial(pub_s3.publish, state))
             r = pub_s3.last_result
             assert r is not None
             rows.append(
-                f"publish v{v} {r.kind:8} {timed.seconds:7.2f}s {raw / timed.seconds / GB:6.2f} GB/s "
+                f"publish v{published} {r.kind:8} {timed.seconds:7.2f}s {raw / timed.seconds / GB:6.2f} GB/s "
                 f"{r.stored_bytes / 2**20:9.1f} MiB {timed.requests:6d} req   "
                 f"encode {t_enc:6.2f}s  transfer+commit {max(timed.seconds - t_enc, 0):6.2f}s"
             )
@@ -151,15 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub_s3 = deltasync.Subscriber(store)
         mem_repo = pub_mem.repo
         sub_mem = deltasync.Subscriber(mem_repo)
-        for v in mem_repo.versions():
+        for version in mem_repo.versions():
             t_dec = time.perf_counter()
-            sub_mem.pull(v)
+            sub_mem.pull(version)
             t_dec = time.perf_counter() - t_dec
-            _, timed = counter.measure(lambda v=v: sub_s3.pull(v))  # type: ignore[misc]
+            _, timed = counter.measure(functools.partial(sub_s3.pull, version))
             plan = sub_s3.last_plan
             how = "from snapshot" if plan is None or plan.base is None else f"from v{plan.base}"
             rows.append(
-                f"pull    v{v} {how:13} {timed.seconds:7.2f}s {raw / timed.seconds / GB:6.2f} GB/s "
+                f"pull    v{version} {how:13} {timed.seconds:7.2f}s {raw / timed.seconds / GB:6.2f} GB/s "
                 f"{(plan.fetch_bytes if plan else 0) / 2**20:9.1f} MiB {timed.requests:6d} req   "
                 f"decode {t_dec:6.2f}s  transfer        {max(timed.seconds - t_dec, 0):6.2f}s"
             )

@@ -491,6 +491,42 @@ def demo(workdir: Path, steps: int, quiet: bool) -> None:
     run_demo(workdir, steps=steps, echo=click.echo, progress=_progress(quiet))
 
 
+@cli.group()
+def rl() -> None:
+    """Reference asynchronous RL loop whose weights move only through deltasync."""
+
+
+@rl.command("run")
+@click.option("--config", "config_file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              metavar="FILE", help="Settings (TOML or JSON, sections as in deltasync.rl_integration.config).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="RL steps, one version each [default: 150].")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Rollout workers [default: 2].")
+@click.option("--backend", type=click.Choice(["local", "ray"]), default=None,
+              help="Workers as local processes, or as Ray actors (pip install 'deltasync[ray]') [default: local].")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Run directory: repository, checkpoints, metrics.jsonl, plot.png [default: deltasync-rl].")
+@click.option("--repo", default=None, metavar="URL", help="Repository to publish to (empty) [default: OUT/repo].")
+@click.option("--seed", type=int, default=None, help="[default: 0]")
+@click.option("--live", is_flag=True, default=None,
+              help="Train on feedback posted over HTTP (with simulated users unless the config turns them off).")
+@click.option("--feedback-port", type=click.IntRange(0, 65535), default=None, help="Port of the feedback endpoint (--live).")
+@quiet_option
+def rl_run(config_file: Path | None, steps: int | None, workers: int | None, backend: str | None, out_dir: Path | None,
+           repo: str | None, seed: int | None, live: bool | None, feedback_port: int | None, quiet: bool) -> None:
+    """Warm-start a small transformer on addition, then improve it with asynchronous RL."""
+    from deltasync.rl_integration import load_config
+    from deltasync.rl_integration.loop import format_summary, run
+
+    config = load_config(
+        config_file, steps=steps, seed=seed, repo=repo,
+        out_dir=str(out_dir) if out_dir is not None else None,
+        **{"workers.count": workers, "workers.backend": backend, "live.enabled": live, "live.port": feedback_port},
+    )
+    result = run(config, echo=click.echo, progress=False if quiet else None)
+    for line in format_summary(result):
+        click.echo(line)
+
+
 def _mib(n: int) -> str:
     from deltasync.progress import human_bytes
 

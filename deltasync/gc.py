@@ -1,7 +1,7 @@
 """``deltasync gc``: retention of versions and collection of unreferenced objects.
 
 **What is kept.** Retained versions are the last ``keep_last``, every version whose id is a
-multiple of ``keep_every`` (if given) and always the latest. Required versions are the
+multiple of ``keep_every`` (if given), always the latest, and the pinned version (``refs/pin``). Required versions are the
 retained ones plus every ancestor on each retained version's chain back to its nearest
 snapshot (:meth:`Repository.chain`), so every retained version stays pullable. Everything
 else is deleted. A squash (see squash.py) is kept exactly while both versions it connects
@@ -143,6 +143,9 @@ class _Collector:
         retained = set(versions[-keep_last:])
         if keep_every is not None:
             retained.update(v for v in versions if v % keep_every == 0)
+        pinned = self.repo.pinned()
+        if pinned is not None and pinned in versions:
+            retained.add(pinned)  # the version agents are told to serve stays, with its chain
         # Nothing is deleted before every retained chain is known to be whole.
         for v in sorted(retained):
             self._require(v)

@@ -73,6 +73,7 @@ class Drift:
     tensor: str  # "" for a file-level problem (missing, size, header, non-tensor file)
     chunk: int  # -1 for a file-level problem
     detail: str
+    entry: str = ""  # the manifest entry's key (differs from the tensor name for slices)
 
     def __str__(self) -> str:
         where = f"{self.file}: tensor {self.tensor!r} chunk {self.chunk}" if self.tensor else self.file
@@ -194,9 +195,9 @@ def _check(root: Path, info: ManifestInfo, workers: int) -> CheckReport:
             try:
                 bits = read_placed(reader, root, p, off, length)
             except DeltasyncError:
-                return Drift(p.file, p.tensor.name, idx, "missing (file too short)")
+                return Drift(p.file, p.tensor.name, idx, "missing (file too short)", key_of(p.tensor))
             if digest(bits) != p.tensor.chunks[idx].target_digest:
-                return Drift(p.file, p.tensor.name, idx, "bytes differ from the manifest")
+                return Drift(p.file, p.tensor.name, idx, "bytes differ from the manifest", key_of(p.tensor))
             return None
 
         for d in _ordered(items, drifted, workers or os.cpu_count() or 1):
@@ -209,10 +210,9 @@ def _repair(sub: Subscriber, root: Path, info: ManifestInfo, drifted: list[Drift
     files = {f.path: f for f in version_files(info)}
     places = placements(info)
     want: Want = {}
-    by_name = {(p.file, p.tensor.name): key for key, p in places.items()}
     for d in drifted:
         if d.tensor:
-            want.setdefault(by_name[(d.file, d.tensor)], []).append(d.chunk)
+            want.setdefault(d.entry, []).append(d.chunk)
     for rel in sorted({d.file for d in drifted if not d.tensor}):
         f = files[rel]
         path = root / rel
@@ -425,7 +425,7 @@ def move_copy(
         if download and sub.plan(target, None, walkable)[0].fetch_bytes < download:
             return None  # rollback across many deltas: the snapshot chain is cheaper
         result = MoveResult(target)
-        staging, recorder = begin_staging(root, db, info)
+        staging, recorder, resuming = begin_staging(root, db, info)
         staged = StagedFiles(info, staging)
         try:
             for f in staged.blobs:
@@ -438,9 +438,10 @@ def move_copy(
                     t, idx, off, length = item
                     key, width = key_of(t), dtypes.element_width(t.dtype)
                     expected = t.chunks[idx].target_digest
-                    with contextlib.suppress(DeltasyncError):
-                        if digest(read_placed(reader, staging, places[key], off, length)) == expected:
-                            return "kept"
+                    if resuming:
+                        with contextlib.suppress(DeltasyncError):
+                            if digest(read_placed(reader, staging, places[key], off, length)) == expected:
+                                return "kept"
                     steps, h = plans[(key, idx)], held_places.get(key)
                     if steps is None or h is None:
                         return "fetched"

@@ -125,7 +125,9 @@ class StateDB:
     def __init__(self, root: Path, env: lmdb.Environment) -> None:
         self.root = root
         self.env = env
-        self._write_lock = threading.Lock()
+        # One transaction at a time in this process: growing the map (set_mapsize) requires
+        # that none is open. Transactions are tiny; readers in other processes never wait.
+        self._txn_lock = threading.Lock()
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], *, create: bool = True) -> StateDB | None:
@@ -163,9 +165,14 @@ class StateDB:
     # -- raw access ----------------------------------------------------------------------------
 
     def _get(self, key: str) -> bytes | None:
-        with self.env.begin() as txn:
-            raw = txn.get(key.encode())
-        return bytes(raw) if raw is not None else None
+        with self._txn_lock:
+            while True:
+                try:
+                    with self.env.begin() as txn:
+                        raw = txn.get(key.encode())
+                    return bytes(raw) if raw is not None else None
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                    self.env.set_mapsize(0)
 
     def _json(self, key: str) -> dict[str, Any] | None:
         raw = self._get(key)
@@ -179,13 +186,15 @@ class StateDB:
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one write transaction, growing the map when it does not fit."""
-        with self._write_lock:
+        with self._txn_lock:
             while True:
                 try:
                     with self.env.begin(write=True) as txn:
                         return fn(txn)
                 except lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except lmdb.MapResizedError:
+                    self.env.set_mapsize(0)
 
     # -- records -------------------------------------------------------------------------------
 
@@ -469,7 +478,7 @@ class ProgressRecorder:
 
     db: StateDB
     wip: WorkInProgress
-    interval: float = 0.5
+    interval: float = 0.25
     done: int = 0
     _last: float = field(default=0.0)
 

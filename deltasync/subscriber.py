@@ -157,19 +157,20 @@ def held_manifest(db: StateDB, state: LocalState | None, repo: Repository | None
         return None
 
 
-def begin_staging(root: Path, db: StateDB, info: ManifestInfo) -> tuple[Path, ProgressRecorder]:
-    """The staging directory for a pull of ``info`` (kept from an interrupted pull), with
-    the work-in-progress record written."""
+def begin_staging(root: Path, db: StateDB, info: ManifestInfo) -> tuple[Path, ProgressRecorder, bool]:
+    """The staging directory for a pull of ``info``, the work-in-progress record written,
+    and whether it holds files of an interrupted pull (worth checking chunk by chunk)."""
     staging = root / STATE_DIR / INCOMING
     prev = db.wip()
     if any(t.full_shape for t in info.pb.tensors) and (prev is None or prev.target != info.version):
         # Parts of sliced tensors that no rank published must read as zeros, and only a
         # fresh file guarantees that: no file digest would catch stale bytes there.
         shutil.rmtree(staging, ignore_errors=True)
+    resuming = staging.is_dir() and any(staging.iterdir())
     staging.mkdir(parents=True, exist_ok=True)
     wip = WorkInProgress(info.version, "fetch", time.time(), 0, sum(len(t.chunks) for t in info.pb.tensors))
     db.set_wip(wip)
-    return staging, ProgressRecorder(db, wip)
+    return staging, ProgressRecorder(db, wip), resuming
 
 
 class StagedFiles:
@@ -245,7 +246,9 @@ def _make_room(staging: Path, path: Path) -> None:
         d = d / part
         if d.is_symlink() or (d.exists() and not d.is_dir()):
             d.unlink()
-    if path.is_dir() and not path.is_symlink():
+    if path.is_symlink():
+        path.unlink()  # never write through a link
+    elif path.is_dir():
         shutil.rmtree(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -540,24 +543,31 @@ class Subscriber:
         db = StateDB.open(root)
         assert db is not None
         state = db.state()
-        staging, recorder = begin_staging(root, db, info)
+        staging, recorder, resuming = begin_staging(root, db, info)
         with FileReader() as reader:
-            local = self._dir_local(root, db, state, reader, staging=staging, target=info)
+            local = self._dir_local(root, db, state, reader, staging=staging if resuming else None, target=info)
             self._pull_files(info, staging, local, stop=stop, recorder=recorder, root=root)
         install_staged(root, staging, info, repo=state_url(self.repo.url))
 
     def _dir_local(
-        self, root: Path, db: StateDB, state: LocalState | None, reader: FileReader, *, staging: Path, target: ManifestInfo
+        self,
+        root: Path,
+        db: StateDB,
+        state: LocalState | None,
+        reader: FileReader,
+        *,
+        staging: Path | None,
+        target: ManifestInfo,
     ) -> _LocalBits:
-        """Bits at hand: a chunk staged by an interrupted pull when its digest is the
-        target's, else the bits of the version held (whatever their state: checked by digest)."""
+        """Bits at hand: a chunk an interrupted pull staged under ``staging`` when its digest
+        is the target's, else the bits of the version held (whatever their state: checked by digest)."""
         held = held_manifest(db, state, self.repo)
         held_at = placements(held) if held is not None else {}
         target_at = placements(target)
 
         def read(key: str, off: int, length: int) -> Bits | None:
             p = target_at.get(key)
-            if p is not None:
+            if p is not None and staging is not None:
                 idx = off // target.codec.chunk_step(dtypes.element_width(p.tensor.dtype))
                 with contextlib.suppress(DeltasyncError):
                     bits = read_placed(reader, staging, p, off, length)

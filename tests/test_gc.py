@@ -550,3 +550,26 @@ def test_cli_gc_errors_are_one_line(tmp_path: Path, args: list[str], match: str)
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("deltasync: error: ") and match in lines[0], p.stderr
 
+
+
+def test_the_pinned_version_and_its_chain_are_kept(repo_url: str) -> None:
+    import torch
+
+    import deltasync
+    from deltasync.gc import collect
+
+    pub = deltasync.Publisher(repo_url, deltasync.PublisherConfig(snapshot_every=3, max_delta_fraction=10))
+    state = {"w": torch.zeros(64)}
+    for i in range(8):
+        state["w"] = state["w"].clone()
+        state["w"][i] = float(i + 1)
+        pub.publish(state)
+    repo = deltasync.Repository(repo_url)
+    repo.pin(2)
+    collect(repo_url, keep_last=1, grace_seconds=0)
+    kept = deltasync.Repository(repo_url).versions()
+    assert repo.manifest(2).pb.kind == 2  # a delta on snapshot v1
+    assert 2 in kept and 1 in kept
+    assert 8 in kept
+    got = deltasync.Subscriber(repo_url).pull(2)["w"]
+    assert got[:2].tolist() == [1.0, 2.0] and got[2:].abs().sum() == 0
