@@ -514,8 +514,7 @@ def rl() -> None:
 def rl_run(config_file: Path | None, steps: int | None, workers: int | None, backend: str | None, out_dir: Path | None,
            repo: str | None, seed: int | None, live: bool | None, feedback_port: int | None, quiet: bool) -> None:
     """Warm-start a small transformer on addition, then improve it with asynchronous RL."""
-    from deltasync.rl_integration import load_config
-    from deltasync.rl_integration.loop import format_summary, run
+    from deltasync.rl_integration import load_config, run
 
     config = load_config(
         config_file, steps=steps, seed=seed, repo=repo,
@@ -523,7 +522,7 @@ def rl_run(config_file: Path | None, steps: int | None, workers: int | None, bac
         **{"workers.count": workers, "workers.backend": backend, "live.enabled": live, "live.port": feedback_port},
     )
     result = run(config, echo=click.echo, progress=False if quiet else None)
-    for line in format_summary(result):
+    for line in result.lines():
         click.echo(line)
 
 

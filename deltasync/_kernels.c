@@ -25,6 +25,7 @@
 
 #define MAX_RICE_K 31
 #define PAD 16 /* zero bytes after every scratch bit buffer, so 8-byte loads never run off it */
+#define PREFETCH 2048 /* bytes ahead that the scan asks for (prefetches never fault) */
 
 /* -- small helpers ----------------------------------------------------------------------- */
 
@@ -56,18 +57,52 @@ static inline uint64_t zigzag(uint64_t d, int w) {
 
 static inline uint64_t unzigzag(uint64_t z) { return (z >> 1) ^ (0 - (z & 1)); }
 
-/* OR ``v`` (< 2**57) into the zeroed bit buffer at bit ``pos``. */
-static inline void put_bits57(uint8_t *buf, uint64_t pos, uint64_t v) {
-    uint8_t *p = buf + (pos >> 3);
-    store64(p, load64(p) | (v << (pos & 7)));
+/* Appends bits to a stream a 32-bit word at a time (no read-modify-write of memory). */
+typedef struct {
+    uint8_t *p;
+    uint64_t acc;
+    int n; /* bits in acc, < 32 between calls */
+} BitWriter;
+
+static inline void bw_put(BitWriter *w, uint64_t v, int nbits) { /* v < 2**nbits, nbits <= 32 */
+    w->acc |= v << w->n;
+    w->n += nbits;
+    if (w->n >= 32) {
+        uint32_t word = (uint32_t)w->acc;
+        memcpy(w->p, &word, 4);
+        w->p += 4;
+        w->acc >>= 32;
+        w->n -= 32;
+    }
 }
 
-static inline void put_bits(uint8_t *buf, uint64_t pos, uint64_t v, int n) {
-    if (n > 32) {
-        put_bits57(buf, pos, v & 0xFFFFFFFFu);
-        put_bits57(buf, pos + 32, v >> 32);
-    } else if (n > 0) {
-        put_bits57(buf, pos, v);
+static inline void bw_put_wide(BitWriter *w, uint64_t v, int nbits) { /* nbits <= 64 */
+    if (nbits > 32) {
+        bw_put(w, v & 0xFFFFFFFFu, 32);
+        bw_put(w, v >> 32, nbits - 32);
+    } else {
+        bw_put(w, v, nbits);
+    }
+}
+
+static inline void bw_unary(BitWriter *w, uint64_t q) { /* q zero bits, then a one */
+    if (q >= 64) { /* complete the current word, then whole zero words */
+        int fill = 32 - w->n;
+        bw_put(w, 0, fill);
+        q -= (uint64_t)fill;
+        uint64_t words = q / 32;
+        memset(w->p, 0, (size_t)words * 4);
+        w->p += words * 4;
+        q -= words * 32;
+    }
+    for (; q >= 31; q -= 31) bw_put(w, 0, 31);
+    bw_put(w, (uint64_t)1 << q, (int)q + 1);
+}
+
+static inline void bw_flush(BitWriter *w) {
+    for (; w->n > 0; w->n -= 8) {
+        *w->p++ = (uint8_t)w->acc;
+        w->acc >>= 8;
     }
 }
 
@@ -79,20 +114,6 @@ static inline uint64_t get_bits57(const uint8_t *buf, uint64_t pos, int n) {
 static inline uint64_t get_bits(const uint8_t *buf, uint64_t pos, int n) {
     if (n > 32) return get_bits57(buf, pos, 32) | (get_bits57(buf, pos + 32, n - 32) << 32);
     return get_bits57(buf, pos, n);
-}
-
-/* Position of the next one bit at or after ``pos`` in a stream of ``nbits`` bits held in a
- * buffer with PAD zero bytes after it; ``nbits`` if there is none. */
-static inline uint64_t next_one(const uint8_t *buf, uint64_t pos, uint64_t nbits) {
-    while (pos < nbits) {
-        uint64_t w = load64(buf + (pos >> 3)) >> (pos & 7);
-        if (w) {
-            uint64_t at = pos + (uint64_t)__builtin_ctzll(w);
-            return at < nbits ? at : nbits;
-        }
-        pos += 64 - (pos & 7);
-    }
-    return nbits;
 }
 
 /* A copy of ``src`` followed by PAD zero bytes (bit readers load 8 bytes at a time). */
@@ -148,7 +169,8 @@ static int changes_reserve(Changes *c, size_t need, int w) {
     return 1;
 }
 
-#if defined(__SSE2__)
+#if defined(__SSE2__) && !defined(DELTASYNC_PORTABLE) /* PORTABLE: test the plain C path */
+#define BASELINE_SIMD "sse2"
 #include <emmintrin.h>
 
 static inline __m128i ld(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
@@ -183,6 +205,7 @@ static inline uint64_t change_mask64(const uint8_t *t, const uint8_t *b, int w) 
     return ~eq;
 }
 #else
+#define BASELINE_SIMD "none"
 static inline uint64_t change_mask64(const uint8_t *t, const uint8_t *b, int w) {
     uint64_t m = 0;
     for (int j = 0; j < 64; j++) m |= (uint64_t)(load_elem(t + j * w, w) != load_elem(b + j * w, w)) << j;
@@ -202,6 +225,10 @@ SCAN_ATTR static inline __attribute__((always_inline)) int64_t SCAN_NAME(const u
     size_t count = 0, e = 0; \
     int collect = 1; \
     for (; e + 64 <= n; e += 64) { \
+        for (int line = 0; line < w; line++) { /* the hardware prefetcher alone leaves ~25% */ \
+            __builtin_prefetch(t + e * (size_t)w + PREFETCH + 64 * line, 0, 2); \
+            __builtin_prefetch(b + e * (size_t)w + PREFETCH + 64 * line, 0, 2); \
+        } \
         uint64_t m = MASK_FN(t + e * (size_t)w, b + e * (size_t)w, w); \
         size_t cnt = (size_t)__builtin_popcountll(m); \
         count += cnt; \
@@ -214,14 +241,25 @@ SCAN_ATTR static inline __attribute__((always_inline)) int64_t SCAN_NAME(const u
         uint32_t *out = c->idx + c->len, base = (uint32_t)e; \
         uint8_t *tv = c->tv + c->len * (size_t)w, *bv = c->bv + c->len * (size_t)w; \
         const uint8_t *tg = t + e * (size_t)w, *bg = b + e * (size_t)w; \
-        for (int r = 0; r < 4; r++) { \
-            uint32_t j = low_bit(m); \
-            out[r] = base + j; \
-            memcpy(tv + r * w, tg + j * (uint32_t)w, (size_t)w); /* j = 63 when m ran out: in the group */ \
-            memcpy(bv + r * w, bg + j * (uint32_t)w, (size_t)w); \
-            m &= m - 1; \
+        int r = 0; \
+        if (count * 16 > e) { /* denser than 1/16 so far: eight slots (a predictable branch) */ \
+            for (; r < 8; r++) { \
+                uint32_t j = low_bit(m); \
+                out[r] = base + j; \
+                memcpy(tv + r * w, tg + j * (uint32_t)w, (size_t)w); \
+                memcpy(bv + r * w, bg + j * (uint32_t)w, (size_t)w); \
+                m &= m - 1; \
+            } \
+        } else { \
+            for (; r < 4; r++) { \
+                uint32_t j = low_bit(m); \
+                out[r] = base + j; \
+                memcpy(tv + r * w, tg + j * (uint32_t)w, (size_t)w); /* j = 63 when m ran out: in the group */ \
+                memcpy(bv + r * w, bg + j * (uint32_t)w, (size_t)w); \
+                m &= m - 1; \
+            } \
         } \
-        for (int r = 4; m; r++) { \
+        for (; m; r++) { \
             uint32_t j = low_bit(m); \
             out[r] = base + j; \
             memcpy(tv + r * w, tg + j * (uint32_t)w, (size_t)w); \
@@ -248,7 +286,7 @@ SCAN_ATTR static inline __attribute__((always_inline)) int64_t SCAN_NAME(const u
 
 DEFINE_SCAN(, scan_impl, change_mask64)
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DELTASYNC_PORTABLE)
 #define HAVE_AVX512 1
 #include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f,avx512bw")))
@@ -359,28 +397,22 @@ done:
  * which exceeds m iff the Rice cost m * (1 + k) + sum(g >> k) still drops from k to k + 1, and
  * sum(g >> k), the unary bits. One pass; also checks that the indices increase. */
 static int rice_stats(const uint32_t *idx, size_t m, int lo, uint64_t halves[3], uint64_t sums[3]) {
-    int k0 = lo, k1 = lo + 1 > MAX_RICE_K ? MAX_RICE_K : lo + 1, k2 = lo + 2 > MAX_RICE_K ? MAX_RICE_K : lo + 2;
-    uint64_t h0 = 0, h1 = 0, h2 = 0, s0 = 0, s1 = 0, s2 = 0;
-    int64_t prev = -1;
-    int bad = 0;
-    for (size_t i = 0; i < m; i++) {
-        bad |= (int64_t)idx[i] <= prev;
-        uint64_t g = (uint64_t)((int64_t)idx[i] - prev - 1);
-        prev = idx[i];
-        uint64_t q0 = g >> k0, q1 = g >> k1, q2 = g >> k2;
-        s0 += q0, s1 += q1, s2 += q2;
-        h0 += (q0 + 1) >> 1, h1 += (q1 + 1) >> 1, h2 += (q2 + 1) >> 1;
+    /* u32 throughout: every sum is at most the sum of the gaps, idx[m - 1] + 1 - m < 2**32 */
+    const int k0 = lo, k1 = lo + 1 > MAX_RICE_K ? MAX_RICE_K : lo + 1, k2 = lo + 2 > MAX_RICE_K ? MAX_RICE_K : lo + 2;
+    uint32_t g = idx[0], q0 = g >> k0, q1 = g >> k1, q2 = g >> k2;
+    uint32_t s0 = q0, s1 = q1, s2 = q2, h0 = (q0 >> 1) + (q0 & 1), h1 = (q1 >> 1) + (q1 & 1), h2 = (q2 >> 1) + (q2 & 1);
+    uint32_t bad = 0;
+    for (size_t i = 1; i < m; i++) { /* no loop-carried state but the sums: vectorizes */
+        uint32_t a = idx[i], p = idx[i - 1], gi = a - p - 1;
+        bad |= (uint32_t)(a <= p);
+        uint32_t r0 = gi >> k0, r1 = gi >> k1, r2 = gi >> k2;
+        s0 += r0, s1 += r1, s2 += r2;
+        h0 += (r0 >> 1) + (r0 & 1), h1 += (r1 >> 1) + (r1 & 1), h2 += (r2 >> 1) + (r2 & 1);
     }
     halves[0] = h0, halves[1] = h1, halves[2] = h2;
     sums[0] = s0, sums[1] = s1, sums[2] = s2;
     return !bad;
 }
-
-PyDoc_STRVAR(rice_encode_doc,
-             "rice_encode(indices) -> (k, data)\n\n"
-             "Strictly increasing u32 positions as Rice-coded gaps (gap = index - previous - 1,\n"
-             "previous of the first is -1) with the cheapest k (the smallest among equals): the\n"
-             "unary stream of gap >> k, then the k low bits of every gap.");
 
 /* The cheapest Rice parameter (the smallest among equals) and its unary bits sum(g >> k).
  * The cost m * (1 + k) + sum(g >> k) is convex in k, so k is the smallest with halves(k) <= m;
@@ -406,6 +438,12 @@ static int rice_choose(const uint32_t *idx, size_t m, int *k, uint64_t *sum_q) {
     }
 }
 
+PyDoc_STRVAR(rice_encode_doc,
+             "rice_encode(indices) -> (k, data)\n\n"
+             "Strictly increasing u32 positions as Rice-coded gaps (gap = index - previous - 1,\n"
+             "previous of the first is -1) with the cheapest k (the smallest among equals): the\n"
+             "unary stream of gap >> k, then the k low bits of every gap.");
+
 static PyObject *k_rice_encode(PyObject *self, PyObject *args) {
     PyObject *io;
     if (!PyArg_ParseTuple(args, "O:rice_encode", &io)) return NULL;
@@ -430,18 +468,17 @@ static PyObject *k_rice_encode(PyObject *self, PyObject *args) {
         oom = !buf;
     }
     if (buf) {
-        uint8_t *low = buf + ulen;
-        uint64_t upos = 0, lpos = 0, mask = ((uint64_t)1 << k) - 1;
+        BitWriter unary = {buf, 0, 0}, low = {buf + ulen, 0, 0};
+        uint64_t mask = ((uint64_t)1 << k) - 1;
         int64_t prev = -1;
         for (size_t i = 0; i < m; i++) {
             uint64_t g = (uint64_t)((int64_t)idx[i] - prev - 1);
             prev = idx[i];
-            upos += g >> k;
-            buf[upos >> 3] |= (uint8_t)(1u << (upos & 7));
-            upos++;
-            put_bits57(low, lpos, g & mask); /* k <= 31 */
-            lpos += (uint64_t)k;
+            bw_unary(&unary, g >> k);
+            bw_put(&low, g & mask, k); /* k <= 31 */
         }
+        bw_flush(&unary);
+        bw_flush(&low);
     }
     Py_END_ALLOW_THREADS
     if (!ok) {
@@ -538,11 +575,32 @@ done:
 
 /* -- 2-bit symbols with exp-Golomb escapes ------------------------------------------------ */
 
-/* Cost in bits of exp-Golomb order k over the escapes. */
-static uint64_t expg_cost(const uint64_t *e, size_t m, int k) {
-    uint64_t bits = (uint64_t)m * (uint64_t)(1 + k);
-    for (size_t i = 0; i < m; i++) bits += 2 * (uint64_t)(bitlen((e[i] >> k) + 1) - 1);
-    return bits;
+/* The cheapest exp-Golomb order k <= kmax for the escapes (the smallest among equals).
+ * cost(k) = m * (1 + k) + 2 * sum(nb), nb = bit_length((e >> k) + 1) - 1. With L = bit_length(e),
+ * x = e >> k has bit_length max(L - k, 0), one more after adding 1 exactly when x is all ones,
+ * that is when k >= z = bit_length of the zero bits of e below L. So one pass counting L and z
+ * prices every k. */
+static int expg_best_k(const uint64_t *e, size_t m, int kmax) {
+    uint64_t hist_l[65] = {0}, hist_z[65] = {0};
+    for (size_t i = 0; i < m; i++) {
+        int l = bitlen(e[i]);
+        uint64_t below = l == 64 ? ~(uint64_t)0 : (((uint64_t)1 << l) - 1);
+        hist_l[l]++;
+        hist_z[bitlen(~e[i] & below)]++;
+    }
+    uint64_t best = UINT64_MAX, ones = 0;
+    int k = 0;
+    for (int kk = 0; kk <= kmax; kk++) {
+        ones += hist_z[kk]; /* escapes with z <= kk */
+        uint64_t above = 0;   /* sum of max(L - kk, 0) */
+        for (int l = kk + 1; l <= 64; l++) above += hist_l[l] * (uint64_t)(l - kk);
+        uint64_t cost = (uint64_t)m * (uint64_t)(1 + kk) + 2 * (above + ones - m);
+        if (cost < best) {
+            best = cost;
+            k = kk;
+        }
+    }
+    return k;
 }
 
 /* The 2-bit symbols of pack2 (into zeroed ``syms``) and its escapes; returns their count. */
@@ -550,13 +608,17 @@ static inline __attribute__((always_inline)) size_t symbols_impl(const uint8_t *
                                                                  int w, uint8_t *syms, uint64_t *esc, int *bad) {
     size_t m = 0;
     int zero = 0;
-    for (size_t i = 0; i < count; i++) {
-        uint64_t z = zigzag(load_elem(t + i * (size_t)w, w) - load_elem(b + i * (size_t)w, w), w);
-        zero |= z == 0;
-        uint64_t s = z - 1 < 3 ? z - 1 : 3;
-        syms[i >> 2] |= (uint8_t)(s << (2 * (i & 3)));
-        esc[m] = z - 4;
-        m += z >= 4;
+    for (size_t i = 0; i < count; i += 4) { /* a byte of four symbols at a time, in a register */
+        size_t end = i + 4 < count ? i + 4 : count;
+        unsigned byte = 0;
+        for (size_t r = i; r < end; r++) {
+            uint64_t z = zigzag(load_elem(t + r * (size_t)w, w) - load_elem(b + r * (size_t)w, w), w);
+            zero |= z == 0;
+            byte |= (unsigned)(z - 1 < 3 ? z - 1 : 3) << (2 * (r - i));
+            esc[m] = z - 4;
+            m += z >= 4;
+        }
+        syms[i >> 2] = (uint8_t)byte;
     }
     *bad = zero;
     return m;
@@ -609,14 +671,7 @@ static PyObject *k_pack2(PyObject *self, PyObject *args) {
         uint64_t emax = 0;
         for (size_t i = 0; i < m; i++) emax = esc[i] > emax ? esc[i] : emax;
         int kmax = bitlen(emax) < 8 * w - 1 ? bitlen(emax) : 8 * w - 1;
-        uint64_t best = UINT64_MAX;
-        for (int kk = 0; kk <= kmax; kk++) {
-            uint64_t c = expg_cost(esc, m, kk);
-            if (c < best) {
-                best = c;
-                k = kk;
-            }
-        }
+        k = expg_best_k(esc, m, kmax);
         uint64_t pbits = 0, sbits = 0;
         for (size_t i = 0; i < m; i++) {
             int nb = bitlen((esc[i] >> k) + 1) - 1;
@@ -630,18 +685,17 @@ static PyObject *k_pack2(PyObject *self, PyObject *args) {
         if (!pre || !suf) {
             oom = 1;
         } else {
-            uint64_t ppos = 0, spos = 0;
+            BitWriter prefix = {pre, 0, 0}, suffix = {suf, 0, 0};
+            uint64_t low_mask = k ? ~(uint64_t)0 >> (64 - k) : 0;
             for (size_t i = 0; i < m; i++) {
                 uint64_t x = (esc[i] >> k) + 1;
                 int nb = bitlen(x) - 1;
-                ppos += (uint64_t)nb;
-                pre[ppos >> 3] |= (uint8_t)(1u << (ppos & 7));
-                ppos++;
-                put_bits(suf, spos, k ? esc[i] & (~(uint64_t)0 >> (64 - k)) : 0, k);
-                spos += (uint64_t)k;
-                put_bits(suf, spos, x - ((uint64_t)1 << nb), nb);
-                spos += (uint64_t)nb;
+                bw_unary(&prefix, (uint64_t)nb);
+                bw_put_wide(&suffix, esc[i] & low_mask, k);
+                bw_put_wide(&suffix, x - ((uint64_t)1 << nb), nb);
             }
+            bw_flush(&prefix);
+            bw_flush(&suffix);
         }
     }
     Py_END_ALLOW_THREADS
@@ -670,6 +724,19 @@ PyDoc_STRVAR(unpack2_doc,
              "Inverse of pack2: the ``count`` zigzagged changes as w-byte elements. ValueError\n"
              "unless the streams are exactly what pack2 writes for some changes.");
 
+/* Symbol i's value: z = symbol + 1, or the next escape's z for symbol 3 (esc has a spare slot,
+ * so reading one past the last escape is harmless). */
+static inline __attribute__((always_inline)) void fill_impl(const uint8_t *s, size_t n, const uint64_t *esc,
+                                                            uint8_t *out, int w) {
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t sym = (s[i >> 2] >> (2 * (i & 3))) & 3;
+        uint64_t z = sym == 3 ? esc[j] : sym + 1;
+        j += sym == 3;
+        store_elem(out + i * (size_t)w, z, w);
+    }
+}
+
 static PyObject *k_unpack2(PyObject *self, PyObject *args) {
     PyObject *so, *po, *fo;
     Py_ssize_t count;
@@ -691,67 +758,84 @@ static PyObject *k_unpack2(PyObject *self, PyObject *args) {
     }
     PyObject *result = NULL;
     const char *err = NULL;
-    uint8_t *pre = NULL, *suf = NULL, *out = NULL;
+    uint8_t *pre = NULL, *suf = NULL;
+    uint64_t *esc = NULL;
     size_t n = (size_t)count;
+    const uint8_t *s = (const uint8_t *)sb.buf;
     if ((size_t)sb.len != (n + 3) / 4) {
         PyErr_SetString(PyExc_ValueError, "symbol stream of the wrong size");
         goto done;
     }
+    size_t m = 0; /* escapes: symbols 3 among the first n */
+    for (size_t i = 0; i < n / 4; i++) m += (size_t)__builtin_popcount(s[i] & (s[i] >> 1) & 0x55);
+    for (size_t i = n & ~(size_t)3; i < n; i++) m += ((s[i >> 2] >> (2 * (i & 3))) & 3) == 3;
     pre = padded_copy(pb.buf, (size_t)pb.len);
     suf = padded_copy(fb.buf, (size_t)fb.len);
-    out = (uint8_t *)malloc(n * (size_t)w + 1);
-    if (!pre || !suf || !out) {
+    esc = (uint64_t *)malloc((m + 1) * sizeof(uint64_t));
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * (size_t)w));
+    if (!pre || !suf || !esc || !result) {
+        if (result) Py_CLEAR(result);
+        else PyErr_Clear();
         PyErr_NoMemory();
         goto done;
     }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result); /* not shared yet: filled without the GIL */
     Py_BEGIN_ALLOW_THREADS
-    const uint8_t *s = (const uint8_t *)sb.buf;
     const uint64_t emax = width_mask(w) - 4, hmax = emax >> k;
     const uint64_t lmax = k ? emax & (~(uint64_t)0 >> (64 - k)) : 0;
     const uint64_t pbits = 8 * (uint64_t)pb.len, sbits = 8 * (uint64_t)fb.len;
     uint64_t ppos = 0, spos = 0;
-    int any = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint64_t sym = (s[i >> 2] >> (2 * (i & 3))) & 3, z = sym + 1;
-        if (sym == 3) {
-            any = 1;
-            uint64_t one = next_one(pre, ppos, pbits);
-            if (one >= pbits) {
-                err = "escape stream ends early";
-                break;
-            }
-            uint64_t nb = one - ppos;
-            ppos = one + 1;
-            if (nb > 63 || spos + (uint64_t)k + nb > sbits) {
-                err = "escape runs past its stream";
-                break;
-            }
-            uint64_t low = get_bits(suf, spos, k);
-            spos += (uint64_t)k;
-            uint64_t hi = ((uint64_t)1 << nb) - 1 + get_bits(suf, spos, (int)nb); /* (e >> k) */
-            spos += nb;
-            if (hi > hmax || (hi == hmax && low > lmax)) {
-                err = "escaped change wider than the element";
-                break;
-            }
-            z = ((hi << k) | low) + 4;
+    /* The unary prefixes first, word by word from the one bits (as in rice_decode); nb into esc. */
+    uint64_t last = UINT64_MAX;
+    size_t found = 0;
+    for (uint64_t wi = 0; wi < (pbits + 63) / 64 && found < m; wi++) {
+        uint64_t word = load64(pre + 8 * wi);
+        for (; word && found < m; word &= word - 1) {
+            uint64_t at = 64 * wi + (uint64_t)__builtin_ctzll(word);
+            esc[found++] = at - last - 1;
+            last = at;
         }
-        store_elem(out + i * (size_t)w, z, w);
     }
+    ppos = last + 1;
+    if (found < m) err = "escape stream ends early";
+    for (size_t j = 0; j < m && !err; j++) {
+        uint64_t nb = esc[j];
+        if (nb > 63 || spos + (uint64_t)k + nb > sbits) {
+            err = "escape runs past its stream";
+            break;
+        }
+        uint64_t low = get_bits(suf, spos, k);
+        spos += (uint64_t)k;
+        uint64_t hi = ((uint64_t)1 << nb) - 1 + get_bits(suf, spos, (int)nb); /* e >> k */
+        spos += nb;
+        if (hi > hmax || (hi == hmax && low > lmax)) {
+            err = "escaped change wider than the element";
+            break;
+        }
+        esc[j] = ((hi << k) | low) + 4;
+    }
+    esc[m] = 0;
     if (!err && (n & 3) && (s[n >> 2] >> (2 * (n & 3))) != 0) err = "symbol stream has trailing data";
-    if (!err && !any && k != 0) err = "escape parameter without escapes";
+    if (!err && !m && k != 0) err = "escape parameter without escapes";
     if (!err && !exact_padding(pre, (size_t)pb.len, ppos)) err = "escape stream has trailing data";
     if (!err && !exact_padding(suf, (size_t)fb.len, spos)) err = "escape stream has trailing data";
+    if (!err) {
+        switch (w) {
+        case 1: fill_impl(s, n, esc, out, 1); break;
+        case 2: fill_impl(s, n, esc, out, 2); break;
+        case 4: fill_impl(s, n, esc, out, 4); break;
+        default: fill_impl(s, n, esc, out, 8); break;
+        }
+    }
     Py_END_ALLOW_THREADS
     if (err) {
+        Py_CLEAR(result);
         PyErr_SetString(PyExc_ValueError, err);
-        goto done;
     }
-    result = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * (size_t)w));
 done:
     free(pre);
     free(suf);
-    free(out);
+    free(esc);
     PyBuffer_Release(&sb);
     PyBuffer_Release(&pb);
     PyBuffer_Release(&fb);
@@ -767,10 +851,18 @@ static inline __attribute__((always_inline)) void apply_impl(uint8_t *o, const u
                                                              int w, int transform) {
     const size_t block = (size_t)(32768 / w); /* elements */
     size_t i = 0;
+    if (!src) { /* in place: the changed elements' cache lines come from memory; ask early */
+        for (; i < m; i++) {
+            if (i + 64 < m) __builtin_prefetch(o + (size_t)idx[i + 64] * (size_t)w, 1, 3);
+            uint8_t *p = o + (size_t)idx[i] * (size_t)w;
+            uint64_t x = load_elem(v + i * (size_t)w, w), cur = load_elem(p, w);
+            store_elem(p, transform == 0 ? cur ^ x : cur + unzigzag(x), w);
+        }
+        return;
+    }
     for (size_t start = 0; start < n; start += block) {
         size_t end = start + block < n ? start + block : n;
-        if (src) memcpy(o + start * (size_t)w, src + start * (size_t)w, (end - start) * (size_t)w);
-        else if (i == m) break;
+        memcpy(o + start * (size_t)w, src + start * (size_t)w, (end - start) * (size_t)w);
         for (; i < m && idx[i] < end; i++) {
             uint8_t *p = o + (size_t)idx[i] * (size_t)w;
             uint64_t x = load_elem(v + i * (size_t)w, w), cur = load_elem(p, w);
@@ -871,7 +963,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     use_avx512 = __builtin_cpu_supports("avx512bw") && !getenv("DELTASYNC_NO_AVX512");
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddStringConstant(m, "simd", use_avx512 ? "avx512bw" : "sse2") < 0) {
+    if (m && PyModule_AddStringConstant(m, "simd", use_avx512 ? "avx512bw" : BASELINE_SIMD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -69,16 +69,6 @@ def _unary(q: I64) -> bytes:
     return _pack(bits)
 
 
-def _read_unary(data: Data, count: int, what: str) -> I64:
-    """Inverse of _unary for exactly ``count`` codes filling ``data`` (zero padding only)."""
-    ones = np.flatnonzero(_unpack(data))
-    if len(ones) < count:
-        raise ValueError(f"{what} stream ends early")
-    if len(ones) > count or len(data) != (int(ones[-1]) + 8 if count else 0) // 8:
-        raise ValueError(f"{what} stream has trailing data")
-    return np.diff(ones, prepend=-1) - 1
-
-
 def _put_fields(values: U64, widths: I64) -> bytes:
     """The low ``widths[i]`` bits of ``values[i]``, back to back."""
     total = int(widths.sum())

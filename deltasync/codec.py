@@ -78,8 +78,9 @@ _DENSE_HEADER = struct.Struct("<B")
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
-_SAMPLE = 4096
-"""Changes per trial encoding when the sparse transform is picked from a sample."""
+_SAMPLE = 1024
+"""Changes per trial encoding when the sparse transform is picked from a sample (enough to
+tell the transforms apart; the trials cost a few percent of an encode)."""
 _SPARSE_MAX_DENSITY = 0.9
 _RICE_MAX_DENSITY = 0.5
 _BITMAP_MIN_DENSITY = 1 / 8
@@ -199,7 +200,7 @@ class PlanesZstdCodec:
     sparse only up to 90% of elements changed, dense only above ``dense_min_density``, full
     only above ``full_min_density`` (or when there is no base). Within sparse, positions are
     Rice-coded up to 50% changed and a bitmap is tried from 1/8 up; the value transform is
-    the best of the three on the first 4096 changes, then applied to all of them.
+    the best of the three on the first 1024 changes, then applied to all of them.
     """
 
     name: ClassVar[str] = "deltasync.planes-zstd"
@@ -335,12 +336,13 @@ class PlanesZstdCodec:
             sparse, transform = self._encode_sparse(indices, tv, bv, width, n)
             candidates.append(EncodedChunk(SPARSE, sparse))
         else:
-            head = slice(0, min(n, 16 * _SAMPLE))  # a sample of the changes, from the chunk's start
+            head = slice(0, min(n, 1 << 16))  # a sample of the changes, from the chunk's start
             changed = t[head] != b[head]
-            transform = self._pick_transform(t[head][changed][:_SAMPLE], b[head][changed][:_SAMPLE], width)
+            transform = self._pick_transform(t[head][changed][:4096], b[head][changed][:4096], width)
         if density >= self.dense_min_density or self.exhaustive:
-            dense_transform = _ZIGZAG if transform == _ZIGZAG2 else transform
-            candidates.append(EncodedChunk(DENSE, self._encode_dense(t, b, dense_transform, width)))
+            # transform: the better of XOR and zigzag byte planes on the changed elements
+            for tr in (_XOR, _ZIGZAG) if self.exhaustive else (transform,):
+                candidates.append(EncodedChunk(DENSE, self._encode_dense(t, b, tr, width)))
         if density >= self.full_min_density or self.exhaustive:
             candidates.append(EncodedChunk(FULL, self._encode_full(target, width)))
         return min(candidates, key=lambda c: len(c.payload))
@@ -370,18 +372,20 @@ class PlanesZstdCodec:
         return _DENSE_HEADER.pack(transform) + body
 
     def _encode_sparse(self, indices: bytes, tv: bytes, bv: bytes, width: int, n: int) -> tuple[bytes, int]:
-        """Payload of the changes at ``indices`` (u32) from ``bv`` to ``tv`` (their elements' bytes)."""
+        """Payload of the changes at ``indices`` (u32) from ``bv`` to ``tv`` (their elements' bytes),
+        and the better byte-plane transform (XOR or zigzag) for a dense payload of the chunk."""
         count = len(indices) // 4
-        transforms = (_XOR, _ZIGZAG, _ZIGZAG2)
         if self.exhaustive or count <= _SAMPLE:
-            options = {tr: self._encode_values(tv, bv, width, tr) for tr in transforms}
-            transform = min(options, key=lambda tr: len(options[tr][0]))  # ties: the first
+            options = [self._encode_values(tv, bv, width, tr) for tr in (_XOR, _ZIGZAG, _ZIGZAG2)]
+            sizes = [len(o[0]) for o in options]
+            transform = sizes.index(min(sizes))  # ties: the first
             values, value_param = options[transform]
         else:
             cut = _SAMPLE * width
-            trial = {tr: len(self._encode_values(tv[:cut], bv[:cut], width, tr)[0]) for tr in transforms}
-            transform = min(trial, key=lambda tr: trial[tr])
+            sizes = [len(self._encode_values(tv[:cut], bv[:cut], width, tr)[0]) for tr in (_XOR, _ZIGZAG, _ZIGZAG2)]
+            transform = sizes.index(min(sizes))
             values, value_param = self._encode_values(tv, bv, width, transform)
+        planes_transform = _ZIGZAG if sizes[_ZIGZAG] < sizes[_XOR] else _XOR
 
         density = count / n
         positions: list[tuple[int, int, bytes]] = []  # (coding, parameter, section)
@@ -398,7 +402,7 @@ class PlanesZstdCodec:
             positions.append((_GAPS, 1, self._encode_gaps(np.diff(idx, prepend=-1) - 1)))
         coding, pos_param, section = min(positions, key=lambda o: len(o[2]))
         header = _SPARSE_HEADER.pack(transform, coding, pos_param, value_param, count, len(section))
-        return header + section + values, transform
+        return header + section + values, planes_transform
 
     def _encode_values(self, tv: bytes, bv: bytes, width: int, transform: int) -> tuple[bytes, int]:
         """The value section for one transform, and its value parameter."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,46 +26,10 @@ from torch import nn
 
 from deltasync.errors import CheckpointError, UsageError
 
-MODEL_TYPE = "deltasync-tiny-transformer"
-ARCHITECTURE = "TinyTransformerForCausalLM"
+from .config import MODEL_TYPE, ModelConfig
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the policy (recorded in ``config.json``)."""
-
-    vocab_size: int = 15
-    """Token ids 0..vocab_size-1."""
-    hidden_size: int = 64
-    """Width of the residual stream."""
-    num_hidden_layers: int = 2
-    """Transformer blocks."""
-    num_attention_heads: int = 4
-    """Heads per block; must divide hidden_size."""
-    intermediate_size: int = 256
-    """Width of each block's MLP."""
-    max_position_embeddings: int = 32
-    """Longest sequence (learned positions)."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"model {name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise UsageError(
-                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
-            )
-
-    def to_hf(self, **extra: Any) -> dict[str, Any]:
-        return {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], **asdict(self), **extra}
-
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: int(v) for k, v in raw.items() if k in names})
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +80,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(_norm(x, self.input_layernorm), mask)
-        return x + self.mlp(_norm(x, self.post_attention_layernorm))
+        out: torch.Tensor = x + self.mlp(_norm(x, self.post_attention_layernorm))
+        return out
 
 
 class _Backbone(nn.Module):

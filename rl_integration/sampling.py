@@ -57,10 +57,7 @@ def generate(
     done = torch.zeros(n, dtype=torch.bool)
     for i in range(answer_len):
         logp = torch.log_softmax(model(buf), dim=-1)[:, p - 1 + i]
-        if greedy:
-            tok = logp.argmax(dim=-1)
-        else:
-            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        tok = logp.argmax(dim=-1) if greedy else torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
         live = ~done
         buf[:, p + i] = torch.where(live, tok, PAD)
         logprobs[:, i] = torch.where(live, logp.gather(1, tok[:, None]).squeeze(1), 0.0)

@@ -59,13 +59,14 @@ class AdditionTask:
     def is_heldout(self, a: IntArray, b: IntArray) -> npt.NDArray[np.bool_]:
         """Whether each pair (a, b) belongs to the held-out split (a fixed hash, ~1/16)."""
         h = (a.astype(np.uint64) * np.uint64(1_000_003) + b.astype(np.uint64)) * np.uint64(2_654_435_761)
-        return ((h >> np.uint64(16)) % np.uint64(HELDOUT_MODULUS)) == 0
+        out: npt.NDArray[np.bool_] = ((h >> np.uint64(16)) % np.uint64(HELDOUT_MODULUS)) == 0
+        return out
 
     def sample_operands(self, rng: np.random.Generator, n: int, *, heldout: bool = False) -> tuple[IntArray, IntArray]:
         """``n`` operand pairs, uniform over the training split (or the held-out split)."""
         hi = 10**self.digits
-        out_a: list[IntArray] = []
-        out_b: list[IntArray] = []
+        out_a: list[IntArray] = [np.zeros(0, np.int64)]
+        out_b: list[IntArray] = [np.zeros(0, np.int64)]
         have = 0
         while have < n:
             a = rng.integers(0, hi, size=2 * n + 16, dtype=np.int64)
@@ -137,7 +138,8 @@ class AdditionTask:
         """
         a, b = self.operands_of(prompts)
         ref = self.answers(a, b)
-        return (completions[:, : self.answer_len] == ref).mean(axis=1).astype(np.float32)
+        credit: FloatArray = (completions[:, : self.answer_len] == ref).mean(axis=1).astype(np.float32)
+        return credit
 
     def render(self, tokens: IntArray) -> str:
         """Human-readable tokens, e.g. ``^123+456=9750$`` (the answer reads reversed)."""

@@ -905,3 +905,32 @@ def test_the_sse2_scan_agrees_with_the_avx512_one() -> None:
         t[rng.random(len(t)) < 0.02] ^= 1
         expected.append(repr(c_kernels.scan(t, b, w, len(t))))
     assert child.stdout.splitlines() == expected
+
+
+def _expg_bits(es: list[int], k: int) -> int:
+    return sum(2 * (((e >> k) + 1).bit_length() - 1) + 1 + k for e in es)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_escape_order_is_the_cheapest(width: int) -> None:
+    """pack2's exp-Golomb order against a brute force over every order, on escapes with all-ones
+    and power-of-two patterns (where bit_length((e >> k) + 1) jumps) and the widest values."""
+    rng = np.random.default_rng(width)
+    top = (1 << (8 * width)) - 5  # the widest escape: z = 2**(8 * width) - 1
+    pool = [0, 1, 2, 3, 7, 8, 15, 16, top, top - 1, top // 2, (top + 5) // 2 - 1]
+    pool += [(1 << j) - 1 for j in range(1, 8 * width)] + [1 << j for j in range(8 * width - 1)]
+    for trial in range(40):
+        size = int(rng.integers(1, 60))
+        if trial % 2:
+            raw = rng.integers(0, 1 << min(62, 8 * width), size, dtype=np.int64) >> int(rng.integers(0, 8 * width))
+            es = [min(top, int(x)) for x in raw]
+        else:
+            es = [pool[int(i)] for i in rng.integers(0, len(pool), size)]
+        zs = np.array([e + 4 for e in es], dtype=np.uint64).astype(UINT[width])
+        tv = _kernels_py.unzigzag(zs).tobytes()  # base 0: the change is the target itself
+        bv = bytes(len(tv))
+        costs = [_expg_bits(es, k) for k in range(8 * width)]
+        best = costs.index(min(costs))
+        for impl in KERNEL_IMPLS:
+            _, k, _, _ = impl.pack2(tv, bv, width)
+            assert costs[k] == costs[best] and k == best, (impl.__name__, es, k, best)

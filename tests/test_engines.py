@@ -17,7 +17,7 @@ from deltasync.codec import PlanesZstdCodec
 from deltasync.engines import Engine, ServingLock, TorchEngine, build_engine
 from deltasync.engines import torch_engine as te
 from deltasync.engines.http_engine import state_digest
-from deltasync.engines.testing import EngineConformance, MakeEngine, Served, assert_serves
+from deltasync.engines.testing import EngineConformance, MakeEngine, Served, assert_serves, bits
 from deltasync.errors import UsageError
 from deltasync.storage import open_store
 
@@ -127,6 +127,7 @@ def test_a_module_with_buffers_and_tied_weights(url: str) -> None:
             self.norm = torch.nn.LayerNorm(16)
             self.head = torch.nn.Linear(16, 50, bias=False)
             self.head.weight = self.embed.weight  # tied
+            self.scale: torch.Tensor
             self.register_buffer("scale", torch.ones(16))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,16 +233,16 @@ def test_no_request_ever_sees_a_mix_of_versions(url: str) -> None:
                 seen.append(v)
 
     threads = [threading.Thread(target=reader) for _ in range(3)]
-    for t in threads:
-        t.start()
+    for th in threads:
+        th.start()
     try:
         for v in (2, 3, 4, 5, 6, 1, 6, 3, 5):
             time.sleep(0.01)
             engine.update(v)
     finally:
         stop.set()
-        for t in threads:
-            t.join()
+        for th in threads:
+            th.join()
     assert not errors, errors[:3]
     assert len(set(seen)) >= 3  # the readers did see several versions
 
@@ -319,8 +320,10 @@ def test_build_engine_specs(url: str, tmp_path: Path, monkeypatch: pytest.Monkey
         build_engine("http:sglang", repo=url, model_dir=str(tmp_path))
     with pytest.raises(UsageError, match="unknown HTTP preset"):
         build_engine("http:tgi@http://127.0.0.1:1", repo=url, model_dir=str(tmp_path))
+    with pytest.raises(UsageError, match="needs model_dir"):
+        build_engine("http:sglang@http://127.0.0.1:1", repo=url)
     with pytest.raises(UsageError, match="http engine"):
-        build_engine("http:sglang@http://127.0.0.1:1", repo=url)  # model_dir missing
+        build_engine("http:sglang@http://127.0.0.1:1", repo=url, model_dir=str(tmp_path), colour="red")
     with pytest.raises(UsageError, match=r"torch\.distributed"):
         build_engine("fanout", repo=url)
 
@@ -345,3 +348,42 @@ def test_gpu_module_swaps_bit_exact(url: str) -> None:
     engine.swap(staged)
     assert_serves(served, states[2])
 
+
+
+# -- mapping changes into tensor-parallel slices ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.complex128])
+def test_runs_land_in_every_kind_of_slice(dtype: torch.dtype) -> None:
+    from deltasync.engines._changes import Geometry
+
+    g = torch.Generator().manual_seed(2)
+    old = torch.randn(12, 10, generator=g).to(dtype)
+    new = torch.randn(12, 10, generator=g).to(dtype)
+    per_item = 2 if dtype == torch.complex128 else 1
+    entry = Geometry((0, 0), (12, 10), (12, 10), per_item)
+    old_words = te.word_view(old.clone(), "old")
+    new_words = te.word_view(new.clone(), "new")
+    n = new_words.numel()
+    sparse = torch.tensor([0, 5, 33, 34, 59, n - 1])
+    runs = [
+        te.Run("t", entry, new_words[7 : 7 + 45 * per_item].clone(), None, 7),  # partial rows at both ends
+        te.Run("t", entry, new_words[60 * per_item :].clone(), None, 60 * per_item),  # whole rows to the end
+        te.Run("t", entry, new_words[sparse].clone(), sparse),
+    ]
+    want = old_words.clone()
+    want[7 : 7 + 45 * per_item] = new_words[7 : 7 + 45 * per_item]
+    want[60 * per_item :] = new_words[60 * per_item :]
+    want[sparse] = new_words[sparse]
+    want_t = want.view(torch.uint8).view(dtype).view(12, 10)
+    for offsets, shape in [((0, 0), (12, 10)), ((4, 0), (4, 10)), ((0, 3), (12, 4)), ((5, 2), (3, 5)), ((11, 9), (1, 1))]:
+        held = old[offsets[0] : offsets[0] + shape[0], offsets[1] : offsets[1] + shape[1]].clone()
+        words = te.word_view(held, "held")
+        geometry = Geometry(offsets, shape, (12, 10), per_item)
+        writes = te.build_writes(runs, {"t": words}, {"t": geometry})
+        te.apply_writes(writes)
+        expect = want_t[offsets[0] : offsets[0] + shape[0], offsets[1] : offsets[1] + shape[1]]
+        assert bits(held) == bits(expect), (offsets, shape)
+        for w in writes:  # and back
+            w.undo()
+        assert bits(held) == bits(old[offsets[0] : offsets[0] + shape[0], offsets[1] : offsets[1] + shape[1]])

@@ -97,6 +97,17 @@ def _check(held: dict[str, Any], rank: int, world: int, version: int) -> None:
             raise AssertionError(f"rank {rank}: {name} differs from version {version}")
 
 
+def _expect_error(fn: Any, engine: Any) -> Any:
+    from deltasync.engines import EngineError
+
+    start = time.monotonic()
+    try:
+        fn()
+    except EngineError as e:
+        return (type(e).__name__, str(e), time.monotonic() - start, engine.version)
+    return "no error"
+
+
 def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: Any) -> None:
     import torch.distributed as dist
 
@@ -105,9 +116,13 @@ def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: A
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        held = _held(rank, world)
-        timeout = 60.0 if scenario == "happy" else 4.0
-        engine = FanoutEngine(held, repo if rank == 0 else None, timeout=timeout, heartbeat=0.5)
+        happy = scenario == "happy"
+        # happy: rank 0 serves slices too, and keeps its copy of the served version in files;
+        # otherwise rank 0 is a pure agent that holds nothing
+        held = _held(rank, world) if happy or rank else {}
+        host_cache = str(Path(repo).parent / "host-copy") if happy and rank == 0 else None
+        engine = FanoutEngine(held, repo if rank == 0 else None, timeout=60.0 if happy else 4.0, heartbeat=0.5,
+                              host_cache=host_cache)
         out: dict[str, Any] = {"events": []}
         events: list[Any] = out["events"]
         if scenario == "happy":
@@ -120,7 +135,7 @@ def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: A
                         raise RuntimeError("injected write failure")
                     return real(writes)
 
-                fanout_mod.apply_writes = flaky  # type: ignore[assignment]
+                fanout_mod.apply_writes = flaky
             if rank == 0:
                 for v in (1, 2, 3, 4, 4, 1, 3):
                     try:
@@ -135,60 +150,27 @@ def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: A
                 while (rec := engine.update()) is not None:
                     _check(held, rank, world, rec.version)
                     events.append(rec.version)
-        elif scenario == "follower dies":
+        elif scenario in ("follower dies", "follower hangs"):
             if rank == 0:
                 engine.update(1)
                 time.sleep(1.0)
-                start = time.monotonic()
-                try:
-                    engine.update(2)
-                    events.append("no error")
-                except EngineError as e:
-                    events.append((type(e).__name__, str(e), time.monotonic() - start, engine.version))
-                _check(held, rank, world, 1)  # it kept the old version
+                events.append(_expect_error(lambda: engine.update(2), engine))
             else:
                 assert engine.update() is not None
-                if rank == world - 1:
+                _check(held, rank, world, 1)
+                if rank == world - 1 and scenario == "follower dies":
                     os._exit(3)  # dies without a word
-        elif scenario == "follower hangs":
-            if rank == world - 1:
-                assert engine.update() is not None
-                time.sleep(12)  # alive, connected, but not answering
-                os._exit(0)
-            if rank == 0:
-                engine.update(1)
-                time.sleep(1.0)
-                start = time.monotonic()
-                try:
-                    engine.update(2)
-                    events.append("no error")
-                except EngineError as e:
-                    events.append((type(e).__name__, str(e), time.monotonic() - start, engine.version))
-            else:
-                assert engine.update() is not None
-                start = time.monotonic()
-                try:
-                    engine.follow()
-                    events.append("no error")
-                except EngineError as e:
-                    events.append((type(e).__name__, str(e), time.monotonic() - start, engine.version))
-                start = time.monotonic()
-                try:
-                    engine.follow()
-                    events.append("no error")
-                except EngineError as e:
-                    events.append((type(e).__name__, str(e), time.monotonic() - start, engine.version))
+                if rank == world - 1:
+                    time.sleep(8)  # alive and connected, but not answering (past the 4 s timeout)
+                    os._exit(0)
+                events.append(_expect_error(engine.follow, engine))
+                _check(held, rank, world, 1)  # survivors keep serving the old version
         elif scenario == "agent dies":
             if rank == 0:
                 engine.update(1)
                 os._exit(3)
             assert engine.update() is not None
-            start = time.monotonic()
-            try:
-                engine.follow()
-                events.append("no error")
-            except EngineError as e:
-                events.append((type(e).__name__, str(e), time.monotonic() - start, engine.version))
+            events.append(_expect_error(engine.follow, engine))
         out["swaps"] = [(r.version, r.pause_s) for r in engine.swaps]
         queue.put((rank, out, None))
     except BaseException:
@@ -225,6 +207,7 @@ def test_four_ranks_switch_together_bit_exact(tmp_path: Path) -> None:
     _publish(repo)
     world = 4
     results = _run(repo, "happy", world, world)
+    assert sorted(p.name for p in (tmp_path / "host-copy").iterdir()) == sorted(f"{n}.bits" for n in _states()[0])
     events = results[0]["events"]
     assert [e[0] for e in events] == [1, 2, 3, "error", 4, 1, 3]
     _, message, kept = events[3]

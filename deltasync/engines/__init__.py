@@ -110,6 +110,8 @@ def build_engine(spec: str, **options: Any) -> Engine:
         preset, at, url = rest.partition("@")
         if not at or not preset or not url:
             raise UsageError(f"http engine spec must be http:PRESET@URL, got {spec!r}")
+        if not options.get("model_dir"):
+            raise UsageError("the http engine needs model_dir=: a directory the server can read, where versions are written")
         return _construct(HttpEngine, url, preset=preset, **options)
     raise UsageError(f"unknown engine {spec!r}; expected one of: {', '.join(SPECS)}")
 

@@ -108,9 +108,9 @@ def compute_changes(
             held[(key, off)] = bits
         return bits
 
-    # Version 0 names no version: the planner then starts from a snapshot, and chunks
-    # already served are still recognised by their digest.
-    local = _LocalBits(held_version if held_version is not None else 0, remembered_read)
+    # With no version held the planner starts from a snapshot; chunks already served are
+    # still recognised by their digest and skipped.
+    local = _LocalBits(held_version, remembered_read)
     workers = max(1, sub.workers)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff")
     slots = threading.BoundedSemaphore(2 * workers)  # decoded chunks waiting for a diff stay bounded

@@ -41,7 +41,8 @@ from ..storage import Store
 from ..subscriber import Subscriber
 from ._changes import WORD_NP, Bits, Geometry, VersionChanges, compute_changes, entry_geometry
 from .base import Engine, EngineError, Staged, SwapRecord
-from .torch_engine import Run, TensorWrite, _staged, apply_writes, build_writes, check_layout, word_dtype, word_view
+from .torch_engine import Run, TensorWrite, _staged, build_writes, check_layout, word_dtype, word_view
+from .torch_engine import apply_writes as apply_writes  # module attribute: tests inject failures here
 
 if TYPE_CHECKING:
     import torch
@@ -111,6 +112,10 @@ class FanoutEngine(Engine):
         super().__init__(version=version)
         self.timeout = timeout
         self.dense_fraction = dense_fraction
+        self._broken: DeltasyncError | None = None
+        self._pending: Staged | None = None
+        self._pending_swap: int | None = None  # rank 0: the version a swap in progress sends
+        self._incoming: tuple[dict[str, Any], Any] | None = None
         ranks = None if group is None else dist.get_process_group_ranks(group)
         # Our own gloo group: object collectives on any backend's ranks, and our own timeout.
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout))
@@ -128,7 +133,7 @@ class FanoutEngine(Engine):
             "nccl": can_nccl, "version": version, "repo": repo is not None,
         }
         peers = self._all_gather(mine)
-        if self.rank == 0 and repo is None:
+        if not peers[0]["repo"]:  # every rank raises, so none is left waiting for rank 0
             raise UsageError("rank 0 of a fan-out engine stages versions: give it repo=")
         if len({p["version"] for p in peers}) > 1:
             self._version = None  # ranks disagree on what they hold: rewrite everything once
@@ -144,9 +149,6 @@ class FanoutEngine(Engine):
         for p in peers:
             for name, (dt, g) in p["held"].items():
                 self._layout.setdefault(name, (dt, g.full_shape))
-        self._pending: Staged | None = None
-        self._incoming: tuple[dict[str, Any], Any] | None = None
-        self._broken: DeltasyncError | None = None
         self._comm = threading.Lock()  # rank 0: one message exchange at a time (heartbeat vs update)
         self._stop = threading.Event()
         self.subscriber: Subscriber | None = None
@@ -368,8 +370,6 @@ class FanoutEngine(Engine):
         super()._resume()
         if self.rank == 0:
             self._comm.release()
-
-    _pending_swap: int | None = None
 
     def swap(self, staged: Staged) -> SwapRecord:
         if self.rank != 0:

@@ -30,7 +30,8 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -43,7 +44,7 @@ from ..repository import Repository
 from ..signing import PublicKeyLike
 from ..storage import Store
 from ..subscriber import Subscriber, read_local_state
-from .base import Engine, EngineError, ServingLock, Staged
+from .base import Engine, EngineError, ServingLock, Staged, SwapRecord
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +58,8 @@ class Call:
     """Path under the server URL, e.g. ``/update_weights_from_disk``."""
     method: str = "POST"
     body: Any = None
-    """JSON body template: every string in it is formatted with ``model_path`` and ``version``."""
+    """JSON body template: during a swap every string in it is formatted with ``model_path``
+    and ``version`` (the version being loaded); the ``version`` query has neither."""
     query: Mapping[str, str] = field(default_factory=dict)
     """Query parameters (templates too)."""
 
@@ -156,6 +158,7 @@ class HttpEngine(Engine):
         self.headers = dict(headers or {})
         self.timeout = timeout
         self.subscriber = Subscriber(repo, workers=workers, progress=progress, trusted_keys=trusted_keys)
+        self._target: HttpStaged | None = None
 
     # -- hooks -------------------------------------------------------------------------------------
 
@@ -174,24 +177,36 @@ class HttpEngine(Engine):
             chunks_total=chunks, bytes_to_write=info.pb.raw_bytes, extra={"preset": self.preset.name},
         )
 
+    def swap(self, staged: Staged) -> SwapRecord:
+        # Every call of a swap may name what it loads (a pause tagged with the version, say).
+        self._target = staged if isinstance(staged, HttpStaged) else None
+        try:
+            return super().swap(staged)
+        finally:
+            self._target = None
+
+    def _values(self) -> dict[str, Any]:
+        t = self._target
+        return {} if t is None else {"model_path": t.model_path, "version": t.version}
+
     def _pause(self) -> None:
         super()._pause()
         try:
             if self.preset.pause is not None:
-                self._call(self.preset.pause, "pause")
+                self._call(self.preset.pause, "pause", **self._values())
         except BaseException:
             super()._resume()
             raise
 
     def _write(self, staged: Staged) -> int:
         assert isinstance(staged, HttpStaged)
-        self._call(self.preset.update, "update", model_path=staged.model_path, version=staged.version)
+        self._call(self.preset.update, "update", **self._values())
         return staged.bytes_to_write  # the server reloads every tensor from the directory
 
     def _resume(self) -> None:
         try:
             if self.preset.resume is not None:
-                self._call(self.preset.resume, "resume")
+                self._call(self.preset.resume, "resume", **self._values())
         finally:
             super()._resume()
 
@@ -361,18 +376,26 @@ class ReferenceServer:
 
     # -- what the endpoints do --------------------------------------------------------------------
 
-    def generate(self) -> dict[str, Any]:
+    @contextmanager
+    def serving(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Hold around one inference call in this process: waits while the server is paused,
+        and the weights it yields do not change until it is released."""
         with self._cond:
             while self._paused:
                 self._cond.wait()
             self._active += 1
         try:
             with self._lock.shared():
-                return {"version": self.version, "digest": state_digest(self.state)}
+                yield self.state
         finally:
             with self._cond:
                 self._active -= 1
                 self._cond.notify_all()
+
+    def generate(self) -> dict[str, Any]:
+        """What ``POST /generate`` answers: the version served and a digest of every weight read."""
+        with self.serving() as state:
+            return {"version": self.version, "digest": state_digest(state)}
 
     def pause(self) -> None:
         self.calls.append("pause")

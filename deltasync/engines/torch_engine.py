@@ -61,9 +61,9 @@ def to_torch(arr: Words) -> torch.Tensor:
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``; to a GPU through pinned memory, without blocking."""
-    if device.type == "cpu":
+    if t.device == device:
         return t
-    if device.type == "cuda":
+    if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
@@ -179,14 +179,23 @@ def build_writes(runs: Iterable[Run], words: Mapping[str, torch.Tensor], geometr
                 old = target[r.start : r.start + n].to("cpu", copy=True)
                 w.dense.append((r.start, upload(r.new, device), old))
                 continue
-            pos = r.idx.long() if r.idx is not None else torch.arange(r.start, r.start + r.new.numel(), device=r.new.device)
-            mask, local = map_words(pos, r.geometry, dst)
-            values = r.new
-            if mask is not None:
-                local, values = local[mask], values[mask]
-            if local.numel():
-                idx_parts.append(local)
-                new_parts.append(values)
+            if r.idx is None and not _rows_overlap(r.geometry, r.start, r.new.numel(), dst):
+                continue  # a rewritten chunk wholly outside this holder's rows (column-parallel slices)
+            pieces: list[tuple[int, torch.Tensor]] = [(r.start, r.new)]
+            if r.idx is None and _plain_2d(r.geometry, dst):
+                blocks, pieces = _row_blocks(r.geometry, r.start, r.new, dst)
+                for start, values in blocks:  # whole rows of a rewritten chunk: one block copy each
+                    old = target[start : start + values.numel()].to("cpu", copy=True)
+                    w.dense.append((start, upload(values, device), old))
+            for start, values in pieces:
+                stop = start + values.numel()
+                pos = r.idx.long() if r.idx is not None else torch.arange(start, stop, device=values.device)
+                mask, local = map_words(pos, r.geometry, dst)
+                if mask is not None:
+                    local, values = local[mask], values[mask]
+                if local.numel():
+                    idx_parts.append(local)
+                    new_parts.append(values)
         if idx_parts:
             idx = upload(torch.cat(idx_parts) if len(idx_parts) > 1 else idx_parts[0], device)
             w.idx = idx
@@ -195,6 +204,47 @@ def build_writes(runs: Iterable[Run], words: Mapping[str, torch.Tensor], geometr
         if w.idx is not None or w.dense:
             out.append(w)
     return out
+
+
+def _plain_2d(src: Geometry, dst: Geometry) -> bool:
+    """A whole matrix entry, and a holder that is a block of it (the tensor-parallel case)."""
+    return (len(src.shape) == 2 and src.words_per_item == 1 and src.offsets == (0, 0)
+            and src.shape == src.full_shape == dst.full_shape)
+
+
+def _row_blocks(
+    src: Geometry, start: int, new: torch.Tensor, dst: Geometry
+) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
+    """Split a rewritten run of a whole matrix into blocks of the holder's words (its full
+    rows inside the holder, made contiguous) and the partial rows at either end (entry words)."""
+    cols = src.shape[1]
+    end = start + new.numel()
+    first, last = -(-start // cols), end // cols  # rows [first, last) are complete in the run
+    if first >= last:
+        return [], [(start, new)]
+    rest = []
+    if start < first * cols:
+        rest.append((start, new[: first * cols - start]))
+    if last * cols < end:
+        rest.append((last * cols, new[last * cols - start :]))
+    (o0, o1), (n0, n1) = dst.offsets, dst.shape
+    lo, hi = max(first, o0), min(last, o0 + n0)
+    if lo >= hi:
+        return [], rest
+    block = new[lo * cols - start : hi * cols - start].view(hi - lo, cols)[:, o1 : o1 + n1]
+    return [((lo - o0) * n1, block.reshape(-1))], rest
+
+
+def _rows_overlap(src: Geometry, start: int, count: int, dst: Geometry) -> bool:
+    """Whether words [start, start + count) of ``src`` can fall in ``dst``, judged on dimension 0."""
+    if not src.shape or count == 0:
+        return count > 0
+    per_row = src.words // max(1, src.shape[0])
+    if per_row == 0:
+        return False
+    first = src.offsets[0] + start // per_row
+    last = src.offsets[0] + (start + count - 1) // per_row
+    return first < dst.offsets[0] + dst.shape[0] and last >= dst.offsets[0]
 
 
 @dataclass

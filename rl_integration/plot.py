@@ -1,0 +1,90 @@
+"""PNG of a run: reward and sync figures over versions (matplotlib, ``deltasync[rl]``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+
+import matplotlib.pyplot as plt
+
+
+def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
+    """Four panels over versions: reward; bytes stored per version and compression ratio;
+    time from publish to every worker serving it; engine pause per swap."""
+    steps = [r for r in records if r["event"] == "step"]
+    syncs = [r for r in records if r["event"] == "sync"]
+    swaps = [r for r in records if r["event"] == "swap"]
+    warm = next((r for r in records if r["event"] == "warm_start"), None)
+    summary = next((r for r in records if r["event"] == "summary"), None)
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), constrained_layout=True)
+    ax_r, ax_b, ax_l, ax_p = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
+
+    versions = [s["version"] for s in steps]
+    ax_r.plot(versions, [s["reward"] for s in steps], color="0.7", lw=1, label="training batch reward")
+    ax_r.plot(versions, [s["eval"]["reward"] for s in steps], color="tab:blue", lw=2, label="held-out reward (gate)")
+    ax_r.plot(versions, [s["eval"]["exact"] for s in steps], color="tab:green", lw=1.5, label="held-out exact answers")
+    if warm is not None:
+        ax_r.axhline(warm["eval"]["reward"], color="tab:blue", ls="--", lw=1, label="warm-start reward")
+        ax_r.axhline(warm["eval"]["exact"], color="tab:green", ls="--", lw=1, label="warm-start exact")
+        if warm.get("teacher_reward") is not None:
+            ax_r.axhline(warm["teacher_reward"], color="0.3", ls=":", lw=1, label="teacher the warm start imitates")
+    rejected = [s for s in steps if not s["gate_passed"]]
+    if rejected:
+        ax_r.scatter([s["version"] for s in rejected], [s["eval"]["reward"] for s in rejected], marker="x",
+                     color="tab:red", s=60, zorder=5, label="rejected by the gate")
+    ax_r.set(title="Reward", xlabel="version", ylabel="reward (partial credit)")
+    ax_r.legend(loc="lower right", fontsize=8)
+    ax_r.grid(alpha=0.3)
+
+    deltas = [s for s in steps if s["kind"] == "delta"]
+    snapshots = [s["version"] for s in steps if s["kind"] != "delta"]
+    note = f" (snapshots {', '.join(map(str, snapshots))} not shown)" if snapshots else ""
+    ax_b.bar([s["version"] for s in deltas], [s["stored_bytes"] / 1024 for s in deltas], color="tab:orange", width=0.9,
+             label=f"stored per delta version{note}")
+    ax_b.set(title="Bytes shipped per version", xlabel="version", ylabel="KiB")
+    if deltas:
+        raw = deltas[0]["raw_bytes"] / 1024
+        ax_b.axhline(raw, color="0.4", ls="--", lw=1, label=f"full bf16 weights ({raw:.0f} KiB)")
+        ax2 = ax_b.twinx()
+        ax2.plot([s["version"] for s in deltas], [s["ratio"] for s in deltas], color="tab:purple", lw=1.5)
+        ax2.set_ylabel("compression ratio (raw / stored)", color="tab:purple")
+        ax2.set_ylim(bottom=0)
+    ax_b.legend(loc="center right", fontsize=8)
+    ax_b.grid(alpha=0.3)
+
+    ax_l.plot([s["version"] for s in syncs], [s["latency_s"] * 1e3 for s in syncs], ".-", color="tab:cyan", lw=1,
+              label="publish → every worker serving (incl. gate)")
+    ax_l.plot([s["version"] for s in syncs], [s["serve_latency_s"] * 1e3 for s in syncs], ".-", color="tab:brown", lw=1,
+              label="pinned → every worker serving")
+    ax_l.set(title="Time until every worker serves a version", xlabel="version", ylabel="ms")
+    ax_l.legend(loc="upper right", fontsize=8)
+    ax_l.set_ylim(bottom=0)
+    ax_l.grid(alpha=0.3)
+
+    workers = sorted({s["worker"] for s in swaps})
+    for w in workers:
+        mine = [s for s in swaps if s["worker"] == w]
+        ax_p.plot([s["version"] for s in mine], [s["pause_s"] * 1e3 for s in mine], ".", ms=4, label=f"worker {w}")
+    ax_p.set(title="Engine pause per swap (serving lock held for the write)", xlabel="version", ylabel="ms")
+    ax_p.set_ylim(bottom=0)
+    if workers:
+        ax_p.legend(loc="upper right", fontsize=8)
+    ax_p.grid(alpha=0.3)
+
+    if summary is not None:
+        fig.suptitle(
+            f"deltasync RL: held-out reward {summary['warm_start_reward']:.3f} -> "
+            f"{summary['final_reward']:.3f} in {summary['steps']} steps; "
+            f"{summary['swaps_bit_exact']}/{summary['swaps']} swaps bit-exact; "
+            f"max log-prob gap {summary['logprob_gap_max']:.1g}",
+            fontsize=11,
+        )
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
