@@ -311,12 +311,18 @@ def serve(
               help="Keep the delta payloads of the last K versions in DIR/.deltasync: rollbacks among them download nothing.")
 @click.option("--retries", type=click.IntRange(min=1), default=5, show_default=True,
               help="Attempts per update (with backoff) before a run without --follow gives up.")
+@click.option("--engine", "engine_spec", default=None, metavar="SPEC",
+              help="Also swap each version into an engine: torch:MODULE:FACTORY, fanout[:MODULE:FACTORY], "
+                   "or http:sglang|vllm|generic@URL.")
+@click.option("--engine-dir", type=click.Path(path_type=Path), default=None,
+              help="For http engines: where versions are written for the server to load [default: OUT.engine].")
 @trusted_key_option
 @workers_option
 @quiet_option
 def subscribe(
     repo: str, out: Path, follow: bool, poll_interval: float, metrics_port: int | None, metrics_host: str,
-    keep_versions: int, retries: int, trusted_keys: tuple[Path, ...], workers: int, quiet: bool,
+    keep_versions: int, retries: int, engine_spec: str | None, engine_dir: Path | None,
+    trusted_keys: tuple[Path, ...], workers: int, quiet: bool,
 ) -> None:
     """Bring a directory to the version to serve (the pinned one, else the latest); with --follow, keep it there.
 
@@ -332,11 +338,39 @@ def subscribe(
         keep_versions=keep_versions, retries=retries, workers=workers, progress=_progress(quiet),
     )
 
+    engine = None
+    if engine_spec is not None:
+        from deltasync.engines import build_engine
+
+        options: dict[str, object] = {"repo": repo}
+        if engine_spec.startswith("http"):
+            options["model_dir"] = str(engine_dir or out.with_name(out.name + ".engine"))
+        if trusted_keys:
+            options["trusted_keys"] = trusted_keys
+        engine = build_engine(engine_spec, **options)
+
     def report(u: Update) -> None:
         click.echo(f"version {u.version} ({u.how}, {_mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
+        if engine is not None:
+            to_engine(u.version)
         sys.stdout.flush()
 
+    def to_engine(version: int | None) -> None:
+        # The engine stages (fetch, decode, verify) before its pause; a failed swap leaves it
+        # serving its previous version, and the next update tries again.
+        assert engine is not None
+        try:
+            swap = engine.update(version)
+        except DeltasyncError as e:
+            click.echo(f"deltasync: error: engine update to version {version}: {e}", err=True)
+            return
+        if swap is not None:
+            click.echo(f"engine serves version {swap.version} (pause {swap.pause_s * 1e3:.1f} ms)")
+
     def ready(a: Agent) -> None:
+        held = a.current()
+        if engine is not None and held is not None:
+            to_engine(held)  # the version the copy holds now; updates follow
         if a.metrics_port is not None:
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{a.metrics_port}/metrics")
         if follow:
