@@ -54,7 +54,7 @@ def write_checkpoints(root: Path, size: int, seed: int = 0) -> tuple[Path, Path]
             for _ in range(SHARD_BYTES // BLOCK):
                 # bf16 of N(0, 0.02)-like magnitudes: sign, exponent 0x3c±, random mantissa
                 x = rng.integers(0, 1 << 16, BLOCK // 2, dtype=np.uint16)
-                x = (x & 0x807F) | 0x3C00 | (((x >> 7) & 0x3) << 7)  # exponents 2^-7 .. 2^-4
+                x = ((x & 0x807F) | 0x3C00 | (((x >> 7) & 0x3) << 7)).astype(np.uint16)  # exponents 2^-7 .. 2^-4
                 fa.write(x.tobytes())
                 moved = rng.random(x.size) < 0.01
                 x[moved] += np.where(rng.random(int(moved.sum())) < 0.5, 1, 0xFFFF).astype(np.uint16)

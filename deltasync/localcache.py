@@ -21,10 +21,12 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import zstandard
+
+from deltasync.storage import WrappingStore
 
 from .digest import digest
 from .errors import DeltasyncError
@@ -178,15 +180,13 @@ class LocalCache:
                     self.forget(key)
 
 
-class CachedStore(Store):
+class CachedStore(WrappingStore):
     """A repository's store as a local copy sees it: reads count what they download, and
     are served from the copy's :class:`LocalCache` when it holds the object."""
 
     def __init__(self, inner: Store, cache: LocalCache | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.cache = cache
-        self.url = inner.url
-        self.io_concurrency = inner.io_concurrency
         self.capture: set[str] = set()
         """Pack keys whose pieces are kept when read (the deltas being applied)."""
         self.fetched: dict[str, int] = {}
@@ -219,21 +219,6 @@ class CachedStore(Store):
         if self.cache is not None and self._keeps(key):
             self.cache.put(key, byte_range, data)
         return data
-
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
-
-    def _list(self, prefix: str) -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def _delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def _size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _intact(data: bytes, key: str) -> bool:

@@ -7,12 +7,12 @@ from urllib.parse import urlparse
 
 from deltasync.errors import UsageError
 
-from ._base import Store, check_key
+from ._base import Store, WrappingStore, check_key
 from ._local import LocalStore
 from ._memory import MemoryStore
 from ._throttle import ThrottledStore
 
-__all__ = ["LocalStore", "MemoryStore", "Store", "ThrottledStore", "check_key", "open_store"]
+__all__ = ["LocalStore", "MemoryStore", "Store", "ThrottledStore", "WrappingStore", "check_key", "open_store"]
 
 _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()

@@ -96,3 +96,31 @@ class Store(ABC):
 
     @abstractmethod
     def _size(self, key: str) -> int: ...
+
+
+class WrappingStore(Store):
+    """Passes every operation to ``inner``; a wrapper (a counter, a throttle, a cache)
+    overrides only the hooks it changes. Validation already happened in the public method."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.io_concurrency = inner.io_concurrency
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        return self.inner.get(key, byte_range)
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        return self.inner.list(prefix)
+
+    def _delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def _size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def close(self) -> None:
+        self.inner.close()

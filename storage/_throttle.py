@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 from deltasync.errors import UsageError
 
-from ._base import Store
+from ._base import Store, WrappingStore
 
 
-class ThrottledStore(Store):
+class ThrottledStore(WrappingStore):
     """Reads from ``inner`` at no more than ``bytes_per_second`` in total (all threads together).
 
     Bytes are paid for as they are returned, as a link would deliver them; counters record
@@ -21,10 +20,8 @@ class ThrottledStore(Store):
     def __init__(self, inner: Store, bytes_per_second: float) -> None:
         if not bytes_per_second > 0:
             raise UsageError(f"bytes_per_second must be positive, got {bytes_per_second}")
-        self.inner = inner
+        super().__init__(inner)
         self.rate = float(bytes_per_second)
-        self.url = inner.url
-        self.io_concurrency = inner.io_concurrency
         self.bytes_read = 0
         self.requests = 0
         self._free_at = time.monotonic()
@@ -46,18 +43,3 @@ class ThrottledStore(Store):
         data = self.inner.get(key, byte_range)
         self._pay(len(data))
         return data
-
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
-
-    def _list(self, prefix: str) -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def _delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def _size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def close(self) -> None:
-        self.inner.close()

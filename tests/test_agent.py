@@ -35,7 +35,7 @@ from deltasync.localcache import CachedStore
 from deltasync.localcopy import check_copy
 from deltasync.localstate import CopyInUseError, PullStopped, StateDB, read_local_state
 from deltasync.metrics import Metric, render
-from deltasync.storage import LocalStore, Store
+from deltasync.storage import LocalStore, Store, WrappingStore
 from deltasync.subscriber import placements
 
 CHUNK = 16 << 10
@@ -48,12 +48,11 @@ def config(**kw: object) -> PublisherConfig:
     return PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=CHUNK), workers=2, progress=False, **kw)  # type: ignore[arg-type]
 
 
-class CountingStore(Store):
+class CountingStore(WrappingStore):
     """A store that records every read (key, bytes) and can fail reads on demand."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.reads: list[tuple[str, int]] = []
         self.fail_packs = 0  # the next N pack reads raise StoreError
         self._lock = threading.Lock()
@@ -71,18 +70,6 @@ class CountingStore(Store):
         with self._lock:
             self.reads.append((key, len(data)))
         return data
-
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
-
-    def _list(self, prefix: str) -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def _delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def _size(self, key: str) -> int:
-        return self.inner.size(key)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import deltasync.relay as relay_module
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
 from deltasync.errors import CorruptObjectError, ObjectNotFoundError, StoreError, UsageError
 from deltasync.relay import RelayServer, build_server, parse_size
-from deltasync.storage import LocalStore, Store, open_store
+from deltasync.storage import LocalStore, Store, WrappingStore, open_store
 from deltasync.storage._grpc import GrpcStore, _Download, parse_grpc_url
 from deltasync.storage.testing import ReadOnlyStoreConformance
 
@@ -49,12 +49,11 @@ def start_relay() -> Iterator[StartRelay]:
         server.stop(grace=0)
 
 
-class CountingStore(Store):
+class CountingStore(WrappingStore):
     """Delegates to ``inner`` and counts reads per key."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.gets: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -62,18 +61,6 @@ class CountingStore(Store):
         with self._lock:
             self.gets[key] += 1
         return self.inner.get(key, byte_range)
-
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
-
-    def _list(self, prefix: str) -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def _delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def _size(self, key: str) -> int:
-        return self.inner.size(key)
 
 
 def make_state(seed: int) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from deltasync.gc import collect
 from deltasync.repository import squash_key
 from deltasync.signing import generate_keypair
 from deltasync.squash import verify_squash, write_squash, write_squashes
-from deltasync.storage import Store, open_store
+from deltasync.storage import Store, WrappingStore, open_store
 from deltasync.v1 import manifest_pb2 as pb
 from deltasync.verify import verify_repository
 
@@ -84,12 +83,11 @@ def assert_state(got: dict[str, torch.Tensor], want: State) -> None:
         assert a.shape == b.shape and torch.equal(a, b), k
 
 
-class CountingStore(Store):
+class CountingStore(WrappingStore):
     """Delegates to ``inner`` and counts the bytes read from packs."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.pack_bytes = 0
         self._lock = threading.Lock()
 
@@ -99,18 +97,6 @@ class CountingStore(Store):
             with self._lock:
                 self.pack_bytes += len(data)
         return data
-
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self.inner.put(key, data, if_absent=if_absent)
-
-    def _list(self, prefix: str) -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def _delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def _size(self, key: str) -> int:
-        return self.inner.size(key)
 
 
 def packs_of(repo: Repository, a: int, c: int) -> list[str]:
