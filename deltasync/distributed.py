@@ -19,13 +19,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from . import dtypes
 from .errors import DeltasyncError, UsageError
-from .publisher import Publisher, PublisherConfig, PublishResult, _array_reader, _Encoded, _SourceTensor
+from .publisher import Publisher, PublisherConfig, PublishResult, _Encoded, _SourceTensor, state_sources
 from .repository import Repository
 from .slices import Slice
 from .storage import Store
-from .tensors import tensor_bits
 from .v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -124,7 +122,7 @@ class DistributedPublisher:
         sources: list[_SourceTensor] = []
         error: str | None = None
         try:
-            sources = _sources(state)
+            sources = state_sources(state)
         except Exception as e:
             error = str(e)
         metas = self._all_gather({"keys": [s.key for s in sources], "base": self._pub._bits_version, "error": error})
@@ -240,23 +238,3 @@ def _wire(encoded: _Encoded | None, error: str | None) -> dict[str, Any]:
         "stored": encoded.stored,
         "raw": encoded.raw,
     }
-
-
-def _sources(state: Mapping[str, torch.Tensor | Slice]) -> list[_SourceTensor]:
-    out: list[_SourceTensor] = []
-    for name, value in state.items():
-        if not isinstance(name, str) or not name:
-            raise UsageError(f"state keys must be non-empty strings, got {name!r}")
-        if isinstance(value, Slice):
-            t, offsets, full = value.tensor, tuple(value.offsets), tuple(value.full_shape)
-            if not full:
-                raise UsageError(f"slice of {name!r} needs a full_shape with at least one dimension")
-        else:
-            t, offsets, full = value, (), ()
-        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
-            raise UsageError(f"state[{name!r}] is not a tensor")
-        bits = tensor_bits(t)
-        out.append(_SourceTensor(
-            name, dtypes.from_torch(t.dtype), tuple(t.shape), bits.nbytes, "", 0, _array_reader(bits), offsets, full
-        ))
-    return out

@@ -30,7 +30,7 @@ from .manifest import FORMAT, ManifestInfo, key_of
 from .progress import Progress
 from .repository import BLOB_PART_BYTES, Repository, open_repository
 from .signing import PrivateKeyLike
-from .slices import entry_key
+from .slices import Slice, entry_key
 from .storage import Store
 from .tensors import tensor_bits
 from .v1 import manifest_pb2 as pb
@@ -229,21 +229,13 @@ class Publisher:
 
     def publish(
         self,
-        state: Mapping[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor | Slice],
         *,
         version: int | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> int:
         """Commit ``state`` as a new version and return its id."""
-        sources: list[_SourceTensor] = []
-        for name, t in state.items():
-            if not isinstance(name, str) or not name:
-                raise UsageError(f"state keys must be non-empty strings, got {name!r}")
-            if not hasattr(t, "dtype") or not hasattr(t, "shape"):
-                raise UsageError(f"state[{name!r}] is not a tensor")
-            bits = tensor_bits(t)
-            dtype = dtypes.from_torch(t.dtype)
-            sources.append(_SourceTensor(name, dtype, tuple(t.shape), bits.nbytes, "", 0, _array_reader(bits)))
+        sources = state_sources(state)
         parent = self._bits_version
         bases = self._memory_bases(parent)
         new_bits: dict[str, Bits] = {}
@@ -643,3 +635,24 @@ def _replace_cache(cache: Path, ckpt: CheckpointDir, info: ManifestInfo) -> None
 
     install_staged(cache, staging, info)
     write_local_state(cache, info)
+
+
+def state_sources(state: Mapping[str, torch.Tensor | Slice]) -> list[_SourceTensor]:
+    """A state dict as tensors to encode: whole tensors, or ``Slice``s of larger ones."""
+    out: list[_SourceTensor] = []
+    for name, value in state.items():
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"state keys must be non-empty strings, got {name!r}")
+        if isinstance(value, Slice):
+            t, offsets, full = value.tensor, tuple(value.offsets), tuple(value.full_shape)
+            if not full:
+                raise UsageError(f"slice of {name!r} needs a full_shape with at least one dimension")
+        else:
+            t, offsets, full = value, (), ()
+        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
+            raise UsageError(f"state[{name!r}] is not a tensor")
+        bits = tensor_bits(t)
+        out.append(_SourceTensor(
+            name, dtypes.from_torch(t.dtype), tuple(t.shape), bits.nbytes, "", 0, _array_reader(bits), offsets, full
+        ))
+    return out

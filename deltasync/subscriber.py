@@ -739,20 +739,20 @@ class Subscriber:
                     yield t, off, _bind(job, t, idx, off, length)
 
         window: deque[tuple[pb.Tensor, int, Future[Bits]]] = deque()
+
+        def drain_one() -> None:  # results reach the sink in chunk order
+            wt, woff, fut = window.popleft()
+            data = fut.result()
+            sink(wt, woff, data)
+            progress.advance(len(data))
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltasync-pull") as pool:
             try:
                 for t, off, fn in jobs():
                     window.append((t, off, pool.submit(fn)))
                     if len(window) >= 2 * threads:
-                        wt, woff, fut = window.popleft()
-                        data = fut.result()
-                        sink(wt, woff, data)
-                        progress.advance(len(data))
+                        drain_one()
                 while window:
-                    wt, woff, fut = window.popleft()
-                    data = fut.result()
-                    sink(wt, woff, data)
-                    progress.advance(len(data))
+                    drain_one()
             except BaseException:
                 for _, _, fut in window:
                     fut.cancel()

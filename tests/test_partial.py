@@ -86,3 +86,15 @@ def test_runs_cover_a_slice_exactly() -> None:
             out[dst : dst + length] = src[start + rel : start + rel + length].tobytes()
     rebuilt = torch.frombuffer(out, dtype=torch.int32).reshape(full)
     assert torch.equal(rebuilt[1:4, 2:6, 3:5], local)
+
+
+def test_one_process_may_publish_slices_too(repo_url: str) -> None:
+    full = torch.randn(8, 6)
+    state = {
+        "w": deltasync.Slice(full[:, :4].clone(), (0, 0), (8, 6)),
+        "w2": deltasync.Slice(full[2:5].clone(), (2, 0), (8, 6)),
+    }
+    v = deltasync.Publisher(repo_url).publish(state)
+    got = deltasync.Subscriber(repo_url).pull(v)
+    assert torch.equal(got["w"][:, :4], full[:, :4]) and not got["w"][:, 4:].any()  # unpublished parts read as zeros
+    assert torch.equal(got["w2"][2:5], full[2:5])
