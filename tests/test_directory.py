@@ -50,6 +50,16 @@ def config(**kw: object) -> PublisherConfig:
     return PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=CHUNK), workers=2, progress=False, **kw)  # type: ignore[arg-type]
 
 
+
+def snapshot_and_delta(tmp_path: Path) -> tuple[list[Path], Path]:
+    """Two checkpoints published into tmp_path/repo: version 1 a snapshot, version 2 a delta."""
+    ckpts = make_versions(tmp_path / "ckpt", 2)
+    repo = tmp_path / "repo"
+    pub = Publisher(str(repo), config())
+    pub.publish_dir(ckpts[0])
+    pub.publish_dir(ckpts[1], base_dir=ckpts[0])
+    return ckpts, repo
+
 def subscriber(repo: Path | str | Repository) -> Subscriber:
     return Subscriber(repo if isinstance(repo, Repository) else str(repo), workers=2, progress=False)
 
@@ -164,11 +174,7 @@ def test_pull_latest_into_fresh_directory_and_nested_files(tmp_path: Path) -> No
 
 
 def test_same_version_again_fetches_nothing(tmp_path: Path) -> None:
-    ckpts = make_versions(tmp_path / "ckpt", 2)
-    repo = tmp_path / "repo"
-    pub = Publisher(str(repo), config())
-    pub.publish_dir(ckpts[0])
-    pub.publish_dir(ckpts[1], base_dir=ckpts[0])
+    ckpts, repo = snapshot_and_delta(tmp_path)
     out = tmp_path / "out"
     sub = subscriber(repo)
     sub.pull_to_dir(out, 1)
@@ -373,11 +379,7 @@ def _flip_middle_byte(path: Path) -> None:
 
 @pytest.mark.parametrize("target", ["delta", "snapshot"])
 def test_corrupt_pack_leaves_out_dir_untouched(tmp_path: Path, target: str) -> None:
-    ckpts = make_versions(tmp_path / "ckpt", 2)
-    repo = tmp_path / "repo"
-    pub = Publisher(str(repo), config())
-    pub.publish_dir(ckpts[0])
-    pub.publish_dir(ckpts[1], base_dir=ckpts[0])
+    ckpts, repo = snapshot_and_delta(tmp_path)
     r = Repository(str(repo))
     version = 2 if target == "delta" else 1
     packs = r.manifest(version).pb.packs
@@ -409,11 +411,7 @@ def test_corrupt_pack_leaves_out_dir_untouched(tmp_path: Path, target: str) -> N
 
 
 def test_corrupt_blob_leaves_out_dir_untouched(tmp_path: Path) -> None:
-    ckpts = make_versions(tmp_path / "ckpt", 2)
-    repo = tmp_path / "repo"
-    pub = Publisher(str(repo), config())
-    pub.publish_dir(ckpts[0])
-    pub.publish_dir(ckpts[1], base_dir=ckpts[0])
+    _, repo = snapshot_and_delta(tmp_path)
     out = tmp_path / "out"
     subscriber(repo).pull_to_dir(out, 1)
     before = tree_digests(out)
@@ -600,11 +598,7 @@ def test_incremental_pull_repairs_damaged_copy(tmp_path: Path, shards: int) -> N
 
 def test_pull_after_interrupted_pull(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pull that dies halfway leaves the previous version in place; the next one completes."""
-    ckpts = make_versions(tmp_path / "ckpt", 2)
-    repo = tmp_path / "repo"
-    pub = Publisher(str(repo), config())
-    pub.publish_dir(ckpts[0])
-    pub.publish_dir(ckpts[1], base_dir=ckpts[0])
+    ckpts, repo = snapshot_and_delta(tmp_path)
     out = tmp_path / "out"
     subscriber(repo).pull_to_dir(out, 1)
     before = tree_digests(out)
