@@ -175,7 +175,7 @@ def test_a_failed_write_restores_the_old_version(url: str, monkeypatch: pytest.M
     served = {n: t.clone() for n, t in states[0].items()}
     engine = TorchEngine(served, url, version=1)
     staged = engine.stage(2)
-    assert isinstance(staged, te.TorchStaged) and len(staged.writes) > 3
+    assert isinstance(staged, te.TorchStaged) and len(staged.plan.writes) > 3
     calls = 0
     real = te.TensorWrite.apply
 
@@ -344,9 +344,57 @@ def test_gpu_module_swaps_bit_exact(url: str) -> None:
         assert_serves(served, states[v - 1])
     staged = engine.stage(3)
     assert isinstance(staged, te.TorchStaged)
-    assert all(w.idx is None or w.idx.device.type == "cuda" for w in staged.writes)  # uploaded before the pause
+    # uploaded before the pause; sparse writes of each word width fused into one scatter
+    assert staged.plan.fused and all(f.positions.device.type == "cuda" for f in staged.plan.fused)
+    assert len({f.new.element_size() for f in staged.plan.fused}) == len(staged.plan.fused)
+    assert all(w.idx is None for w in staged.plan.writes)
     engine.swap(staged)
     assert_serves(served, states[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_failed_fused_write_restores_the_old_version(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltasync.engines import _fused
+
+    states = [_all_dtypes(), _step(_all_dtypes(), 1, False)]
+    pub = deltasync.Publisher(url, small_chunks())
+    for s in states:
+        pub.publish(s)
+    served = {n: t.clone().cuda() for n, t in states[0].items()}
+    engine = TorchEngine(served, url, version=1)
+    staged = engine.stage(2)
+    assert isinstance(staged, te.TorchStaged) and len(staged.plan.fused) >= 2
+    calls = 0
+    real = _fused.FusedScatter.apply
+
+    def failing(self: _fused.FusedScatter) -> None:
+        nonlocal calls
+        calls += 1
+        real(self)
+        if calls == 2:  # two scatters written, then a failure
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(_fused.FusedScatter, "apply", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.swap(staged)
+    assert engine.version == 1
+    assert_serves(served, states[0])
+    monkeypatch.setattr(_fused.FusedScatter, "apply", real)
+    engine.update(2)
+    assert_serves(served, states[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_span_views_without_copying() -> None:
+    from deltasync.engines._fused import span_view
+
+    a = torch.zeros(1000, dtype=torch.int16, device="cuda")
+    b = torch.zeros(3000, dtype=torch.int16, device="cuda")
+    span, base = span_view([a, b], 2)
+    assert base == min(a.data_ptr(), b.data_ptr())
+    span[(b.data_ptr() - base) // 2 + 2999] = 7
+    span[(a.data_ptr() - base) // 2] = 5
+    assert int(b[-1]) == 7 and int(a[0]) == 5
 
 
 
@@ -381,7 +429,7 @@ def test_runs_land_in_every_kind_of_slice(dtype: torch.dtype) -> None:
         words = te.word_view(held, "held")
         geometry = Geometry(offsets, shape, (12, 10), per_item)
         writes = te.build_writes(runs, {"t": words}, {"t": geometry})
-        te.apply_writes(writes)
+        te.apply_writes(te.WritePlan(writes))
         expect = want_t[offsets[0] : offsets[0] + shape[0], offsets[1] : offsets[1] + shape[1]]
         assert bits(held) == bits(expect), (offsets, shape)
         for w in writes:  # and back

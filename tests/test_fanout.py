@@ -71,15 +71,16 @@ def _parts(rank: int, world: int) -> dict[str, tuple[tuple[int, ...], tuple[int,
     return parts
 
 
-def _held(rank: int, world: int) -> dict[str, Any]:
+def _held(rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
     shapes = {n: t for n, t in _states()[0].items()}
     held: dict[str, Any] = {}
     for name, part in _parts(rank, world).items():
         full = shapes[name]
         if part is None:
-            held[name] = torch.zeros_like(full)
+            held[name] = torch.zeros_like(full, device=device)
         else:
-            held[name] = deltasync.Slice(torch.zeros(part[1], dtype=full.dtype), part[0], tuple(full.shape))
+            tensor = torch.zeros(part[1], dtype=full.dtype, device=device)
+            held[name] = deltasync.Slice(tensor, part[0], tuple(full.shape))
     return held
 
 
@@ -92,7 +93,7 @@ def _check(held: dict[str, Any], rank: int, world: int, version: int) -> None:
         if part is not None:
             (o0, o1), (n0, n1) = part
             expect = expect[o0 : o0 + n0, o1 : o1 + n1]
-        got = t.contiguous().view(-1).view(torch.uint8)
+        got = t.cpu().contiguous().view(-1).view(torch.uint8)
         if not torch.equal(got, expect.contiguous().view(-1).view(torch.uint8)):
             raise AssertionError(f"rank {rank}: {name} differs from version {version}")
 
@@ -108,7 +109,7 @@ def _expect_error(fn: Any, engine: Any) -> Any:
     return "no error"
 
 
-def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: Any, backend: str = "auto") -> None:
     import torch.distributed as dist
 
     from deltasync.engines import EngineError, FanoutEngine
@@ -116,16 +117,32 @@ def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: A
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        happy = scenario == "happy"
+        happy = scenario in ("happy", "gpu")
         # happy: rank 0 serves slices too, and keeps its copy of the served version in files;
         # otherwise rank 0 is a pure agent that holds nothing
-        held = _held(rank, world) if happy or rank else {}
+        device = "cpu"
+        if scenario == "gpu":  # one GPU per rank where there are enough, else ranks share one
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = "cuda"
+        held = _held(rank, world, device) if happy or rank else {}
         host_cache = str(Path(repo).parent / "host-copy") if happy and rank == 0 else None
         engine = FanoutEngine(held, repo if rank == 0 else None, timeout=60.0 if happy else 4.0, heartbeat=0.5,
-                              host_cache=host_cache)
-        out: dict[str, Any] = {"events": []}
+                              host_cache=host_cache, backend=backend)
+        out: dict[str, Any] = {"events": [], "backend": engine.backend}
         events: list[Any] = out["events"]
-        if scenario == "happy":
+        if scenario == "gpu":
+            if rank == 0:
+                for v in (1, 2, 3, 4, 1, 3):
+                    rec = engine.update(v)
+                    assert rec is not None
+                    events.append((v, rec.extra["bytes_broadcast"], rec.pause_s))
+                    _check(held, rank, world, v)
+                engine.close()
+            else:
+                while (rec := engine.update()) is not None:
+                    _check(held, rank, world, rec.version)
+                    events.append(rec.version)
+        elif scenario == "happy":
             if rank == 2:  # this rank's 4th write fails: every rank must keep the old version
                 real, calls = fanout_mod.apply_writes, [0]
 
@@ -180,11 +197,11 @@ def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: A
     os._exit(0)  # peers may be dead: skip process-group teardown
 
 
-def _run(repo: str, scenario: str, world: int, expect: int) -> dict[int, dict[str, Any]]:
+def _run(repo: str, scenario: str, world: int, expect: int, backend: str = "auto") -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, repo, scenario, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, repo, scenario, queue, backend)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
@@ -224,6 +241,24 @@ def test_four_ranks_switch_together_bit_exact(tmp_path: Path) -> None:
     for rank in range(1, world):
         assert results[rank]["events"] == versions  # every rank swapped exactly when rank 0 did
         assert [v for v, _ in results[rank]["swaps"]] == versions
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tensors on GPUs, nccl)")
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_gpu_ranks_switch_together_bit_exact(tmp_path: Path, backend: str) -> None:
+    # nccl needs a GPU per rank; over gloo, ranks may share one GPU
+    world = max(1, min(4, torch.cuda.device_count())) if backend == "nccl" else 4
+    repo = str(tmp_path / "repo")
+    _publish(repo)
+    results = _run(repo, "gpu", world, world, backend)
+    assert all(out["backend"] == backend for out in results.values())
+    events = results[0]["events"]
+    assert [v for v, _, _ in events] == [1, 2, 3, 4, 1, 3]
+    full = sum(t.numel() * t.element_size() for t in _states()[0].values())
+    assert all(sent < full / 10 for v, sent, _ in events if v in (2, 4))  # only the changes travel
+    for rank in range(1, world):
+        assert results[rank]["events"] == [1, 2, 3, 4, 1, 3]
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ from ..storage import Store
 from ..subscriber import Subscriber
 from ._changes import WORD_NP, Bits, Geometry, VersionChanges, compute_changes, entry_geometry
 from .base import Engine, EngineError, Staged, SwapRecord
-from .torch_engine import Run, TensorWrite, _staged, build_writes, check_layout, word_dtype, word_view
+from .torch_engine import Run, WritePlan, _staged, build_writes, check_layout, word_dtype, word_view
 from .torch_engine import apply_writes as apply_writes  # module attribute: tests inject failures here
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class GroupError(EngineError):
 
 @dataclass
 class FanoutStaged(Staged):
-    writes: list[TensorWrite] = field(default_factory=list)
+    plan: WritePlan = field(default_factory=WritePlan)
     changes: VersionChanges | None = None  # rank 0: applied to its host copy after the swap
 
 
@@ -310,10 +310,9 @@ class FanoutEngine(Engine):
     def _receive(self, version: int, records: list[dict[str, Any]], payload: torch.Tensor) -> Staged:
         """Keep the part of the payload this rank holds; agree with every rank that all did."""
         error: str | None = None
-        writes: list[TensorWrite] = []
+        plan = WritePlan()
         try:
-            writes = build_writes(_unpack(records, payload, self._geometry), self._words, self._geometry)
-            _synchronize(writes)
+            plan = WritePlan.of(build_writes(_unpack(records, payload, self._geometry), self._words, self._geometry))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         outcomes = self._all_gather(error, "staging")
@@ -322,7 +321,7 @@ class FanoutEngine(Engine):
             first = min(failures)
             raise EngineError(f"staging version {version} failed on rank {first}: {failures[first]}",
                               version=version, serving=self._version)
-        return FanoutStaged(version, writes=writes, bytes_to_write=sum(w.nbytes for w in writes))
+        return FanoutStaged(version, plan=plan, bytes_to_write=plan.nbytes)
 
     def _pause(self) -> None:
         self._check_usable()
@@ -348,19 +347,19 @@ class FanoutEngine(Engine):
         error: str | None = None
         written = 0
         try:
-            written = apply_writes(staged.writes)
+            written = apply_writes(staged.plan)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         try:
             outcomes = self._all_gather(error, "the write")
         except GroupError:
             if error is None:
-                apply_undo(staged.writes)
+                staged.plan.undo()
             raise
         failures = {r: m for r, m in enumerate(outcomes) if m}
         if failures:
             if error is None:
-                apply_undo(staged.writes)
+                staged.plan.undo()
             first = min(failures)
             raise EngineError(f"writing version {staged.version} failed on rank {first}: {failures[first]}; "
                               f"every rank kept version {self._version}", version=staged.version, serving=self._version)
@@ -431,18 +430,6 @@ class FanoutEngine(Engine):
         payload = torch.empty(int(msg["nbytes"]), dtype=torch.uint8, device=self._device)
         self._broadcast_payload(payload)
         return self._receive(version, msg["records"], payload)
-
-
-def apply_undo(writes: list[TensorWrite]) -> None:
-    for w in reversed(writes):
-        w.undo()
-    _synchronize(writes)
-
-
-def _synchronize(writes: list[TensorWrite]) -> None:
-    from .torch_engine import synchronize
-
-    synchronize(w.words.device for w in writes)
 
 
 def _unknown(key: str, off: int, length: int) -> Bits | None:

@@ -30,6 +30,7 @@ from ..storage import Store
 from ..subscriber import Subscriber
 from ..v1 import manifest_pb2 as pb
 from ._changes import Bits, EntryChanges, Geometry, VersionChanges, Words, compute_changes, entry_geometry, map_words
+from ._fused import FusedScatter, fuse_writes
 from .base import Engine, EngineError, Staged
 
 if TYPE_CHECKING:
@@ -111,24 +112,55 @@ class TensorWrite:
                 self.words[start : start + old.numel()].copy_(old.to(device))
 
 
-def apply_writes(writes: list[TensorWrite]) -> int:
+@dataclass
+class WritePlan:
+    """Everything one holder writes in a swap: per-tensor writes, and on GPUs the fused
+    scatters that took over their sparse parts (see ``_fused``)."""
+
+    writes: list[TensorWrite] = field(default_factory=list)
+    fused: list[FusedScatter] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, writes: list[TensorWrite]) -> WritePlan:
+        """Fuse what can be fused, and wait for the uploads: they land before the pause, not in it."""
+        plan = cls(writes, fuse_writes(writes))
+        plan.synchronize()
+        return plan
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.writes) + sum(f.nbytes for f in self.fused)
+
+    def synchronize(self) -> None:
+        synchronize([*(w.words.device for w in self.writes), *(f.span.device for f in self.fused)])
+
+    def undo(self) -> None:
+        for w in reversed(self.writes):
+            w.undo()
+        for f in reversed(self.fused):
+            f.undo()
+        self.synchronize()
+
+
+def apply_writes(plan: WritePlan) -> int:
     """Write every change, then wait for the devices; on failure write the old values back."""
-    done: list[TensorWrite] = []
+    done = WritePlan()
     try:
-        for w in writes:
-            done.append(w)
+        for f in plan.fused:
+            done.fused.append(f)
+            f.apply()
+        for w in plan.writes:
+            done.writes.append(w)
             w.apply()
-        synchronize(w.words.device for w in writes)
+        plan.synchronize()
     except BaseException as e:
         try:
-            for w in reversed(done):
-                w.undo()
-            synchronize(w.words.device for w in done)
+            done.undo()
         except BaseException as undo_error:
             raise EngineError(f"write failed ({e}) and restoring the old values failed too ({undo_error}); "
                               "the weights are now a mix: reload them") from e
         raise
-    return sum(w.nbytes for w in writes)
+    return plan.nbytes
 
 
 @dataclass
@@ -249,7 +281,7 @@ def _rows_overlap(src: Geometry, start: int, count: int, dst: Geometry) -> bool:
 
 @dataclass
 class TorchStaged(Staged):
-    writes: list[TensorWrite] = field(default_factory=list)
+    plan: WritePlan = field(default_factory=WritePlan)
 
 
 class TorchEngine(Engine):
@@ -315,12 +347,12 @@ class TorchEngine(Engine):
             keys=keys, dense_fraction=self.dense_fraction,
         )
         writes = build_writes(runs_of(changes.entries.values()), self._words, self._geometry)
-        synchronize(w.words.device for w in writes)  # uploads land before the pause, not during it
-        return _staged(TorchStaged(version, writes=writes), changes, sum(w.nbytes for w in writes))
+        plan = WritePlan.of(writes)
+        return _staged(TorchStaged(version, plan=plan), changes, plan.nbytes)
 
     def _write(self, staged: Staged) -> int:
         assert isinstance(staged, TorchStaged)
-        return apply_writes(staged.writes)
+        return apply_writes(staged.plan)
 
     # -- the served bits, as the pipeline's local copy ----------------------------------------------
 
