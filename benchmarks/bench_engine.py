@@ -1,7 +1,7 @@
 """Engine swaps: the pause per swap next to a full ``copy_``, and fan-out bytes next to full weights.
 
     python -m benchmarks.bench_engine [--size-gib 1.0] [--changed 0.01] [--versions 3]
-                                      [--ranks 4] [--fanout-gib 0.25] [--device cpu] [--quick]
+                                      [--ranks 4] [--fanout-gib 0.25] [--device cpu] [--fanout-device cpu] [--quick]
 
 In-process engine: the model is the RL-like synthetic stream of ``rl_stream.py`` (a
 transformer-shaped bf16 model of ``--size-gib``; per-kind change fractions and the
@@ -186,7 +186,7 @@ def tp_slice(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[
 
 
 def _fanout_worker(rank: int, world: int, port: int, repo: str, layout: Layout, versions: list[int], repeats: int,
-                   queue: Any) -> None:
+                   device: str, queue: Any) -> None:
     try:
         import torch.distributed as dist
 
@@ -194,17 +194,21 @@ def _fanout_worker(rank: int, world: int, port: int, repo: str, layout: Layout, 
         from deltasync.engines import FanoutEngine
 
         torch.set_num_threads(1)
+        backend = "gloo"
+        if device == "cuda":  # nccl needs a GPU per rank; ranks sharing one GPU use gloo
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         held: dict[str, Any] = {}
         regions: dict[str, deltasync.Region] = {}
         for s in layout:
             sl = tp_slice(s.name, s.shape, rank, world)
             if sl is None:
-                held[s.name] = torch.zeros(s.shape, dtype=torch.bfloat16)
+                held[s.name] = torch.zeros(s.shape, dtype=torch.bfloat16, device=device)
             else:
-                held[s.name] = deltasync.Slice(torch.zeros(sl[1], dtype=torch.bfloat16), sl[0], s.shape)
+                held[s.name] = deltasync.Slice(torch.zeros(sl[1], dtype=torch.bfloat16, device=device), sl[0], s.shape)
                 regions[s.name] = deltasync.Region(sl[0], sl[1])
-        engine = FanoutEngine(held, repo if rank == 0 else None, timeout=300)
+        engine = FanoutEngine(held, repo if rank == 0 else None, timeout=300, backend=backend)
         if rank == 0:
             for v in versions:
                 engine.update(v)
@@ -217,14 +221,14 @@ def _fanout_worker(rank: int, world: int, port: int, repo: str, layout: Layout, 
                                                 regions=regions)
         for name, value in held.items():
             t = value.tensor if isinstance(value, deltasync.Slice) else value
-            if not torch.equal(t.view(torch.int16), want[name].view(torch.int16)):
+            if not torch.equal(t.cpu().view(torch.int16), want[name].view(torch.int16)):
                 raise RuntimeError(f"rank {rank}: wrong bits in {name}")
         # one broadcast of the full weights, in the same kind of group, for comparison
-        full = torch.empty(layout_numel(layout) * 2, dtype=torch.uint8)
-        group = dist.new_group(backend="gloo")
+        full = torch.empty(layout_numel(layout) * 2, dtype=torch.uint8, device=device if backend == "nccl" else "cpu")
+        group = dist.new_group(backend=backend)
         dist.barrier(group)
-        best = best_of(lambda: (dist.broadcast(full, src=0, group=group), dist.barrier(group)), repeats)
-        queue.put((rank, {"swaps": records, "full_broadcast_s": best}, None))
+        best = best_of(lambda: (dist.broadcast(full, src=0, group=group), _sync(full.device), dist.barrier(group)), repeats)
+        queue.put((rank, {"swaps": records, "full_broadcast_s": best, "backend": engine.backend}, None))
         dist.destroy_process_group()
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
@@ -240,7 +244,8 @@ def bench_fanout(layout: Layout, stats: ChangeStats, versions: int, args: argpar
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_fanout_worker, args=(r, args.ranks, port, str(repo), layout, ids, args.repeats, queue))
+    procs = [ctx.Process(target=_fanout_worker,
+                         args=(r, args.ranks, port, str(repo), layout, ids, args.repeats, args.fanout_device, queue))
              for r in range(args.ranks)]
     for p in procs:
         p.start()
@@ -272,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=4, help="fan-out ranks (default 4)")
     p.add_argument("--fanout-gib", type=float, default=None, help="fan-out model size (default 0.25; quick 1/64)")
     p.add_argument("--device", default="cpu", help="device of the in-process model (cpu or cuda)")
+    p.add_argument("--fanout-device", default="cpu", help="device of the fan-out ranks' tensors (cpu or cuda)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=3, help="baselines: best of this many (default 3)")
     p.add_argument("--seed", type=int, default=0)
@@ -319,8 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         fan_layout = transformer_layout(shape_for_size(int(fan_size * GIB)))
         fan_bytes = layout_numel(fan_layout) * 2
-        print(f"\n=== fan-out: {args.ranks} gloo ranks, {fan_bytes / GIB:.3f} GiB bf16, tensor-parallel slices ===")
         fan = bench_fanout(fan_layout, scaled_stats(stats, args.changed), versions, args, work)
+        print(f"\n=== fan-out: {args.ranks} ranks, payload over {fan[0]['backend']}, tensors on {args.fanout_device}, "
+              f"{fan_bytes / GIB:.3f} GiB bf16, tensor-parallel slices ===")
         full_bc = max(r["full_broadcast_s"] for r in fan.values())
         print(f"{'version':>7} {'broadcast MB':>12} {'full MB':>8} {'bytes ratio':>11} {'stage s':>8} "
               f"{'pause ms (rank0/max)':>20}")
