@@ -227,7 +227,12 @@ def _fanout_worker(rank: int, world: int, port: int, repo: str, layout: Layout, 
         full = torch.empty(layout_numel(layout) * 2, dtype=torch.uint8, device=device if backend == "nccl" else "cpu")
         group = dist.new_group(backend=backend)
         dist.barrier(group)
-        best = best_of(lambda: (dist.broadcast(full, src=0, group=group), _sync(full.device), dist.barrier(group)), repeats)
+        def full_broadcast() -> None:
+            dist.broadcast(full, src=0, group=group)
+            _sync(full.device)
+            dist.barrier(group)
+
+        best = best_of(full_broadcast, repeats)
         queue.put((rank, {"swaps": records, "full_broadcast_s": best, "backend": engine.backend}, None))
         dist.destroy_process_group()
     except BaseException:
