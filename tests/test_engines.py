@@ -119,7 +119,11 @@ def test_unknown_or_wrong_starting_state_is_repaired(url: str) -> None:
     assert_serves(garbage, states[1])
 
 
-def test_a_module_with_buffers_and_tied_weights(url: str) -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_module_with_buffers_and_tied_weights(url: str, device: str) -> None:
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -143,13 +147,33 @@ def test_a_module_with_buffers_and_tied_weights(url: str) -> None:
         trainer.scale[2] = 5
     pub.publish(trainer.state_dict())
     torch.manual_seed(1)
-    served = Tiny().bfloat16()
+    served = Tiny().bfloat16().to(device)
     engine = TorchEngine(served, url)
     engine.update()
-    assert_serves(served.state_dict(), trainer.state_dict())
+    assert_serves({n: t.cpu() for n, t in served.state_dict().items()}, trainer.state_dict())
     x = torch.arange(8)
     with engine.serving(), torch.no_grad():
-        assert torch.equal(served(x), trainer(x))
+        assert torch.equal(served(x.to(device)).cpu(), trainer(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_of_one_flat_buffer(url: str, device: str) -> None:
+    # Engines that pack weights into one allocation hand out views at storage offsets.
+    states = [_all_dtypes(), _step(_all_dtypes(), 1, False), _step(_all_dtypes(), 2, True)]
+    floats = [n for n, t in states[0].items() if t.dtype == torch.bfloat16 or n in ("f16",)]
+    pub = deltasync.Publisher(url, small_chunks())
+    for st in states:
+        pub.publish({n: st[n] for n in floats} | {"w": st["f32"][:300].bfloat16().reshape(20, 15)})
+    flat = torch.zeros(1 + 305 + 3 + 300, dtype=torch.bfloat16, device=device)
+    served = {"bf16": flat[1:306].view(61, 5), "w": flat[309:609].view(20, 15),
+              "f16": torch.zeros(305, dtype=torch.float16, device=device)}
+    engine = TorchEngine(served, url)
+    for v in (1, 2, 3, 1, 3):
+        engine.update(v)
+        want = {n: states[v - 1][n] for n in floats} | {"w": states[v - 1]["f32"][:300].bfloat16().reshape(20, 15)}
+        assert_serves({n: t.cpu() for n, t in served.items()}, want)
+        assert bits(flat[:1].cpu()) == bits(torch.zeros(1, dtype=torch.bfloat16))  # the gaps stay untouched
+        assert bits(flat[306:309].cpu()) == bits(torch.zeros(3, dtype=torch.bfloat16))
 
 
 def test_layout_mismatches_are_refused(url: str) -> None:

@@ -8,7 +8,7 @@ list of word positions relative to the lowest-addressed tensor of the group, and
 pause is a single ``scatter_`` into a *span*: a tensor that views the device memory from
 that tensor to the end of the highest one. Positions only ever point inside the tensors
 the engine holds; the span is never read, and bytes between the tensors are never
-touched. The span holds no memory of its own, and the engine keeps the tensors alive.
+touched. The span holds no memory of its own; each fused scatter keeps the tensors it views alive.
 
 The old values are kept on the host (as for per-tensor writes), so a failed write can be
 undone with the same kernel.
@@ -62,17 +62,17 @@ class FusedScatter:
     positions: torch.Tensor  # int64 word positions in ``span``, on the device
     new: torch.Tensor
     old: torch.Tensor  # on the host, for an undo
-    tensors: int
+    owners: list[torch.Tensor]  # the tensors the span views: kept alive as long as it is
 
     @property
     def nbytes(self) -> int:
         return self.new.numel() * self.new.element_size()
 
     def warm(self) -> None:
-        """Run the kernels once before the pause (their first launch loads them, which can
-        take milliseconds), by writing one served word over itself: nothing changes."""
-        first = self.positions[:1]
-        self.span.scatter_(0, first, self.span.gather(0, first))
+        """Run the kernel once before the pause (its first launch loads it, which can take
+        milliseconds), into a scratch word: nothing served is touched."""
+        scratch = self.new.new_zeros(1)
+        scratch.scatter_(0, self.positions[:1] * 0, self.new[:1])
 
     def apply(self) -> None:
         self.span.scatter_(0, self.positions, self.new)
@@ -93,6 +93,9 @@ def fuse_writes(writes: list[TensorWrite]) -> list[FusedScatter]:
             groups.setdefault((w.words.device, w.words.element_size()), []).append(w)
     fused: list[FusedScatter] = []
     for (device, width), group in groups.items():
+        # Positions count whole words from the lowest address: every tensor must sit on a word boundary.
+        base = min(w.words.data_ptr() for w in group)
+        group = [w for w in group if (w.words.data_ptr() - base) % width == 0]
         pieces = sum((w.idx is not None) + sum(new.numel() <= SMALL_RUN for _, new, _ in w.dense) for w in group)
         if pieces < 2:
             continue
@@ -116,7 +119,7 @@ def fuse_writes(writes: list[TensorWrite]) -> list[FusedScatter]:
                 new.append(values)
                 old.append(before)
             w.dense = keep
-        scatter = FusedScatter(span, torch.cat(positions), torch.cat(new), torch.cat(old), len(group))
+        scatter = FusedScatter(span, torch.cat(positions), torch.cat(new), torch.cat(old), [w.words for w in group])
         scatter.warm()
         fused.append(scatter)
     return fused

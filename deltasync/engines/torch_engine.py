@@ -15,9 +15,7 @@ finish on the old weights first, new ones wait. If a write fails half way the ol
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -144,45 +142,16 @@ class WritePlan:
         self.synchronize()
 
 
-_WRITERS: ThreadPoolExecutor | None = None
-_WRITERS_LOCK = threading.Lock()
-
-
-def _writers() -> ThreadPoolExecutor | None:
-    """Threads for host writes (None on one CPU): a scatter into memory is bound by memory
-    latency, and several in flight at once hide it (numpy releases the GIL for them)."""
-    global _WRITERS
-    threads = min(8, os.cpu_count() or 1)
-    with _WRITERS_LOCK:
-        if _WRITERS is None and threads > 1:
-            _WRITERS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltasync-write")
-        return _WRITERS
-
-
 def apply_writes(plan: WritePlan) -> int:
-    """Write every change, then wait for the devices; on failure write the old values back.
-    Device writes are launched from this thread; host writes run on several threads."""
+    """Write every change, then wait for the devices; on failure write the old values back."""
     done = WritePlan()
     try:
         for f in plan.fused:
             done.fused.append(f)
             f.apply()
-        host = [w for w in plan.writes if w.words.device.type == "cpu"]
         for w in plan.writes:
-            if w.words.device.type != "cpu":
-                done.writes.append(w)
-                w.apply()
-        pool = _writers() if len(host) > 1 else None
-        if pool is None:
-            for w in host:
-                done.writes.append(w)
-                w.apply()
-        else:
-            done.writes.extend(host)  # an undo of a write that never ran rewrites the same bits
-            futures = [pool.submit(w.apply) for w in sorted(host, key=lambda w: w.nbytes, reverse=True)]
-            errors = [e for e in (f.exception() for f in futures) if e is not None]  # waits for every one
-            if errors:
-                raise errors[0]
+            done.writes.append(w)
+            w.apply()
         plan.synchronize()
     except BaseException as e:
         try:
