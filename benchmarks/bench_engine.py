@@ -105,6 +105,7 @@ def bench_torch(layout: Layout, stats: ChangeStats, fractions: Sequence[float], 
                 workdir: Path) -> dict[str, Any]:
     import deltasync
     from deltasync.engines import TorchEngine
+    from deltasync.engines.torch_engine import TorchStaged, apply_writes
 
     device = torch.device(args.device)
     out: dict[str, Any] = {}
@@ -125,8 +126,18 @@ def bench_torch(layout: Layout, stats: ChangeStats, fractions: Sequence[float], 
             t0 = time.perf_counter()
             v = pub.publish(as_state(cur))
             t_pub = time.perf_counter() - t0
-            rec = engine.update(v)
-            assert rec is not None
+            staged = engine.stage(v)
+            assert isinstance(staged, TorchStaged)
+            rec = engine.swap(staged)
+            # The write window again, best of the repeats like the copy_ baseline: old values
+            # back (outside the timing), then the same writes the swap made.
+            write_s = rec.pause_s
+            for _ in range(args.repeats):
+                staged.plan.undo()
+                t0 = time.perf_counter()
+                apply_writes(staged.plan)
+                write_s = min(write_s, time.perf_counter() - t0)
+            del staged
             want = as_state(cur)
             for name, t in served.items():  # bit for bit
                 if not torch.equal(t.view(torch.int16).cpu(), want[name].view(torch.int16)):
@@ -142,6 +153,7 @@ def bench_torch(layout: Layout, stats: ChangeStats, fractions: Sequence[float], 
             copies.append(best_of(full_copy, args.repeats))
             del src
             rows.append({"version": v, "publish_s": t_pub, "stage_s": rec.stage_s, "pause_s": rec.pause_s,
+                         "write_s": write_s,
                          "elements": rec.elements_changed, "bytes_written": rec.bytes_written,
                          "changed": rec.elements_changed / layout_numel(layout), "lines": lines_touched(prev, cur),
                          "copy_s": copies[-1]})
@@ -310,23 +322,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n=== in-process torch engine: {nbytes / GIB:.3f} GiB bf16, {len(layout)} tensors, on {args.device} ===")
         fractions = [args.changed, *sweep]
         res = bench_torch(layout, stats, fractions, versions, args, work)
-        print(f"{'changed':>8} {'lines':>7} {'version':>7} {'stage s':>8} {'pause ms':>9} {'written MB':>10} "
-              f"{'copy_ ms':>9} {'min copy_/pause':>15}")
+        print(f"{'changed':>8} {'lines':>7} {'version':>7} {'stage s':>8} {'pause ms':>9} {'best ms':>8} {'written MB':>10} "
+              f"{'copy_ ms':>9} {'copy_/best':>10}")
         ratios: dict[str, float] = {}
         for (key, rows), copy in zip(res["rows"].items(), res["copy_s"], strict=True):
             for r in rows:
                 print(f"{100 * r['changed']:7.3f}% {100 * r['lines']:6.1f}% {r['version']:>7} {r['stage_s']:8.2f} "
-                      f"{1e3 * r['pause_s']:9.2f} {r['bytes_written'] / 1e6:10.2f} {1e3 * r['copy_s']:9.2f} "
-                      f"{copy / r['pause_s']:14.1f}x")
-            ratios[key] = copy / statistics.median(r["pause_s"] for r in rows)
+                      f"{1e3 * r['pause_s']:9.2f} {1e3 * r['write_s']:8.2f} {r['bytes_written'] / 1e6:10.2f} "
+                      f"{1e3 * r['copy_s']:9.2f} {copy / r['write_s']:9.1f}x")
+            ratios[key] = copy / statistics.median(r["write_s"] for r in rows)
         h2d_ratios: dict[str, float] = {}
         for key, copy in zip(res["rows"], res["h2d_s"], strict=False):
             rows = res["rows"][key]
-            h2d_ratios[key] = copy / statistics.median(r["pause_s"] for r in rows)
-            print(f"  {key}: full copy_ from pinned host memory {1e3 * copy:.2f} ms = {h2d_ratios[key]:.1f}x the median pause")
-        print("pause = the exclusive write window (requests wait); copy_ = one full copy_ of every parameter from a "
-              "same-device copy of the version, best of the repeats, measured after each swap; ratios use the fastest "
-              "copy_ of the run (other processes slow single measurements down)")
+            h2d_ratios[key] = copy / statistics.median(r["write_s"] for r in rows)
+            print(f"  {key}: full copy_ from pinned host memory {1e3 * copy:.2f} ms = "
+                  f"{h2d_ratios[key]:.1f}x the median best pause")
+        print("pause = the swap's exclusive write window (requests wait); best = the same writes again, best of the "
+              "repeats; copy_ = one full copy_ of every parameter from a same-device copy of the version, best of the "
+              "repeats, measured after each swap; ratios: the fastest copy_ of the run over the best pause (other "
+              "processes slow single measurements down)")
 
         fan_layout = transformer_layout(shape_for_size(int(fan_size * GIB)))
         fan_bytes = layout_numel(fan_layout) * 2
