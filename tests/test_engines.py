@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -405,6 +406,27 @@ def test_gpu_failed_fused_write_restores_the_old_version(url: str, monkeypatch: 
     assert_serves(served, states[0])
     monkeypatch.setattr(_fused.FusedScatter, "apply", real)
     engine.update(2)
+    assert_serves(served, states[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_without_span_views_writes_per_tensor(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltasync.engines import _fused
+
+    def unavailable(tensors: Any, width: int) -> Any:
+        raise RuntimeError("no CUDA array interface here")
+
+    monkeypatch.setattr(_fused, "span_view", unavailable)
+    states = [_all_dtypes(), _step(_all_dtypes(), 1, False)]
+    pub = deltasync.Publisher(url, small_chunks())
+    for s in states:
+        pub.publish(s)
+    served = {n: t.clone().cuda() for n, t in states[0].items()}
+    engine = TorchEngine(served, url, version=1)
+    staged = engine.stage(2)
+    assert isinstance(staged, te.TorchStaged) and not staged.plan.fused
+    assert any(w.idx is not None for w in staged.plan.writes)
+    engine.swap(staged)
     assert_serves(served, states[1])
 
 

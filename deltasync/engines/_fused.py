@@ -99,7 +99,10 @@ def fuse_writes(writes: list[TensorWrite]) -> list[FusedScatter]:
         pieces = sum((w.idx is not None) + sum(new.numel() <= SMALL_RUN for _, new, _ in w.dense) for w in group)
         if pieces < 2:
             continue
-        span, base = span_view([w.words for w in group], width)
+        try:
+            span, base = span_view([w.words for w in group], width)
+        except (RuntimeError, TypeError, ValueError):
+            continue  # a build of torch that cannot view device memory this way: per-tensor writes
         positions: list[torch.Tensor] = []
         new: list[torch.Tensor] = []
         old: list[torch.Tensor] = []
