@@ -377,16 +377,21 @@ def test_gpu_module_swaps_bit_exact(url: str) -> None:
     assert_serves(served, states[2])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_failed_fused_write_restores_the_old_version(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from deltasync.engines import _fused
-
+def _gpu_engine_serving_version_1(url: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], TorchEngine]:
+    """Two versions of every dtype published, and an engine on the GPU serving the first."""
     states = [_all_dtypes(), _step(_all_dtypes(), 1, False)]
     pub = deltasync.Publisher(url, small_chunks())
     for s in states:
         pub.publish(s)
     served = {n: t.clone().cuda() for n, t in states[0].items()}
-    engine = TorchEngine(served, url, version=1)
+    return states, served, TorchEngine(served, url, version=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_failed_fused_write_restores_the_old_version(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltasync.engines import _fused
+
+    states, served, engine = _gpu_engine_serving_version_1(url)
     staged = engine.stage(2)
     assert isinstance(staged, te.TorchStaged) and len(staged.plan.fused) >= 2
     calls = 0
@@ -417,12 +422,7 @@ def test_gpu_without_span_views_writes_per_tensor(url: str, monkeypatch: pytest.
         raise RuntimeError("no CUDA array interface here")
 
     monkeypatch.setattr(_fused, "span_view", unavailable)
-    states = [_all_dtypes(), _step(_all_dtypes(), 1, False)]
-    pub = deltasync.Publisher(url, small_chunks())
-    for s in states:
-        pub.publish(s)
-    served = {n: t.clone().cuda() for n, t in states[0].items()}
-    engine = TorchEngine(served, url, version=1)
+    states, served, engine = _gpu_engine_serving_version_1(url)
     staged = engine.stage(2)
     assert isinstance(staged, te.TorchStaged) and not staged.plan.fused
     assert any(w.idx is not None for w in staged.plan.writes)
