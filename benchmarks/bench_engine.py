@@ -129,8 +129,8 @@ def bench_torch(layout: Layout, stats: ChangeStats, fractions: Sequence[float], 
             staged = engine.stage(v)
             assert isinstance(staged, TorchStaged)
             rec = engine.swap(staged)
-            # The write window again, best of the repeats like the copy_ baseline: old values
-            # back (outside the timing), then the same writes the swap made.
+            # The write window again, best of the swap and the repeats (like the copy_ baseline):
+            # old values back (outside the timing), then the same writes the swap made.
             write_s = rec.pause_s
             for _ in range(args.repeats):
                 staged.plan.undo()
@@ -337,8 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             h2d_ratios[key] = copy / statistics.median(r["write_s"] for r in rows)
             print(f"  {key}: full copy_ from pinned host memory {1e3 * copy:.2f} ms = "
                   f"{h2d_ratios[key]:.1f}x the median best pause")
-        print("pause = the swap's exclusive write window (requests wait); best = the same writes again, best of the "
-              "repeats; copy_ = one full copy_ of every parameter from a same-device copy of the version, best of the "
+        print("pause = the swap's exclusive write window (requests wait); best = the fastest of that and the same "
+              "writes repeated; copy_ = one full copy_ of every parameter from a same-device copy of the version, best of the "
               "repeats, measured after each swap; ratios: the fastest copy_ of the run over the best pause (other "
               "processes slow single measurements down)")
 

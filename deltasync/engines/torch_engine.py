@@ -4,7 +4,8 @@ Staging diffs every chunk of the target version against the bits the module serv
 (see ``_changes``), then turns the changes into per-tensor writes: one index scatter of
 all sparse changes of a tensor, and a copy per rewritten chunk. On GPU the positions and
 values go through pinned host memory with non-blocking copies while the old version still
-serves, so the pause is device work only. Writes go through integer views of the bit
+serves, so the pause is device work only; there the sparse writes (and small rewritten
+runs) of all tensors on a device are joined into one scatter (see ``_fused``). Writes go through integer views of the bit
 patterns (``int16`` for bf16, ...), so every dtype is written bit-exactly.
 
 The pause holds the serving lock exclusively for the write alone; requests in flight
