@@ -32,7 +32,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -53,8 +52,7 @@ from .errors import (
     UsageError,
 )
 from .localcache import CachedStore, LocalCache
-from .localcopy import move_copy
-from .localstate import INCOMING, STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock, finish_install
+from .localstate import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock, finish_install
 from .metrics import Metric, MetricsServer
 from .repository import LATEST, Repository
 from .signing import PublicKeyLike
@@ -94,6 +92,12 @@ class AgentConfig:
     """Serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port)."""
     metrics_host: str = ""
     """Address to serve metrics on ("": every interface, as exporters do)."""
+    move_aside: bool = False
+    """Move files found in the directory that are not the repository's into
+    ``DIR/.deltasync/aside/`` (default: refuse to update, naming them)."""
+    fsync: bool = False
+    """Flush each version's slot to disk before switching to it (default: check the copy
+    after a power loss instead; see slots.py)."""
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.poll_interval <= 3600:
@@ -369,9 +373,8 @@ class Agent:
         state, wip = db.state(), db.wip()
         if state is None or state.version != target:
             return True
-        if wip is not None:  # an interrupted move to another version: its staged files go
+        if wip is not None:  # an interrupted move to another version (its slot stays marked dirty)
             db.set_wip(None)
-            shutil.rmtree(self.root / STATE_DIR / INCOMING, ignore_errors=True)
         return False
 
     def _update(self, target: int) -> Update:
@@ -406,16 +409,12 @@ class Agent:
         return update
 
     def _move(self, sub: Subscriber, repo: Repository, previous: int | None, target: int) -> str:
-        if previous is not None and previous != target:
-            # Backwards: always along the chain (reversing what can be reversed). Forwards:
-            # only when every payload is kept here; else the planner's choice is cheaper.
-            moved = move_copy(sub, self.root, target, only_if_cached=target > previous, stop=self._should_stop)
-            if moved is not None:
-                return str(moved)
+        # Forwards or back, the slot not served is brought to the target in place (slotfill.py);
+        # payloads of the deltas it walks come from the kept objects when they are there.
         self.store.capture = self._capture(repo, previous, target)
-        sub.pull_to_dir(self.root, target, stop=self._should_stop)
-        plan = sub.last_plan
-        return f"pull from version {plan.base}" if plan is not None and plan.base is not None else "pull from a snapshot"
+        result = sub.update_dir(self.root, target, stop=self._should_stop, move_aside=self.config.move_aside,
+                                fsync=self.config.fsync)
+        return str(result)
 
     def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
         """Packs worth keeping from this pull: those of the deltas between the version held

@@ -5,31 +5,36 @@
     state.lmdb/   LMDB environment: every change is one atomic, durable transaction; readers
                   (``deltasync status``) never block the writer (the agent)
     lock          held (flock) by the one process that changes the copy
-    incoming/     files of the pull in progress, kept across crashes: a resumed pull reuses
-                  every staged chunk whose digest is the target's
+    slots/0, slots/1
+                  the two slots: each holds the files of one version (see slots.py); the
+                  version served is in one, the other is brought forward in place
+    current       symbolic link to the slot served; every file of the version in DIR is a
+                  link through it, so switching it switches the whole version at once
     objects/      manifests, blobs and delta payloads of recent versions (localcache.py)
+    aside/        files found in DIR that were not the repository's, moved aside on request
 
 Records of the environment (JSON unless noted):
 
 ``state``
-    the version held: id, version digest, files, repository URL, when it was installed.
+    the version held (served): id, version digest, files, repository URL, when installed.
 ``manifest`` (protobuf)
     the manifest of the version held: its file layout and every chunk's target digest, so
     that the copy can be checked offline, and read as a base even after gc deleted its
-    version upstream. (The per-chunk digests of the copy are exactly its manifest's: a copy
-    only ever changes whole versions at a time, see install below; ``check`` finds drift.)
+    version upstream.
+``slots``
+    which slot is served, the version each slot holds (None while one is being written,
+    with the version it held before), the boot it was switched in and whether its bytes
+    were flushed to disk (see slots.py: after a power loss, unflushed slots are checked).
+``slot_manifest`` (protobuf)
+    the manifest of the version in the slot not served (or of the version it held before
+    its rewrite began): which chunks need no work when it is brought forward.
 ``wip``
     a pull in progress: target, phase (``fetch`` or ``install``), progress; in the
-    ``install`` phase also the journal (files to move in, files to drop) and the target's
-    manifest under ``wip_manifest``, so that a process killed while moving staged files into
-    place is finished by the next one, never redone.
+    ``install`` phase also the journal (the slot to switch to, links to make, links to
+    drop) and the target's manifest under ``wip_manifest``, so that a process killed while
+    switching is finished by the next one, never redone.
 ``stats``
     the agent's figures (see agent.py), read by ``deltasync status`` while the agent runs.
-
-Install protocol (DESIGN.md invariant 3): every staged file is complete, verified and
-fsynced; one transaction writes the journal; files are dropped and moved (``os.replace``,
-atomic per file; each step idempotent); one transaction records the new version and clears
-the journal. A crash between the two transactions is finished by :func:`finish_install`.
 """
 
 from __future__ import annotations
@@ -104,8 +109,37 @@ class WorkInProgress:
     started_unix: float
     chunks_done: int = 0
     chunks_total: int = 0
-    install: tuple[str, ...] = ()  # install phase: files moved from incoming/ into place
-    remove: tuple[str, ...] = ()  # install phase: files of the old version to drop first
+    install: tuple[str, ...] = ()  # install phase: files of the new version (links to make)
+    remove: tuple[str, ...] = ()  # install phase: files of the old version to drop
+    slot: str = ""  # install phase: the slot switched to ("" in journals of older deltasync)
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """What one slot holds."""
+
+    version: int | None
+    """The version whose verified files it holds; None while it is being rewritten (or empty)."""
+    source: int | None = None
+    """While being rewritten: the version it held before (chunks not yet rewritten keep its bytes)."""
+
+
+@dataclass(frozen=True)
+class SlotsRecord:
+    """The two slots of a copy and which one is served."""
+
+    active: str | None
+    slots: dict[str, SlotInfo] = field(default_factory=dict)
+    boot_id: str = ""  # the boot in which the served slot was last written
+    synced: bool = True  # its bytes were flushed to disk before the switch
+
+    def info(self, name: str) -> SlotInfo:
+        return self.slots.get(name, SlotInfo(None))
+
+    def replace(self, **changes: Any) -> SlotsRecord:
+        fields = {"active": self.active, "slots": dict(self.slots), "boot_id": self.boot_id, "synced": self.synced}
+        fields.update(changes)
+        return SlotsRecord(**fields)
 
 
 def output_files(info: ManifestInfo) -> list[str]:
@@ -234,7 +268,7 @@ class StateDB:
             return WorkInProgress(
                 int(raw["target"]), str(raw["phase"]), float(raw["started_unix"]),
                 int(raw.get("chunks_done", 0)), int(raw.get("chunks_total", 0)),
-                tuple(raw.get("install", ())), tuple(raw.get("remove", ())),
+                tuple(raw.get("install", ())), tuple(raw.get("remove", ())), str(raw.get("slot", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -277,6 +311,62 @@ class StateDB:
         with contextlib.suppress(OSError):
             (self.root / STATE_DIR / _LEGACY_STATE).unlink()
 
+    def slots(self) -> SlotsRecord | None:
+        """The slots record; None for a copy in the layout of older deltasync (files in DIR)."""
+        raw = self._json("slots")
+        if raw is None:
+            return None
+        try:
+            slots = {
+                str(k): SlotInfo(None if v.get("version") is None else int(v["version"]),
+                                 None if v.get("source") is None else int(v["source"]))
+                for k, v in dict(raw.get("slots", {})).items()
+            }
+            active = raw.get("active")
+            return SlotsRecord(None if active is None else str(active), slots, str(raw.get("boot_id", "")),
+                               bool(raw.get("synced", True)))
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+    def slot_manifest(self) -> ManifestInfo | None:
+        return self._manifest("slot_manifest")
+
+    def set_slots(self, record: SlotsRecord, *, slot_manifest: bytes | None = None, wip: WorkInProgress | None = None) -> None:
+        """Write the slots record (and the inactive slot's manifest, and a WIP record) in one transaction."""
+
+        def fn(txn: lmdb.Transaction) -> None:
+            txn.put(b"slots", _slots_json(record))
+            if slot_manifest is not None:
+                txn.put(b"slot_manifest", slot_manifest)
+            if wip is not None:
+                txn.put(b"wip", json.dumps(asdict(wip)).encode())
+
+        self._write(fn)
+
+    def record_switch(self, info: ManifestInfo, record: SlotsRecord, *, repo: str, slot_manifest: bytes | None) -> None:
+        """Record ``info`` as the version held, the slots after a switch, and end the work in
+        progress: one transaction."""
+        from .manifest import serialize
+
+        state = {
+            "version": info.version, "version_digest": info.pb.version_digest.hex(), "files": output_files(info),
+            "repo": repo, "installed_unix": time.time(),
+        }
+        raw_manifest = serialize(info.pb)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            txn.put(b"state", json.dumps(state).encode())
+            txn.put(b"manifest", raw_manifest)
+            txn.put(b"slots", _slots_json(record))
+            if slot_manifest is not None:
+                txn.put(b"slot_manifest", slot_manifest)
+            else:
+                txn.delete(b"slot_manifest")
+            txn.delete(b"wip")
+            txn.delete(b"wip_manifest")
+
+        self._write(fn)
+
     def stats(self) -> dict[str, Any]:
         return self._json("stats") or {}
 
@@ -294,6 +384,13 @@ class StateDB:
             txn.put(b"stats", json.dumps(current).encode())
 
         self._write(fn)
+
+
+def _slots_json(record: SlotsRecord) -> bytes:
+    return json.dumps({
+        "active": record.active, "boot_id": record.boot_id, "synced": record.synced,
+        "slots": {k: {"version": v.version, "source": v.source} for k, v in record.slots.items()},
+    }).encode()
 
 
 def _legacy_state(root: Path) -> LocalState | None:
@@ -384,43 +481,22 @@ def copy_lock(root: str | os.PathLike[str]) -> Iterator[None]:
 
 
 def install_staged(out: str | os.PathLike[str], staging: Path, info: ManifestInfo, *, repo: str = "") -> None:
-    """Move the verified files of ``info`` from ``staging`` into ``out``, drop the files of the
-    old version that ``info`` lacks, and record ``info`` as the version held. Journaled: a
-    process killed at any point leaves a copy that :func:`finish_install` completes."""
-    root = Path(out)
-    with copy_lock(root):
-        db = StateDB.open(root)
-        assert db is not None
-        old = db.state()
-        new_files = output_files(info)
-        remove = sorted(set(old.files if old is not None else ()) - set(new_files))
-        _refuse_symlinks(root, [*new_files, *remove])
-        from .manifest import serialize
+    """Serve the verified files of ``info`` in ``staging`` as the copy's version (slots.py)."""
+    from .slots import install_staged as install
 
-        wip = WorkInProgress(info.version, "install", time.time(), install=tuple(new_files), remove=tuple(remove))
-        db.set_wip(wip, manifest=serialize(info.pb))
-        _apply_journal(root, staging, info, wip, db, repo or (old.repo if old is not None else ""))
+    install(out, staging, info, repo=repo)
 
 
 def finish_install(out: str | os.PathLike[str]) -> int | None:
-    """Complete an install that a crash interrupted; returns its version, or None if none was."""
-    root = Path(out)
-    db = StateDB.open(root, create=False)
-    if db is None:
-        return None
-    wip = db.wip()
-    if wip is None or wip.phase != "install":
-        return None
-    info = db.wip_manifest()
-    if info is None or info.version != wip.target:  # pragma: no cover - written in one transaction
-        db.set_wip(None)
-        return None
-    held = db.state()
-    _apply_journal(root, root / STATE_DIR / INCOMING, info, wip, db, held.repo if held is not None else "")
-    return info.version
+    """Complete a switch (or an older deltasync's install) that a crash interrupted; returns
+    its version, or None if none was."""
+    from .slots import finish_switch
+
+    return finish_switch(Path(out))
 
 
-def _apply_journal(root: Path, staging: Path, info: ManifestInfo, wip: WorkInProgress, db: StateDB, repo: str) -> None:
+def apply_legacy_journal(root: Path, staging: Path, info: ManifestInfo, wip: WorkInProgress, db: StateDB, repo: str) -> None:
+    """Finish an install journaled by older deltasync (files moved from ``incoming/`` into ``root``)."""
     # Drop the old version's extra files first, and the directories that leaves empty, so
     # that a path which is a directory in one version and a file in the other installs.
     for rel in wip.remove:
@@ -504,6 +580,8 @@ __all__ = [
     "LocalState",
     "ProgressRecorder",
     "PullStopped",
+    "SlotInfo",
+    "SlotsRecord",
     "StateDB",
     "WorkInProgress",
     "copy_lock",

@@ -17,9 +17,7 @@ import heapq
 import logging
 import math
 import os
-import shutil
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +29,6 @@ import numpy as np
 import numpy.typing as npt
 
 from . import dtypes
-from .checkpoint import FileReader, build_header
 from .codec import FULL, SAME, EncodedChunk
 from .digest import StreamDigest, digest
 from .errors import (
@@ -43,26 +40,21 @@ from .errors import (
     VersionNotFoundError,
 )
 from .fetch import PackFetcher
-from .localstate import (
-    INCOMING,
-    LIBRARY_FILE,
-    STATE_DIR,
-    LocalState,
-    ProgressRecorder,
-    PullStopped,
-    StateDB,
-    WorkInProgress,
-    copy_lock,
-    finish_install,
-)
 from .localstate import install_staged as install_staged
 from .localstate import read_local_state as read_local_state  # re-exported: the publisher's cache, tests
 from .localstate import write_local_state as write_local_state
-from .manifest import ManifestInfo, check_relpath, key_of
+from .manifest import ManifestInfo, key_of
+from .placement import Placement as Placement  # re-exported: placement.py holds them now
+from .placement import file_digest as file_digest
+from .placement import logical_shape
+from .placement import placements as placements
+from .placement import read_placed as read_placed
+from .placement import version_files as version_files
+from .placement import write_placed as write_placed
 from .progress import Progress
 from .repository import Repository, open_repository
 from .signing import PublicKeyLike
-from .slices import Region, byte_span, check_region, copy_region, intersect, runs
+from .slices import Region, byte_span, check_region, copy_region, intersect
 from .storage import Store
 from .tensors import bits_to_tensor
 from .v1 import manifest_pb2 as pb
@@ -70,187 +62,10 @@ from .v1 import manifest_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
+    from .slotfill import FillResult
+
 Bits = npt.NDArray[np.uint8]
 log = logging.getLogger(__name__)
-
-
-# -- local state of a directory copy: see localstate.py --------------------------------------------
-
-# -- directory copies: where entries live in files, and files being rebuilt -----------------------
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one manifest entry's bytes live in a directory copy of its version."""
-
-    file: str  # relative path
-    start: int  # offset in the file of the entry's data (of the whole logical tensor, for a slice)
-    tensor: pb.Tensor
-
-
-def placements(info: ManifestInfo) -> dict[str, Placement]:
-    """Entry key -> placement, for a version of files or a library version (one file)."""
-    if info.pb.files:
-        headers = {f.path: len(f.header) for f in info.pb.files}
-        return {key_of(t): Placement(t.file, headers[t.file] + t.data_offset, t) for t in info.pb.tensors}
-    header, offsets = _library_layout(info)
-    return {key_of(t): Placement(LIBRARY_FILE, len(header) + offsets[t.name], t) for t in info.pb.tensors}
-
-
-def version_files(info: ManifestInfo) -> list[pb.File]:
-    """The files of a version in a directory (a library version: one safetensors file)."""
-    if info.pb.files:
-        return list(info.pb.files)
-    header, _ = _library_layout(info)
-    size = len(header) + sum(math.prod(_logical_shape(t)) * dtypes.itemsize(t.dtype) for t in _first_of_each_name(info))
-    return [pb.File(path=LIBRARY_FILE, kind=pb.File.SAFETENSORS, header=header, size=size)]
-
-
-def read_placed(reader: FileReader, root: Path, p: Placement, off: int, length: int) -> Bits:
-    """Bytes [off, off + length) of entry ``p`` from its file under ``root`` (CheckpointError
-    when the file is missing or short)."""
-    t = p.tensor
-    if not t.full_shape:
-        return reader.read(root / p.file, p.start + off, length)
-    buf = np.empty(length, dtype=np.uint8)
-    for dst, src, n in runs(t.full_shape, t.slice_offsets, t.shape, dtypes.itemsize(t.dtype), off, off + length):
-        buf[src : src + n] = reader.read(root / p.file, p.start + dst, n)
-    return buf
-
-
-def write_placed(fd: int, p: Placement, off: int, data: Bits) -> None:
-    t = p.tensor
-    if not t.full_shape:
-        os.pwrite(fd, data.data, p.start + off)
-        return
-    for dst, src, n in runs(t.full_shape, t.slice_offsets, t.shape, dtypes.itemsize(t.dtype), off, off + len(data)):
-        os.pwrite(fd, data[src : src + n].data, p.start + dst)
-
-
-def file_digest(path: Path) -> bytes | None:
-    """Digest of a regular file's bytes, or None when it is not one (or unreadable)."""
-    d = StreamDigest()
-    try:
-        if path.is_symlink() or not path.is_file():
-            return None
-        with open(path, "rb") as fh:
-            while block := fh.read(8 << 20):
-                d.update(block)
-    except OSError:
-        return None
-    return d.digest()
-
-
-def held_manifest(db: StateDB, state: LocalState | None, repo: Repository | None) -> ManifestInfo | None:
-    """The manifest of the version a copy holds: recorded in the copy (so it serves even
-    after gc deleted that version upstream), else from the repository (older copies)."""
-    if state is None:
-        return None
-    held = db.manifest()
-    if held is not None and held.version == state.version:
-        return held
-    if repo is None:
-        return None
-    try:
-        return repo.manifest(state.version)
-    except DeltasyncError:
-        return None
-
-
-def begin_staging(root: Path, db: StateDB, info: ManifestInfo) -> tuple[Path, ProgressRecorder, bool]:
-    """The staging directory for a pull of ``info``, the work-in-progress record written,
-    and whether it holds files of an interrupted pull (worth checking chunk by chunk)."""
-    staging = root / STATE_DIR / INCOMING
-    prev = db.wip()
-    if any(t.full_shape for t in info.pb.tensors) and (prev is None or prev.target != info.version):
-        # Parts of sliced tensors that no rank published must read as zeros, and only a
-        # fresh file guarantees that: no file digest would catch stale bytes there.
-        shutil.rmtree(staging, ignore_errors=True)
-    resuming = staging.is_dir() and any(staging.iterdir())
-    staging.mkdir(parents=True, exist_ok=True)
-    wip = WorkInProgress(info.version, "fetch", time.time(), 0, sum(len(t.chunks) for t in info.pb.tensors))
-    db.set_wip(wip)
-    return staging, ProgressRecorder(db, wip), resuming
-
-
-class StagedFiles:
-    """The files of one version being rebuilt under ``staging``: safetensors files get their
-    header and final size up front (bytes already there are kept: a resumed pull's chunks),
-    then chunks are written at their placements."""
-
-    def __init__(self, info: ManifestInfo, staging: Path) -> None:
-        self.info = info
-        self.staging = staging
-        self.places = placements(info)
-        self.files = files = version_files(info)
-        self.blobs = [f for f in files if f.kind == pb.File.BLOB]
-        self.fds: dict[str, int] = {}
-        self.digests: dict[str, StreamDigest] = {}
-        for f in files:
-            _make_room(staging, self.path(f.path))
-
-    def path(self, rel: str) -> Path:
-        return self.staging / check_relpath(rel)
-
-    def open(self) -> None:
-        for f in self.files:
-            if f.kind != pb.File.SAFETENSORS:
-                continue
-            path = self.path(f.path)
-            fd = self.fds[f.path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.pwrite(fd, f.header, 0)
-            os.ftruncate(fd, f.size)
-            self.digests[f.path] = StreamDigest()
-            self.digests[f.path].update(f.header)
-
-    def write(self, t: pb.Tensor, off: int, data: Bits, *, streamed: bool = True) -> None:
-        """Write a verified chunk; ``streamed``: chunks come in file order (file digests accumulate)."""
-        p = self.places[key_of(t)]
-        write_placed(self.fds[p.file], p, off, data)
-        if streamed and not t.full_shape:  # library versions carry no file digest: every chunk is verified
-            self.digests[p.file].update(data)
-
-    def verify_streamed(self) -> None:
-        for f in self.info.pb.files:
-            if f.kind == pb.File.SAFETENSORS:
-                self._check(f, self.digests[f.path].digest())
-
-    def verify_by_reading(self) -> None:
-        """Check every file's digest by reading it back (after chunks written in any order)."""
-        for f in self.info.pb.files:
-            if f.kind == pb.File.SAFETENSORS:
-                self._check(f, file_digest(self.path(f.path)) or b"")
-
-    def _check(self, f: pb.File, actual: bytes) -> None:
-        if actual != f.digest:
-            raise ChecksumMismatchError(
-                version=self.info.version, tensor=f"<file {f.path}>", chunk=-1,
-                expected=f.digest.hex(), actual=actual.hex(),
-            )
-
-    def fsync(self) -> None:
-        for fd in self.fds.values():
-            os.fsync(fd)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
-def _make_room(staging: Path, path: Path) -> None:
-    """Clear what an interrupted pull of another version left in the way of ``path``: a
-    directory where the file goes, or a file where one of its directories goes."""
-    d = staging
-    for part in path.relative_to(staging).parts[:-1]:
-        d = d / part
-        if d.is_symlink() or (d.exists() and not d.is_dir()):
-            d.unlink()
-    if path.is_symlink():
-        path.unlink()  # never write through a link
-    elif path.is_dir():
-        shutil.rmtree(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def state_url(url: str) -> str:
@@ -517,111 +332,50 @@ class Subscriber:
     # -- directories -------------------------------------------------------------------------
 
     def pull_to_dir(
-        self, out: str | os.PathLike[str], version: int | None = None, *, stop: Callable[[], bool] | None = None
+        self,
+        out: str | os.PathLike[str],
+        version: int | None = None,
+        *,
+        stop: Callable[[], bool] | None = None,
+        move_aside: bool = False,
+        fsync: bool = False,
     ) -> int:
         """Bring directory ``out`` to ``version`` (default: latest); returns the version.
 
-        Files are rebuilt byte for byte in ``out/.deltasync/incoming`` and moved into place
-        only once every chunk and every file digest is verified; on any error ``out`` keeps
-        the version it held. Staged files outlive an interrupted pull (an error, a kill, a
-        ``stop``): the next pull, to any version, reuses every staged chunk whose digest is
-        its target's, so it resumes instead of starting over. The move into place is
-        journaled in the copy's state (localstate.py): a pull killed there is finished, not
-        redone, by the next one. ``stop`` is asked between chunks; once it returns True the
-        pull raises PullStopped. Another process changing ``out`` meanwhile gets CopyInUseError.
+        See :meth:`update_dir`, which also says what the update took."""
+        return self.update_dir(out, version, stop=stop, move_aside=move_aside, fsync=fsync).version
+
+    def update_dir(
+        self,
+        out: str | os.PathLike[str],
+        version: int | None = None,
+        *,
+        stop: Callable[[], bool] | None = None,
+        move_aside: bool = False,
+        fsync: bool = False,
+    ) -> FillResult:
+        """Bring directory ``out`` to ``version`` (default: latest), in O(changed bytes).
+
+        ``out`` keeps two slots of files (slots.py): the one not served is brought to the
+        target in place (slotfill.py), every chunk written is verified, and one atomic
+        switch serves it; on any error ``out`` keeps serving what it served. A fill that
+        stops (an error, a kill, ``stop``) is resumed by the next pull, to any version.
+        ``stop`` is asked between chunks; once it returns True the pull raises PullStopped.
+        Files in ``out`` that are not the repository's are refused (UsageError naming them)
+        or, with ``move_aside``, moved into ``out/.deltasync/aside/``. ``fsync`` flushes the
+        slot to disk before the switch (else a copy is checked after a power loss). Another
+        process changing ``out`` meanwhile gets CopyInUseError.
         """
+        from .slotfill import update_copy
+
         target = self.repo.resolve(version)
         info = self.repo.manifest(target)
         root = Path(out)
         root.mkdir(parents=True, exist_ok=True)
-        with copy_lock(root):
-            self._pull_dir(root, info, stop=stop)
-        return target
+        return update_copy(self, root, info, stop=stop, move_aside=move_aside, fsync=fsync, repo_url=state_url(self.repo.url))
 
-    def _pull_dir(self, root: Path, info: ManifestInfo, *, stop: Callable[[], bool] | None = None) -> None:
-        finish_install(root)  # a pull killed while moving files into place: complete it first
-        db = StateDB.open(root)
-        assert db is not None
-        state = db.state()
-        staging, recorder, resuming = begin_staging(root, db, info)
-        with FileReader() as reader:
-            local = self._dir_local(root, db, state, reader, staging=staging if resuming else None, target=info)
-            self._pull_files(info, staging, local, stop=stop, recorder=recorder, root=root)
-        install_staged(root, staging, info, repo=state_url(self.repo.url))
-
-    def _dir_local(
-        self,
-        root: Path,
-        db: StateDB,
-        state: LocalState | None,
-        reader: FileReader,
-        *,
-        staging: Path | None,
-        target: ManifestInfo,
-    ) -> _LocalBits:
-        """Bits at hand: a chunk an interrupted pull staged under ``staging`` when its digest
-        is the target's, else the bits of the version held (whatever their state: checked by digest)."""
-        held = held_manifest(db, state, self.repo)
-        held_at = placements(held) if held is not None else {}
-        target_at = placements(target)
-
-        def read(key: str, off: int, length: int) -> Bits | None:
-            p = target_at.get(key)
-            if p is not None and staging is not None:
-                idx = off // target.codec.chunk_step(dtypes.element_width(p.tensor.dtype))
-                with contextlib.suppress(DeltasyncError):
-                    bits = read_placed(reader, staging, p, off, length)
-                    if idx < len(p.tensor.chunks) and digest(bits) == p.tensor.chunks[idx].target_digest:
-                        return bits
-            h = held_at.get(key)
-            if h is None or off + length > h.tensor.nbytes:
-                return None
-            try:
-                return read_placed(reader, root, h, off, length)
-            except DeltasyncError:
-                return None  # missing or truncated local file: repair from the repository
-
-        return _LocalBits(state.version if state is not None else None, read)
-
-    def _pull_files(
-        self,
-        info: ManifestInfo,
-        staging: Path,
-        local: _LocalBits | None,
-        *,
-        stop: Callable[[], bool] | None = None,
-        recorder: ProgressRecorder | None = None,
-        root: Path | None = None,
-    ) -> None:
-        staged = StagedFiles(info, staging)
-        try:
-            for f in staged.blobs:
-                if stop is not None and stop():
-                    raise PullStopped(info.version)
-                self._write_blob(f, staged.path(f.path), root)
-            staged.open()
-
-            def sink(t: pb.Tensor, off: int, data: Bits) -> None:
-                if stop is not None and stop():
-                    raise PullStopped(info.version)
-                staged.write(t, off, data)
-                if recorder is not None:
-                    recorder.advance()
-
-            self._run(info, local, sink)
-            staged.verify_streamed()
-            staged.fsync()
-        finally:
-            staged.close()
-
-    def _write_blob(self, f: pb.File, path: Path, root: Path | None = None) -> None:
-        """A non-tensor file: already staged, or unchanged in ``root`` (copied), or downloaded."""
-        if file_digest(path) == f.digest:
-            return  # staged by an interrupted pull
-        if root is not None and file_digest(root / f.path) == f.digest:
-            shutil.copyfile(root / f.path, path)
-            if file_digest(path) == f.digest:
-                return
+    def _write_blob(self, f: pb.File, path: Path) -> None:
+        """Download non-tensor file ``f`` to ``path``, checked against its digest."""
         d = StreamDigest()
         with open(path, "wb") as fh:
             for part in f.blob_parts:
@@ -646,7 +400,7 @@ class Subscriber:
         dest: dict[str, Bits] | None = None,
         want: Want | None = None,
         squashes: bool = True,
-    ) -> None:
+    ) -> Plan:
         """Materialise the chunks of ``info`` (all, or those in ``want``) in order: into
         ``dest`` arrays by entry key (written by the workers), and through ``sink`` (called in
         order on this thread). Without ``squashes`` only the stored chains are read."""
@@ -758,6 +512,7 @@ class Subscriber:
                     fut.cancel()
                 raise
         progress.finish()
+        return plan
 
     def _apply(
         self,
@@ -838,8 +593,6 @@ class _Request:
     parts: list[pb.Tensor]  # manifest entries that may hold some of it
 
 
-def _logical_shape(t: pb.Tensor) -> tuple[int, ...]:
-    return tuple(t.full_shape) if t.full_shape else tuple(t.shape)
 
 
 def _select(
@@ -858,13 +611,13 @@ def _select(
     requests: dict[str, _Request] = {}
     if tensors is None and regions is None:
         for name, parts in groups.items():
-            shape = _logical_shape(parts[0])
+            shape = logical_shape(parts[0])
             requests[name] = _Request(parts[0].dtype, (0,) * len(shape), shape, parts)
         return None, requests
     want: dict[str, set[int]] = {}
     for name in tensors or ():
         parts = parts_of(name)
-        shape = _logical_shape(parts[0])
+        shape = logical_shape(parts[0])
         requests[name] = _Request(parts[0].dtype, (0,) * len(shape), shape, parts)
         for t in parts:
             want.setdefault(key_of(t), set()).update(range(len(t.chunks)))
@@ -873,7 +626,7 @@ def _select(
             raise UsageError(f"tensor {name!r} is asked for both whole and as a region")
         parts = parts_of(name)
         offsets, shape = tuple(region.offsets), tuple(region.shape)
-        check_region(_logical_shape(parts[0]), offsets, shape)
+        check_region(logical_shape(parts[0]), offsets, shape)
         requests[name] = _Request(parts[0].dtype, offsets, shape, parts)
         itemsize = dtypes.itemsize(parts[0].dtype)
         for t in parts:
@@ -899,20 +652,3 @@ def _assemble(req: _Request, out: dict[str, Bits]) -> torch.Tensor:
         if inter is not None:
             copy_region(out[key_of(t)], e_off, tuple(t.shape), buf, req.offsets, req.shape, inter[0], inter[1], itemsize)
     return bits_to_tensor(buf, req.dtype, req.shape)
-
-
-def _first_of_each_name(info: ManifestInfo) -> list[pb.Tensor]:
-    seen: dict[str, pb.Tensor] = {}
-    for t in info.pb.tensors:
-        seen.setdefault(t.name, t)
-    return list(seen.values())
-
-
-def _library_layout(info: ManifestInfo) -> tuple[bytes, dict[str, int]]:
-    """The safetensors header of a version published from a state dict, and each tensor's
-    data offset in it (sliced tensors appear once, whole, in their logical shape)."""
-    firsts = _first_of_each_name(info)
-    header, offsets = build_header([
-        (t.name, t.dtype, _logical_shape(t), math.prod(_logical_shape(t)) * dtypes.itemsize(t.dtype)) for t in firsts
-    ])
-    return header, {t.name: o for t, o in zip(firsts, offsets, strict=True)}
