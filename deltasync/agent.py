@@ -56,6 +56,7 @@ from .localstate import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lo
 from .metrics import Metric, MetricsServer
 from .repository import LATEST, Repository
 from .signing import PublicKeyLike
+from .slotfill import update_copy
 from .storage import Store, open_store
 from .subscriber import Subscriber, state_url
 
@@ -412,8 +413,8 @@ class Agent:
         # Forwards or back, the slot not served is brought to the target in place (slotfill.py);
         # payloads of the deltas it walks come from the kept objects when they are there.
         self.store.capture = self._capture(repo, previous, target)
-        result = sub.update_dir(self.root, target, stop=self._should_stop, move_aside=self.config.move_aside,
-                                fsync=self.config.fsync)
+        result = update_copy(sub, self.root, repo.manifest(target), stop=self._should_stop,
+                             move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
         return str(result)
 
     def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:

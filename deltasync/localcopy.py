@@ -174,8 +174,10 @@ def _check(root: Path, data: Path, info: ManifestInfo, workers: int) -> CheckRep
     if data != root:
         for rel in output_files(info):
             link = root / rel
-            if not (link.is_symlink() and os.readlink(link) == link_target(rel)):
-                report.drifted.append(Drift(rel, "", -1, "link to the served version missing"))
+            if not os.path.lexists(link):
+                report.drifted.append(Drift(rel, "", -1, "missing"))
+            elif not (link.is_symlink() and os.readlink(link) == link_target(rel)):
+                report.drifted.append(Drift(rel, "", -1, "replaced (not the link to the served version)"))
         report.foreign = foreign_files(root, output_files(info))
     places = placements(info)
     by_file: dict[str, list[Placement]] = {}

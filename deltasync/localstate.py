@@ -122,6 +122,9 @@ class SlotInfo:
     """The version whose verified files it holds; None while it is being rewritten (or empty)."""
     source: int | None = None
     """While being rewritten: the version it held before (chunks not yet rewritten keep its bytes)."""
+    files: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """(size, mtime, ctime, inode) of each file when the slot was verified: a file whose
+    stat differs has been written since (through a link, say) and is trusted only by digest."""
 
 
 @dataclass(frozen=True)
@@ -319,7 +322,8 @@ class StateDB:
         try:
             slots = {
                 str(k): SlotInfo(None if v.get("version") is None else int(v["version"]),
-                                 None if v.get("source") is None else int(v["source"]))
+                                 None if v.get("source") is None else int(v["source"]),
+                                 {str(f): tuple(int(x) for x in st) for f, st in dict(v.get("files", {})).items()})
                 for k, v in dict(raw.get("slots", {})).items()
             }
             active = raw.get("active")
@@ -366,6 +370,8 @@ class StateDB:
             txn.delete(b"wip_manifest")
 
         self._write(fn)
+        with contextlib.suppress(OSError):
+            (self.root / STATE_DIR / _LEGACY_STATE).unlink()
 
     def stats(self) -> dict[str, Any]:
         return self._json("stats") or {}
@@ -389,7 +395,7 @@ class StateDB:
 def _slots_json(record: SlotsRecord) -> bytes:
     return json.dumps({
         "active": record.active, "boot_id": record.boot_id, "synced": record.synced,
-        "slots": {k: {"version": v.version, "source": v.source} for k, v in record.slots.items()},
+        "slots": {k: {"version": v.version, "source": v.source, "files": v.files} for k, v in record.slots.items()},
     }).encode()
 
 

@@ -71,6 +71,7 @@ from .slots import (
     settle_foreign,
     slot_dir,
     switch,
+    untouched,
 )
 from .v1 import manifest_pb2 as pb
 
@@ -102,10 +103,14 @@ class FillResult:
     def __str__(self) -> str:
         if self.held:
             return f"already at version {self.version}"
+        if not self.rebuilt:
+            how = "local"
+        else:
+            how = f"pull from version {self.plan_base}" if self.plan_base is not None else "pull from a snapshot"
         parts = [f"{self.walked} chunks updated in place", f"{self.skipped} unchanged", f"{self.rebuilt} rebuilt"]
         if self.files_copied:
             parts.append(f"{self.files_copied} files copied")
-        return ", ".join(parts)
+        return f"{how}: " + ", ".join(parts)
 
 
 def update_copy(
@@ -128,11 +133,12 @@ def update_copy(
         record = ensure_slots(root, db)
         state = db.state()
         held = _held(db, sub, state.version if state is not None else None)
-        settle_foreign(root, output_files(held) if held is not None else (), move_aside=move_aside)
+        settle_foreign(root, output_files(held) if held is not None else (), output_files(info), move_aside=move_aside)
         record = _after_power_loss(sub, root, db, record)
         if held is not None and record.active is not None and held.version == info.version:
             if db.wip() is not None:
                 db.set_wip(None)  # an interrupted move elsewhere: its slot stays marked dirty
+            _repair_if_touched(sub, root, db, record, held)
             return FillResult(info.version, held.version, held=True)
         name = other(record.active)
         result = _Fill(sub, root, db, record, name, held, info, stop).run()
@@ -149,6 +155,22 @@ def _held(db: StateDB, sub: Subscriber, version: int | None) -> ManifestInfo | N
     with contextlib.suppress(DeltasyncError):
         return sub.repo.manifest(version)
     return None
+
+
+def _repair_if_touched(sub: Subscriber, root: Path, db: StateDB, record: SlotsRecord, held: ManifestInfo) -> None:
+    """Check and repair the served files written since they were verified (through a link,
+    say): a pull to the version held costs a few stats, unless something changed them."""
+    from .localcopy import check_copy
+    from .slots import slot_stats
+
+    assert record.active is not None
+    files = output_files(held)
+    if all(untouched(root, record.active, record.info(record.active), rel) for rel in files):
+        return
+    log.warning("%s: files of the served version were written since they were verified; checking them", root)
+    check_copy(root, repo=sub.repo, repair=True, workers=sub.workers)
+    slots = {**record.slots, record.active: SlotInfo(held.version, files=slot_stats(root, record.active, files))}
+    db.set_slots(record.replace(slots=slots))
 
 
 def _after_power_loss(sub: Subscriber, root: Path, db: StateDB, record: SlotsRecord) -> SlotsRecord:
@@ -186,7 +208,7 @@ class _Fill:
         self.slot = slot_dir(root, name)
         self.active = slot_dir(root, record.active) if record.active is not None else None
         self.result = FillResult(info.version, held.version if held is not None else None)
-        mine = record.info(name)
+        mine = self.mine = record.info(name)
         recorded = db.slot_manifest()
         start = mine.version if mine.version is not None else mine.source
         self.own = recorded if recorded is not None and start is not None and recorded.version == start else None
@@ -233,20 +255,27 @@ class _Fill:
         # Same size and header length: every entry of the data section can stay where it is
         # (chunk digests say which did); the header itself (its metadata) is rewritten in place.
         ok = _same_shape(path, f)
-        if ok and self.clean and self.own is not None and _file_of(self.own, f.path) == (len(f.header), f.size):
+        # The slot's own version, unless no delta chain leads from it and one leads from the
+        # version served (a rollback across a snapshot, say): then a copy of the served file.
+        own_walks = self.own is not None and (self._path(self.own) is not None or self.held is None
+                                              or self._path(self.held) is None)
+        if ok and own_walks and self.clean and self.own is not None and _file_of(self.own, f.path) == (len(f.header), f.size):
+            trusted = untouched(self.root, self.name, self.mine, f.path)
             _write_header(path, f)
-            return "own"
+            return "own" if trusted else "probe"  # written since it was verified: trust only digests
         if ok and not self.clean:
             _write_header(path, f)
             return "probe"
         if self.held is not None and self.active is not None and _file_of(self.held, f.path) == (len(f.header), f.size):
             src = self.active / f.path
             if _same_shape(src, f):
+                assert self.record.active is not None
+                trusted = untouched(self.root, self.record.active, self.record.info(self.record.active), f.path)
                 _replace_with(path, lambda tmp: shutil.copyfile(src, tmp))
                 _write_header(path, f)
                 self.result.files_copied += 1
                 self.result.bytes_written += f.size
-                return "held"
+                return "held" if trusted else "probe"
 
         def fresh(tmp: Path) -> None:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -261,7 +290,7 @@ class _Fill:
 
     def _prepare_blob(self, f: pb.File, path: Path) -> None:
         own = self.own.pb.files if self.clean and self.own is not None else ()
-        if any(o.path == f.path and o.digest == f.digest for o in own) and path.is_file():
+        if any(o.path == f.path and o.digest == f.digest for o in own) and untouched(self.root, self.name, self.mine, f.path):
             return  # recorded as verified, untouched since
         if file_digest(path) == f.digest:
             return
@@ -333,11 +362,8 @@ class _Fill:
                         recorder.advance()
                         continue
                     if d is not None and p.contiguous and start is not None:
+                        # Ranged reads only (no expect()): kept payloads are ranges of packs.
                         jobs.append((p, idx, off, length, [(start, d)]))
-                        for s_info, c in self._steps(start, key, idx) or ():
-                            if c.encoding != SAME:
-                                pack = s_info.pb.packs[c.pack]
-                                fetcher.expect(pack.key, pack.size, c.length)
                         continue
                 elif mode == "probe" and p.contiguous:
                     candidates: list[tuple[ManifestInfo | None, bytes]] = [(None, target)]

@@ -81,6 +81,26 @@ def boot_id() -> str:
         return ""
 
 
+def file_stat(path: Path) -> tuple[int, ...] | None:
+    """What tells a file was written since it was verified: (size, mtime, ctime, inode)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def slot_stats(root: Path, name: str, files: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    found = {rel: file_stat(slot_dir(root, name) / rel) for rel in files}
+    return {rel: st for rel, st in found.items() if st is not None}
+
+
+def untouched(root: Path, name: str, info: SlotInfo, rel: str) -> bool:
+    """Whether file ``rel`` of slot ``name`` is as it was when the slot was verified."""
+    recorded = info.files.get(rel)
+    return recorded is not None and tuple(recorded) == file_stat(slot_dir(root, name) / rel)
+
+
 def fsync_dir(d: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(d, os.O_RDONLY)
@@ -155,10 +175,24 @@ def make_link(root: Path, rel: str) -> None:
     want = link_target(rel)
     if path.is_symlink() and os.readlink(path) == want:
         return
+    parts = rel.split("/")
+    for i in range(1, len(parts)):  # a file in the old version, a directory in the new one
+        drop_link(root, "/".join(parts[:i]))
     _refuse_symlinked_dirs(root, rel)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)  # a directory in the old version, a file in the new one
+    if path.is_dir() and not path.is_symlink():  # a directory in the old version, a file in the new one
+        for p in sorted(path.rglob("*"), reverse=True):
+            sub = p.relative_to(root).as_posix()
+            if p.is_symlink() and os.readlink(p) == link_target(sub):
+                p.unlink()
+            elif p.is_dir() and not p.is_symlink():
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+        try:
+            path.rmdir()
+        except OSError:
+            raise CheckpointError(str(path), "is a directory holding files that are not the repository's, "
+                                  f"where the version has the file {rel}") from None
     tmp = path.with_name(f".{path.name}.deltasync-link")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
@@ -201,8 +235,6 @@ def switch(root: Path, db: StateDB, name: str, info: ManifestInfo, *, repo: str,
     old = db.state()
     new_files = output_files(info)
     remove = sorted(set(old.files if old is not None else ()) - set(new_files))
-    for rel in new_files:
-        _refuse_symlinked_dirs(root, rel)
     wip = WorkInProgress(info.version, "install", time.time(), install=tuple(new_files), remove=tuple(remove), slot=name)
     db.set_wip(wip, manifest=serialize(info.pb))
     record = db.slots() or SlotsRecord(None)
@@ -242,10 +274,10 @@ def _apply_switch(root: Path, db: StateDB, info: ManifestInfo, wip: WorkInProgre
     record = db.slots() or SlotsRecord(None)
     held = db.manifest()
     previous = record.active
-    slots = {wip.slot: SlotInfo(info.version)}
+    slots = {wip.slot: SlotInfo(info.version, files=slot_stats(root, wip.slot, output_files(info)))}
     raw_previous: bytes | None = None
     if previous is not None and previous != wip.slot and held is not None:
-        slots[previous] = SlotInfo(held.version)
+        slots[previous] = SlotInfo(held.version, files=record.info(previous).files)
         raw_previous = serialize(held.pb)
     db.record_switch(
         info, SlotsRecord(wip.slot, slots, boot_id(), record.synced), repo=repo, slot_manifest=raw_previous,
@@ -275,10 +307,26 @@ def install_staged(out: str | os.PathLike[str], staging: Path, info: ManifestInf
 # -- files that are not the version's ---------------------------------------------------------------
 
 
-def foreign_files(root: Path, owned: Iterable[str]) -> list[str]:
-    """Files and links in ``root`` that are not the links of ``owned`` files (hidden entries,
-    whose names start with a dot, are left out: loaders do not read them)."""
+#: Files a model loader may read from a directory: weights, configs, tokenizers.
+LOADER_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".onnx", ".json",
+    ".model", ".tiktoken",
+)
+LOADER_NAMES = ("vocab.txt", "merges.txt")
+
+
+def loader_reads(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return name.endswith(LOADER_SUFFIXES) or name in LOADER_NAMES
+
+
+def foreign_files(root: Path, owned: Iterable[str], also: Iterable[str] = ()) -> list[str]:
+    """Files and links in ``root`` that a loader may read (weights, configs, tokenizers; see
+    :data:`LOADER_SUFFIXES`) and that are not the links of ``owned`` files, plus any that
+    sit where the version to install (``also``) has a file. Hidden entries (names starting
+    with a dot) and other files (notes, READMEs) are left alone."""
     mine = set(owned)
+    wanted = set(also)
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
@@ -290,16 +338,17 @@ def foreign_files(root: Path, owned: Iterable[str]) -> list[str]:
                 continue
             rel = (here / name).relative_to(root).as_posix()
             path = here / name
-            if rel in mine and path.is_symlink() and os.readlink(path) == link_target(rel):
+            if path.is_symlink() and os.readlink(path) == link_target(rel) and (rel in mine or rel in wanted):
                 continue
-            found.append(rel)
+            if loader_reads(rel) or rel in wanted:
+                found.append(rel)
     return sorted(found)
 
 
-def settle_foreign(root: Path, owned: Iterable[str], *, move_aside: bool) -> list[str]:
+def settle_foreign(root: Path, owned: Iterable[str], also: Iterable[str] = (), *, move_aside: bool) -> list[str]:
     """Refuse (UsageError naming them) or move into ``DIR/.deltasync/aside/<time>/`` the
     files of ``root`` that are not the copy's: a loader would read them beside the version."""
-    found = foreign_files(root, owned)
+    found = foreign_files(root, owned, also)
     if not found:
         return []
     if not move_aside:

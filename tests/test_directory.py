@@ -41,6 +41,9 @@ from deltasync import (
     Subscriber,
     VersionNotFoundError,
 )
+from deltasync.localcache import CachedStore
+from deltasync.localstate import StateDB
+from deltasync.storage import LocalStore
 from deltasync.subscriber import read_local_state
 
 CHUNK = 16 << 10  # several chunks per tensor, so chunk-level paths are exercised
@@ -178,13 +181,13 @@ def test_same_version_again_fetches_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     sub = subscriber(repo)
     sub.pull_to_dir(out, 1)
-    sub.pull_to_dir(out, 2)
-    plan = sub.last_plan
-    assert plan is not None and plan.base == 1  # incremental: only the delta is fetched
-    assert plan.fetch_bytes == Repository(str(repo)).manifest(2).pb.stored_bytes - _blob_bytes(repo, 2)
-    sub.pull_to_dir(out, 2)
-    plan = sub.last_plan
-    assert plan is not None and plan.base == 2 and plan.fetch_bytes == 0
+    store = CachedStore(LocalStore(str(repo)))
+    result = Subscriber(Repository(store), progress=False).update_dir(out, 2)
+    assert result.rebuilt == 0 and result.walked > 0  # incremental: only the delta is fetched, applied in place
+    assert store.fetched.get("packs", 0) <= Repository(str(repo)).manifest(2).pb.stored_bytes - _blob_bytes(repo, 2)
+    store = CachedStore(LocalStore(str(repo)))
+    assert Subscriber(Repository(store), progress=False).update_dir(out, 2).held
+    assert store.fetched.get("packs", 0) == 0
     assert tree_digests(out) == tree_digests(ckpts[1])
 
 
@@ -596,35 +599,57 @@ def test_incremental_pull_repairs_damaged_copy(tmp_path: Path, shards: int) -> N
     assert tree_digests(out) == tree_digests(ckpts[2])
 
 
-def test_pull_after_interrupted_pull(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pull that dies halfway leaves the previous version in place; the next one completes."""
-    ckpts, repo = snapshot_and_delta(tmp_path)
+@pytest.mark.parametrize("where", ["walk", "rebuild"])
+def test_pull_after_interrupted_pull(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A pull that dies halfway (walking chunks in place, or rebuilding them) leaves the
+    served version untouched; the slot it was writing is marked dirty, and the next pull
+    hashes its chunks and resumes to the exact target."""
+    from deltasync import slotfill
+
+    ckpts = make_versions(tmp_path / "ckpt", 3)
+    repo = tmp_path / "repo"
+    for ckpt in ckpts:
+        Publisher(str(repo), config()).publish_dir(ckpt)
     out = tmp_path / "out"
-    subscriber(repo).pull_to_dir(out, 1)
-    before = tree_digests(out)
+    # "walk": both slots in use, so the next pull walks the slot of version 1 in place.
+    # "rebuild": a first pull, filled through the chunk pipeline.
+    for v in (1, 2) if where == "walk" else ():
+        subscriber(repo).pull_to_dir(out, v)
+    before = tree_digests(out) if where == "walk" else {}
 
     calls = 0
-    real_apply = Subscriber._apply
+    real = slotfill._Fill._walk if where == "walk" else Subscriber._apply
 
-    def dying_apply(self: Subscriber, *args: object, **kwargs: object) -> object:
+    def dying(self: object, *args: object, **kwargs: object) -> object:
         nonlocal calls
         calls += 1
-        if calls == 5:
+        if calls == 3:
             raise KeyboardInterrupt
-        return real_apply(self, *args, **kwargs)  # type: ignore[arg-type]
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Subscriber, "_apply", dying_apply)
+    if where == "walk":
+        monkeypatch.setattr(slotfill._Fill, "_walk", dying)
+    else:
+        monkeypatch.setattr(Subscriber, "_apply", dying)
     with pytest.raises(KeyboardInterrupt):
-        subscriber(repo).pull_to_dir(out, 2)
+        subscriber(repo).pull_to_dir(out, 3)
     assert tree_digests(out) == before
     state = read_local_state(out)
-    assert state is not None and state.version == 1
-    assert (out / ".deltasync" / "incoming").is_dir()  # the staged work is kept for the next pull
+    db = StateDB.open(out)
+    assert db is not None
+    record = db.slots()
+    assert record is not None
+    if where == "walk":
+        assert state is not None and state.version == 2 and record.active is not None
+        idle = "1" if record.active == "0" else "0"
+        assert record.info(idle).version is None and record.info(idle).source == 1  # dirty, was version 1
+    else:
+        assert state is None and record.active is None and record.info("0").version is None
     monkeypatch.undo()
-    subscriber(repo).pull_to_dir(out, 2)
-    assert tree_digests(out) == tree_digests(ckpts[1])
-    assert not (out / ".deltasync" / "incoming").exists()
-    assert sorted(os.listdir(out / ".deltasync")) == ["lock", "state.lmdb"]
+    result = subscriber(repo).update_dir(out, 3)
+    assert tree_digests(out) == tree_digests(ckpts[2])
+    assert result.walked + result.skipped + result.rebuilt > 0
+    assert sorted(os.listdir(out / ".deltasync")) == ["current", "lock", "slots", "state.lmdb"]
 
 
 def test_flipped_byte_is_a_checksum_mismatch_naming_tensor_and_chunk(tmp_path: Path) -> None:
