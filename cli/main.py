@@ -48,6 +48,16 @@ def cli() -> None:
 
 
 repo_option = click.option("--repo", required=True, metavar="URL", help="Repository: a path, file://, or memory://.")
+move_aside_option = click.option(
+    "--move-aside", is_flag=True,
+    help="Move files in the directory that are not the repository's (weights, configs a loader would read) into "
+         "DIR/.deltasync/aside/ [default: refuse, naming them].",
+)
+fsync_option = click.option(
+    "--fsync", is_flag=True,
+    help="Flush each version to disk before serving it [default: no flush; after a power loss the copy is checked "
+         "and repaired before its next update].",
+)
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 workers_option = click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
                               help="Threads for encoding/decoding (0: one per core).")
@@ -147,22 +157,31 @@ def log(repo: str, as_json: bool, trusted_keys: tuple[Path, ...]) -> None:
 @repo_option
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to bring to the version.")
 @click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
+@move_aside_option
+@fsync_option
 @trusted_key_option
 @workers_option
 @quiet_option
-def pull(repo: str, out: Path, version: int | None, trusted_keys: tuple[Path, ...], workers: int, quiet: bool) -> None:
-    """Rebuild a version into a directory, byte for byte, verifying every chunk."""
-    from deltasync import Subscriber
+def pull(
+    repo: str, out: Path, version: int | None, move_aside: bool, fsync: bool, trusted_keys: tuple[Path, ...],
+    workers: int, quiet: bool,
+) -> None:
+    """Bring a directory to a version, byte for byte, verifying every chunk written.
 
-    sub = Subscriber(repo, workers=workers, progress=_progress(quiet), trusted_keys=trusted_keys)
+    The directory keeps two slots of files in DIR/.deltasync; the one not served is brought
+    forward in place (only what changed is written) and one atomic switch serves it. The
+    files in DIR are links into the served slot.
+    """
+    from deltasync import Repository, Subscriber
+    from deltasync.localcache import CachedStore
+
+    upstream = Repository(repo, trusted_keys=trusted_keys)
+    counting = CachedStore(upstream.store)
+    sub = Subscriber(Repository(counting, trusted_keys=trusted_keys), workers=workers, progress=_progress(quiet))
     start = time.monotonic()
-    v = sub.pull_to_dir(out, version)
-    plan = sub.last_plan
-    how = "from snapshot" if plan is None or plan.base is None else f"from local version {plan.base}"
-    if plan is not None and plan.squashes:
-        how += f" via {len(plan.squashes)} squash(es)"
-    fetched = _mib(plan.fetch_bytes) if plan else "?"
-    click.echo(f"pulled version {v} into {out} ({how}, {fetched} fetched, {time.monotonic() - start:.2f}s)")
+    result = sub.update_dir(out, version, move_aside=move_aside, fsync=fsync)
+    click.echo(f"pulled version {result.version} into {out} ({result}, {_mib(counting.fetched_bytes)} fetched, "
+               f"{time.monotonic() - start:.2f}s)")
 
 
 @cli.command()
@@ -314,14 +333,14 @@ def serve(
 @click.option("--engine", "engine_spec", default=None, metavar="SPEC",
               help="Also swap each version into an engine: torch:MODULE:FACTORY, fanout[:MODULE:FACTORY], "
                    "or http:sglang|vllm|generic@URL.")
-@click.option("--engine-dir", type=click.Path(path_type=Path), default=None,
-              help="For http engines: where versions are written for the server to load [default: OUT.engine].")
+@move_aside_option
+@fsync_option
 @trusted_key_option
 @workers_option
 @quiet_option
 def subscribe(
     repo: str, out: Path, follow: bool, poll_interval: float, metrics_port: int | None, metrics_host: str,
-    keep_versions: int, retries: int, engine_spec: str | None, engine_dir: Path | None,
+    keep_versions: int, retries: int, engine_spec: str | None, move_aside: bool, fsync: bool,
     trusted_keys: tuple[Path, ...], workers: int, quiet: bool,
 ) -> None:
     """Bring a directory to the version to serve (the pinned one, else the latest); with --follow, keep it there.
@@ -336,6 +355,7 @@ def subscribe(
     config = AgentConfig(
         poll_interval=poll_interval, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_versions=keep_versions, retries=retries, workers=workers, progress=_progress(quiet),
+        move_aside=move_aside, fsync=fsync,
     )
 
     engine = None
@@ -344,7 +364,7 @@ def subscribe(
 
         options: dict[str, object] = {"repo": repo}
         if engine_spec.startswith("http"):
-            options["model_dir"] = str(engine_dir or out.with_name(out.name + ".engine"))
+            options["model_dir"] = str(out)  # the server loads the copy the agent serves
         if trusted_keys:
             options["trusted_keys"] = trusted_keys
         engine = build_engine(engine_spec, **options)
@@ -446,15 +466,24 @@ def status(directory: Path, as_json: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--repair", is_flag=True, help="Fetch only the drifted chunks (from the nearest snapshot) and fix them in place.")
 @click.option("--repo", default=None, metavar="URL", help="[default: the repository the copy was pulled from]")
+@move_aside_option
 @trusted_key_option
 @workers_option
-def check(directory: Path, repair: bool, repo: str | None, trusted_keys: tuple[Path, ...], workers: int) -> None:
-    """Compare a local copy with the manifest of its version, chunk by chunk (exit status 1 on drift without --repair)."""
+def check(
+    directory: Path, repair: bool, repo: str | None, move_aside: bool, trusted_keys: tuple[Path, ...], workers: int
+) -> None:
+    """Compare a local copy with the manifest of its version, chunk by chunk, and list files in it that are not the
+    version's (exit status 1 on drift or such files without --repair / --move-aside)."""
     from deltasync.localcopy import check_copy
 
-    report = check_copy(directory, repo=repo, repair=repair, workers=workers, trusted_keys=trusted_keys)
+    report = check_copy(directory, repo=repo, repair=repair, workers=workers, trusted_keys=trusted_keys,
+                        move_aside=move_aside and repair)
     for d in report.drifted:
         click.echo(f"drifted: {d}")
+    for rel in report.foreign:
+        click.echo(f"not the version's: {rel} (a loader may read it; check --repair --move-aside moves it aside)")
+    if report.foreign and not report.drifted:
+        sys.exit(1)
     summary = f"version {report.version}: {report.files} files, {report.chunks} chunks"
     if report.repaired:
         click.echo(f"{summary}: repaired {len(report.drifted)} ({_mib(report.fetched_bytes)} fetched)")

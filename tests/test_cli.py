@@ -127,13 +127,13 @@ def test_publish_log_pull_verify_inspect(cli: Env, steps: list[Path]) -> None:
     assert entries[1]["ratio"] > 10 * entries[0]["ratio"]  # a 1% step is far smaller than a snapshot
 
     r = cli.run("pull", "--repo", "repo", "--out", "serving")
-    assert r.out.startswith("pulled version 3 into serving (from snapshot"), r.out
+    assert r.out.startswith("pulled version 3 into serving (pull from a snapshot"), r.out
     assert tree_digests(cli.tmp / "serving") == tree_digests(steps[2])
     r = cli.run("pull", "--repo", "repo", "--out", "serving", "--version", "1", "--workers", "2")
     assert r.out.startswith("pulled version 1 into serving"), r.out
     assert tree_digests(cli.tmp / "serving") == tree_digests(steps[0])
     r = cli.run("pull", "--repo", "repo", "--out", "serving", "--version", "2", "-q")
-    assert "(from local version 1," in r.out, r.out
+    assert "(local: " in r.out and "chunks updated in place" in r.out, r.out  # only the delta, applied in place
     assert tree_digests(cli.tmp / "serving") == tree_digests(steps[1])
 
     r = cli.run("verify", "--repo", "repo")
