@@ -365,6 +365,8 @@ def subscribe(
         options: dict[str, object] = {"repo": repo}
         if engine_spec.startswith("http"):
             options["model_dir"] = str(out)  # the server loads the copy the agent serves
+        else:
+            options["copy"] = str(out)  # changed chunks come from the agent's copy: one fetch, one decode
         if trusted_keys:
             options["trusted_keys"] = trusted_keys
         engine = build_engine(engine_spec, **options)
@@ -376,8 +378,9 @@ def subscribe(
         sys.stdout.flush()
 
     def to_engine(version: int | None) -> None:
-        # The engine stages (fetch, decode, verify) before its pause; a failed swap leaves it
-        # serving its previous version, and the next update tries again.
+        # The engine stages (the changed chunks, read from the copy and verified) before its
+        # pause; a failed swap leaves it serving its previous version, and the next update
+        # tries again.
         assert engine is not None
         try:
             swap = engine.update(version)
@@ -385,7 +388,8 @@ def subscribe(
             click.echo(f"deltasync: error: engine update to version {version}: {e}", err=True)
             return
         if swap is not None:
-            click.echo(f"engine serves version {swap.version} (pause {swap.pause_s * 1e3:.1f} ms)")
+            click.echo(f"engine serves version {swap.version} (pause {swap.pause_s * 1e3:.1f} ms, "
+                       f"{swap.chunks_changed} chunks changed, {_mib(swap.fetched_bytes)} fetched)")
 
     def ready(a: Agent) -> None:
         held = a.current()

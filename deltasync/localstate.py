@@ -40,6 +40,7 @@ Records of the environment (JSON unless noted):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -140,9 +141,7 @@ class SlotsRecord:
         return self.slots.get(name, SlotInfo(None))
 
     def replace(self, **changes: Any) -> SlotsRecord:
-        fields = {"active": self.active, "slots": dict(self.slots), "boot_id": self.boot_id, "synced": self.synced}
-        fields.update(changes)
-        return SlotsRecord(**fields)
+        return dataclasses.replace(self, **{"slots": dict(self.slots), **changes})
 
 
 def output_files(info: ManifestInfo) -> list[str]:

@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -77,7 +78,7 @@ from .v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
     from .repository import Repository
-    from .subscriber import Subscriber, Want
+    from .subscriber import Subscriber, Want, _Chain
 
 Bits = npt.NDArray[np.uint8]
 Step = tuple[ManifestInfo, pb.Chunk]
@@ -99,6 +100,8 @@ class FillResult:
     bytes_written: int = 0  # bytes of chunks written whole, and of files copied or written whole
     held: bool = False  # the copy already served the version: nothing was done
     plan_base: int | None = None  # the local version the fetch plan of the rebuilt chunks started from
+    fetched_bytes: int = 0  # bytes read from the repository: deltas for the walk, the plan of the rebuild
+    squashes: tuple[tuple[int, int], ...] = ()  # squashes the walk went through (from, to)
 
     def __str__(self) -> str:
         if self.held:
@@ -107,6 +110,8 @@ class FillResult:
             how = "local"
         else:
             how = f"pull from version {self.plan_base}" if self.plan_base is not None else "pull from a snapshot"
+        if self.squashes:
+            how += " via squash " + ", ".join(f"{a}->{b}" for a, b in self.squashes)
         parts = [f"{self.walked} chunks updated in place", f"{self.skipped} unchanged", f"{self.rebuilt} rebuilt"]
         if self.files_copied:
             parts.append(f"{self.files_copied} files copied")
@@ -214,6 +219,7 @@ class _Fill:
         self.own = recorded if recorded is not None and start is not None and recorded.version == start else None
         self.clean = mine.version is not None and self.own is not None
         self._paths: dict[int, list[ManifestInfo] | None] = {}
+        self._squashed: dict[int, _Chain | None] = {}
         self._lock = threading.Lock()
 
     # -- the whole fill ---------------------------------------------------------------------------
@@ -271,7 +277,7 @@ class _Fill:
             if _same_shape(src, f):
                 assert self.record.active is not None
                 trusted = untouched(self.root, self.record.active, self.record.info(self.record.active), f.path)
-                _replace_with(path, lambda tmp: shutil.copyfile(src, tmp))
+                _replace_with(path, partial(_copy_into, src))
                 _write_header(path, f)
                 self.result.files_copied += 1
                 self.result.bytes_written += f.size
@@ -295,7 +301,7 @@ class _Fill:
         if file_digest(path) == f.digest:
             return
         if self.active is not None and file_digest(self.active / f.path) == f.digest:
-            _replace_with(path, lambda tmp: shutil.copyfile(self.active / f.path, tmp))  # type: ignore[operator]
+            _replace_with(path, partial(_copy_into, self.active / f.path))
             if file_digest(path) == f.digest:
                 self.result.bytes_written += f.size
                 return
@@ -344,7 +350,8 @@ class _Fill:
     # -- walking in place -------------------------------------------------------------------------
 
     def _walk_all(self, maps: _Maps, modes: dict[str, str], recorder: ProgressRecorder) -> Want:
-        info, remaining = self.info, {}
+        info = self.info
+        remaining: Want = {}
         fetcher = PackFetcher(self.sub.repo.store)
         starts = {"own": self.own, "held": self.held}
         entries = {m: (placements(i) if i is not None else {}) for m, i in starts.items()}
@@ -392,6 +399,7 @@ class _Fill:
                     self.result.walked += 1
         finally:
             progress.finish()
+            self.result.fetched_bytes += fetcher.bytes_read
         return remaining
 
     def _walk(
@@ -435,16 +443,24 @@ class _Fill:
         """Chunk records that take chunk ``idx`` of ``key`` from ``start`` to the target, in
         the order to apply them; None when a walk cannot (a full chunk going backwards, a
         version missing upstream, a resized entry)."""
-        path = self._path(start)
-        if path is None:
-            return None
-        backward = start.version > self.info.version
-        first = path[0].entries().get(key)
+        first = start.entries().get(key)
         if first is None or idx >= len(first.chunks):
             return None
+        backward = start.version > self.info.version
+        chain = self._squash_chain(start)
+        if chain is not None:  # forward through squashes: fewer bytes than the deltas one by one
+            try:
+                records, _ = chain.steps(key, idx, start.version)
+            except DeltasyncError:
+                return None
+            records.reverse()
+        else:
+            path = self._path(start)
+            if path is None:
+                return None
+            records = [(path[i] if backward else path[i + 1], pb.Chunk()) for i in range(len(path) - 1)]
         out: list[Step] = []
-        for i in range(len(path) - 1):
-            s_info = path[i] if backward else path[i + 1]
+        for s_info, _ in records:
             t = s_info.entries().get(key)
             if t is None or t.nbytes != first.nbytes or t.dtype != first.dtype or idx >= len(t.chunks):
                 return None
@@ -453,6 +469,23 @@ class _Fill:
                 return None
             out.append((s_info, c))
         return out
+
+    def _squash_chain(self, start: ManifestInfo) -> _Chain | None:
+        """The planner's path from ``start`` forward when it is cheapest and uses squashes."""
+        if start.version >= self.info.version:
+            return None
+        with self._lock:
+            if start.version not in self._squashed:
+                found = None
+                with contextlib.suppress(DeltasyncError):
+                    plan, chain = self.sub.plan(self.info.version, start.version)
+                    if plan.squashes and plan.base == start.version and all(
+                        i.codec.chunk_bytes == self.info.codec.chunk_bytes for i in chain.infos
+                    ):
+                        found = chain
+                        self.result.squashes = plan.squashes
+                self._squashed[start.version] = found
+            return self._squashed[start.version]
 
     def _path(self, start: ManifestInfo) -> list[ManifestInfo] | None:
         with self._lock:
@@ -502,6 +535,7 @@ class _Fill:
             local = _LocalBits(self.held.version, read) if self.held is not None else None
             plan = self.sub._run(info, local, sink, want=want)
             self.result.plan_base = plan.base
+            self.result.fetched_bytes += plan.fetch_bytes
         finally:
             reader.close()
             for fd in fds.values():
@@ -594,6 +628,10 @@ def _chunk_digest(
     if tuple(entry.slice_offsets) != tuple(t.slice_offsets) or tuple(entry.full_shape) != tuple(t.full_shape):
         return None
     return bytes(entry.chunks[idx].target_digest)
+
+
+def _copy_into(src: Path, dst: Path) -> None:
+    shutil.copyfile(src, dst)
 
 
 def _replace_with(path: Path, write: Callable[[Path], None]) -> None:

@@ -240,10 +240,22 @@ def test_checksum_mismatch(cli: Env, tmp_path: Path) -> None:
     pack.write_bytes(bytes(data))
     cli.fails("verify", "--repo", "repo", match="checksum mismatch in version 1, tensor 'noise', chunk 0")
     cli.fails("pull", "--repo", "repo", "--out", "fresh", match="checksum mismatch in version 1, tensor 'noise'")
-    (tmp_path / "serving" / "model.safetensors").unlink()
-    cli.fails("pull", "--repo", "repo", "--out", "serving", match="checksum mismatch in version 1")
+    # Bytes written through the served link: the pull re-hashes the touched file, and its
+    # repair meets the corrupt pack; nothing else in the directory changes.
+    with open(tmp_path / "serving" / "model.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    r = cli.run("pull", "--repo", "repo", "--out", "serving", ok=False)
+    lines = r.err.splitlines()
+    assert r.rc != 0 and "Traceback" not in r.err and len(lines) == 2, r.err
+    assert "written since they were verified" in lines[0], r.err
+    assert lines[1].startswith("deltasync: error: checksum mismatch in version 1"), r.err
     after = tree_digests(tmp_path / "serving")
-    assert after == {k: v for k, v in before.items() if k != "model.safetensors"}
+    assert {k: v for k, v in after.items() if k != "model.safetensors"} == {
+        k: v for k, v in before.items() if k != "model.safetensors"}
+    assert after["model.safetensors"] != before["model.safetensors"]
 
 
 def test_usage_errors_are_clicks(cli: Env) -> None:

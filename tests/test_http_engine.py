@@ -164,7 +164,7 @@ def test_unreachable_server_and_bad_arguments(repo: tuple[str, list[dict[str, to
         HttpEngine("http://127.0.0.1:9", url, model_dir=tmp_path, preset="tgi")
     with pytest.raises(deltasync.UsageError, match="bad HTTP template"):
         bad = replace_preset("generic", pause=Call(path="/pause/{nope}"))
-        HttpEngine("http://127.0.0.1:9", url, model_dir=tmp_path, preset=bad).update()
+        HttpEngine("http://127.0.0.1:9", url, model_dir=tmp_path / "bad", preset=bad).update()
 
 
 def test_query_templates_and_headers(repo: tuple[str, list[dict[str, torch.Tensor]]], tmp_path: Path) -> None:

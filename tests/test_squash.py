@@ -232,8 +232,8 @@ def test_directory_pulls_use_squashes(tmp_path: Path, states: list[State]) -> No
     assert Repository(url).squashes() == [(4, 8)]  # built from the checkpoint files on disk
     sub = Subscriber(url)
     sub.pull_to_dir(tmp_path / "serving", 4)
-    sub.pull_to_dir(tmp_path / "serving", 8)
-    assert sub.last_plan is not None and sub.last_plan.squashes == ((4, 8),)
+    result = sub.update_dir(tmp_path / "serving", 8)  # walks the served copy of 4 forward, through the squash
+    assert result.squashes == ((4, 8),) and result.walked > 0 and not result.rebuilt, result
     assert (tmp_path / "serving" / "model.safetensors").read_bytes() == (tmp_path / "ckpt-8" / "model.safetensors").read_bytes()
     assert (tmp_path / "serving" / "config.json").read_text() == '{"step": 8}'
     verify_repository(url)
@@ -370,4 +370,4 @@ def test_squash_command(tmp_path: Path, states: list[State]) -> None:
     out = tmp_path / "serving"
     assert run_cli("pull", "--repo", url, "--out", str(out), "--version", "2", "-q").returncode == 0
     r = run_cli("pull", "--repo", url, "--out", str(out), "--version", "12", "-q")
-    assert r.returncode == 0 and "from local version 2 via" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "local via squash 2->10" in r.stdout, r.stdout + r.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ def test_subscribe_swaps_each_version_into_an_http_engine(tmp_path: Path) -> Non
     with ReferenceServer() as server:
         cmd = [
             sys.executable, "-m", "deltasync", "subscribe", "--repo", str(repo), "--out", str(tmp_path / "serving"),
-            "--engine", f"http:generic@{server.url}", "--engine-dir", str(tmp_path / "engine"), "--quiet",
+            "--engine", f"http:generic@{server.url}", "--quiet",
         ]
         first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert first.returncode == 0, first.stderr
@@ -40,3 +41,36 @@ def test_subscribe_swaps_each_version_into_an_http_engine(tmp_path: Path) -> Non
         assert second.returncode == 0, second.stderr
         assert "engine serves version 2" in second.stdout
         assert server.version == 2
+
+
+FACTORY = '''
+import os
+from safetensors.torch import load_file
+
+def build():
+    return load_file(os.environ["DELTASYNC_TEST_WEIGHTS"])
+'''
+
+
+def test_subscribe_feeds_a_torch_engine_from_the_agents_copy(tmp_path: Path) -> None:
+    """The agent fetches and decodes each version once; the engine's change is read from its copy."""
+    repo = tmp_path / "repo"
+    pub = deltasync.Publisher(str(repo))
+    pub.publish_dir(_ckpt(tmp_path / "c1", 1))
+    (tmp_path / "engine_factory.py").write_text(FACTORY)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "DELTASYNC_TEST_WEIGHTS": str(tmp_path / "c1" / "model.safetensors")}
+    cmd = [
+        sys.executable, "-m", "deltasync", "subscribe", "--repo", str(repo), "--out", str(tmp_path / "serving"),
+        "--engine", "torch:engine_factory:build", "--quiet",
+    ]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "engine serves version 1" in first.stdout and "0 B fetched" in first.stdout, first.stdout
+    pub.publish_dir(_ckpt(tmp_path / "c2", 2), base_dir=tmp_path / "c1")
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert second.returncode == 0, second.stderr
+    # This process's engine starts from version 1's weights (it knows no version): every chunk
+    # that differs is read from the copy the agent just brought to version 2; nothing is fetched.
+    assert "engine serves version 2" in second.stdout and "0 B fetched" in second.stdout, second.stdout
+    assert "1 chunks changed" in second.stdout, second.stdout

@@ -7,27 +7,46 @@ are not the chain's base). Each verified chunk is then compared with the served 
 word by word (a word is a codec element: 1, 2, 4 or 8 bytes of bit pattern), giving the
 positions and new values that differ — or the whole chunk when most of it differs. Only
 those are kept, so staged memory grows with what changed, not with the model.
+
+With ``copy`` (the directory an agent keeps, ``deltasync subscribe``'s OUT) serving the
+target version, nothing is fetched or decoded a second time: a chunk whose served bits do
+not match its target digest is read from the copy's served slot instead, checked against
+the same digest, and diffed. The agent's one fetch and one decode then serve both the
+directory and the engine. When the copy serves another version, is being changed by
+another process, or a chunk read from it does not match, staging takes the pipeline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import dtypes
-from ..manifest import key_of
+from ..checkpoint import FileReader
+from ..digest import digest
+from ..errors import CheckpointError, ChecksumMismatchError, DeltasyncError
+from ..localstate import CopyInUseError, StateDB, copy_lock
+from ..manifest import ManifestInfo, key_of
+from ..placement import placements, read_placed
+from ..slots import slot_dir
 from ..subscriber import Subscriber, _LocalBits
 from ..v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("deltasync.engines")
 
 Bits = npt.NDArray[np.uint8]
 Words = npt.NDArray[np.generic]
@@ -88,6 +107,7 @@ def compute_changes(
     keys: Iterable[str] | None,
     dense_fraction: float,
     dest: dict[str, Bits] | None = None,
+    copy: str | os.PathLike[str] | None = None,
 ) -> VersionChanges:
     """Changes that bring the bits ``read`` returns (of ``held_version``) to ``version``.
 
@@ -95,10 +115,19 @@ def compute_changes(
     are unknown (that chunk then comes back whole). ``keys`` limits the entries considered.
     With ``dest``, decoded chunks are also written into those arrays by the pipeline, and
     whole-chunk runs of entries read as unknown are views of them (no second copy).
+    ``copy``: a directory copy that may serve ``version`` already (see the module doc).
     """
     info = sub.repo.manifest(version)
     entries = info.entries()
     want = None if keys is None else {k: list(range(len(entries[k].chunks))) for k in keys if k in entries}
+    if copy is not None:
+        try:
+            from_copy = _changes_from_copy(Path(copy), info, want, read, dense_fraction, dest, max(1, sub.workers))
+        except (DeltasyncError, OSError) as e:
+            log.warning("staging version %d from the copy at %s failed (%s); fetching it instead", version, copy, e)
+            from_copy = None
+        if from_copy is not None:
+            return from_copy
     lock = threading.Lock()
     held: dict[tuple[str, int], Bits | None] = {}
 
@@ -158,6 +187,79 @@ def compute_changes(
         pool.shutdown(wait=True, cancel_futures=True)
     plan = sub.last_plan
     return VersionChanges(version, out, total, changed, plan.fetch_bytes if plan is not None else 0)
+
+
+def _changes_from_copy(
+    root: Path, info: ManifestInfo, want: dict[str, list[int]] | None, read: ReadFn, dense_fraction: float,
+    dest: dict[str, Bits] | None, workers: int,
+) -> VersionChanges | None:
+    """The changes, with target chunks read from the copy at ``root``; None when it does not
+    serve ``info``'s version (or another process is changing it)."""
+    db = StateDB.open(root, create=False)
+    if db is None:
+        return None
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(copy_lock(root))  # the agent does not change the slot meanwhile
+        except CopyInUseError:
+            return None
+        return _read_copy(root, db, info, want, read, dense_fraction, dest, workers)
+
+
+def _read_copy(
+    root: Path, db: StateDB, info: ManifestInfo, want: dict[str, list[int]] | None, read: ReadFn,
+    dense_fraction: float, dest: dict[str, Bits] | None, workers: int,
+) -> VersionChanges | None:
+    record = db.slots()
+    if record is None or record.active is None or record.info(record.active).version != info.version:
+        return None
+    try:
+        data = slot_dir(root, record.active)
+        places = placements(info)
+        jobs = [
+            (t, idx, off, length)
+            for t in info.pb.tensors
+            if want is None or key_of(t) in want
+            for idx, (off, length) in enumerate(info.codec.chunk_ranges(t.nbytes, dtypes.element_width(t.dtype)))
+        ]
+        with FileReader() as reader, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff") as pool:
+
+            def one(t: pb.Tensor, idx: int, off: int, length: int) -> DenseRun | tuple[Index, Words] | None:
+                key = key_of(t)
+                target = t.chunks[idx].target_digest
+                old = read(key, off, length)
+                if old is not None and digest(old) == target:
+                    return None  # served already
+                new = read_placed(reader, data, places[key], off, length)
+                if digest(new) != target:
+                    raise ChecksumMismatchError(
+                        version=info.version, tensor=t.name, chunk=idx, expected=target.hex(), actual=digest(new).hex(),
+                    )
+                if dest is not None:
+                    dest[key][off : off + length] = new
+                    if old is None:
+                        new = dest[key][off : off + length]
+                return _diff(t, off, new, old, dense_fraction)
+
+            results = list(pool.map(lambda j: one(*j), jobs))
+    except CheckpointError as e:  # a file of the served slot missing or short: the copy is damaged
+        log.warning("the copy at %s cannot be read (%s)", root, e)
+        return None
+    out: dict[str, EntryChanges] = {}
+    changed = 0
+    for (t, _idx, _off, _len), result in zip(jobs, results, strict=True):
+        if result is None:
+            continue
+        changed += 1
+        entry = out.get(key_of(t))
+        if entry is None:
+            entry = out[key_of(t)] = EntryChanges(t, dtypes.element_width(t.dtype))
+        if isinstance(result, DenseRun):
+            entry.dense.append(result)
+        else:
+            entry.sparse_idx.append(result[0])
+            entry.sparse_new.append(result[1])
+    return VersionChanges(info.version, out, len(jobs), changed, 0)
 
 
 def _diff(t: pb.Tensor, off: int, data: Bits, old: Bits | None, dense_fraction: float) -> DenseRun | tuple[Index, Words] | None:

@@ -79,7 +79,9 @@ class FanoutEngine(Engine):
     ``held`` is a module, a dict of tensors and slices, or None (a rank that only
     coordinates). ``version``: what the ranks hold now, if known (all ranks must agree;
     otherwise the first update rewrites every element). ``host_cache``: a directory for
-    rank 0's copy of the served version (memory-mapped files) instead of RAM.
+    rank 0's copy of the served version (memory-mapped files) instead of RAM. ``copy``
+    (rank 0): the directory an agent keeps at the versions this engine is given; changed
+    chunks are then read from it, verified, instead of fetched and decoded again.
     """
 
     kind = "fanout"
@@ -99,6 +101,7 @@ class FanoutEngine(Engine):
         host_cache: str | os.PathLike[str] | None = None,
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
         progress: bool | None = False,
+        copy: str | os.PathLike[str] | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -112,6 +115,7 @@ class FanoutEngine(Engine):
         super().__init__(version=version)
         self.timeout = timeout
         self.dense_fraction = dense_fraction
+        self.copy = Path(copy) if copy is not None else None
         self._broken: DeltasyncError | None = None
         self._pending: Staged | None = None
         self._pending_swap: int | None = None  # rank 0: the version a swap in progress sends
@@ -247,7 +251,7 @@ class FanoutEngine(Engine):
         host_valid = self._host_version is not None
         changes = compute_changes(
             self.subscriber, version, held_version=self._host_version, read=self._read_host if host_valid else _unknown,
-            keys=keys, dense_fraction=self.dense_fraction, dest=None if host_valid else self._host,
+            keys=keys, dense_fraction=self.dense_fraction, dest=None if host_valid else self._host, copy=self.copy,
         )
         records, payload = _pack(changes, self._device)
         msg = {"op": "stage", "version": version, "records": records, "nbytes": int(payload.numel())}

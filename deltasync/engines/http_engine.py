@@ -1,8 +1,9 @@
 """Inference servers over HTTP: SGLang, vLLM, or any server with the same shape of endpoints.
 
 Such a server loads weights from a directory. Staging brings that directory to the target
-version (``Subscriber.pull_to_dir``: files move into place only once every chunk and file
-digest is verified). The swap then calls the server's pause, update-from-disk and resume
+version (``Subscriber.update_dir``: the slot not served is brought forward in place, verified,
+and served by one atomic switch; under ``deltasync subscribe`` it is the agent's own copy,
+already at the version, so staging finds nothing to do). The swap then calls the server's pause, update-from-disk and resume
 endpoints, and afterwards asks the server which version it serves and refuses a mismatch.
 
 Presets (paths and payloads are templates; ``{model_path}`` and ``{version}`` are filled in):
@@ -166,15 +167,14 @@ class HttpEngine(Engine):
         return self.subscriber.repo.resolve(version)
 
     def _stage(self, version: int) -> Staged:
-        # Files move into place only once all of them are verified; the server keeps serving
-        # what it loaded into memory, and reads the directory only when told to.
-        self.subscriber.pull_to_dir(self.model_dir, version)
-        plan = self.subscriber.last_plan
+        # The directory switches to the version atomically once it is verified; the server
+        # keeps serving what it loaded into memory, and reads the directory only when told to.
+        result = self.subscriber.update_dir(self.model_dir, version)
         info = self.subscriber.repo.manifest(version)
         chunks = sum(len(t.chunks) for t in info.pb.tensors)
         return HttpStaged(
-            version, model_path=str(self.model_dir), fetched_bytes=plan.fetch_bytes if plan else 0,
-            chunks_total=chunks, bytes_to_write=info.pb.raw_bytes, extra={"preset": self.preset.name},
+            version, model_path=str(self.model_dir), fetched_bytes=result.fetched_bytes,
+            chunks_total=chunks, bytes_to_write=info.pb.raw_bytes, extra={"preset": self.preset.name, "copy": str(result)},
         )
 
     def swap(self, staged: Staged) -> SwapRecord:
@@ -319,7 +319,7 @@ class ReferenceServer:
     the directory). ``POST /generate`` stands in for inference: it reads every weight
     under the serving lock and answers the version and a digest of what it read. While
     paused, new requests wait; pausing waits for requests in flight. The version it
-    reports is the one recorded in the directory by ``pull_to_dir`` (``.deltasync/state.json``),
+    reports is the one recorded in the directory's state (``.deltasync/state.lmdb``),
     checked against the one the caller names; a mismatch refuses the update.
     """
 

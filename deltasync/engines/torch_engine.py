@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -312,15 +313,19 @@ class TorchEngine(Engine):
         strict: bool = True,
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
         progress: bool | None = False,
+        copy: str | os.PathLike[str] | None = None,
     ) -> None:
         """``dense_fraction``: a chunk with more than this fraction of its words changed is
-        rewritten whole (one copy) rather than scattered."""
+        rewritten whole (one copy) rather than scattered. ``copy``: the directory an agent
+        keeps at the versions this engine is given (``deltasync subscribe``'s OUT); changed
+        chunks are then read from it, verified, instead of fetched and decoded again."""
         super().__init__(version=version)
         if not 0.0 <= dense_fraction <= 1.0:
             raise UsageError(f"dense_fraction must be in [0, 1], got {dense_fraction}")
         self.model = model
         self.dense_fraction = dense_fraction
         self.strict = strict
+        self.copy = Path(copy) if copy is not None else None
         self.subscriber = Subscriber(repo, workers=workers or os.cpu_count() or 1, progress=progress,
                                      trusted_keys=trusted_keys)
         self.tensors = held_tensors(model)
@@ -345,7 +350,7 @@ class TorchEngine(Engine):
         keys = check_layout(info, {n: t for n, t in self.tensors.items()}, strict=self.strict)
         changes = compute_changes(
             self.subscriber, version, held_version=self._version, read=self._read_factory(info),
-            keys=keys, dense_fraction=self.dense_fraction,
+            keys=keys, dense_fraction=self.dense_fraction, copy=self.copy,
         )
         writes = build_writes(runs_of(changes.entries.values()), self._words, self._geometry)
         plan = WritePlan.of(writes)
