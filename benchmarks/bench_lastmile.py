@@ -1,30 +1,33 @@
 """The last mile: a version pulled into a held directory copy, next to a plain copy of the checkpoint.
 
-    python -m benchmarks.bench_lastmile [--sizes 1,2,4,8] [--fraction 0.01] [--versions 3]
+    python -m benchmarks.bench_lastmile [--sizes 1,2,4,8] [--fraction 0.01] [--versions 3] [--same-bytes]
 
-For each size: a transformer-shaped bf16 checkpoint (one safetensors file) and ``--versions``
-RL-like steps, each changing ``--fraction`` of the elements at random positions by ±1 ulp
-(the bulk of a real step, see rl_stream.py), are published to a local repository. A
-subscriber pulls version 1 and 2 (filling both slots), then every later version into the
-held copy; each of those pulls is timed next to ``cp -r`` of the checkpoint directory taken
-in the same run (page cache warm for both; neither flushes to disk). Printed per size: the
-median pull time, the copy time, their ratio, the bytes the pull wrote whole, the chunks
-updated in place, and this process's peak RSS so far.
+For each size: a transformer-shaped bf16 checkpoint (one safetensors file of 64 MiB
+tensors, plus a config) and ``--versions`` RL-like steps, each changing ``--fraction`` of
+the elements at random positions by one ulp (the bulk of a real step, see rl_stream.py),
+are published to a local repository. A subscriber process pulls versions 1 and 2 (filling
+both slots), then every later version into the held copy; each of those pulls is timed
+next to ``cp -r`` of the checkpoint directory taken in the same run (page cache warm for
+both; neither flushes to disk). Printed per size: the median pull time, the copy time,
+their ratio, bytes the pull wrote whole, chunks updated in place, and the subscriber
+process's peak RSS.
 
-A second table, ``--same-bytes``, keeps the changed *bytes* equal across sizes (the
-fraction scaled by 1 GiB / size), the target's "per-version time at 8 GiB within 1.5x of
-1 GiB at the same changed bytes".
+``--same-bytes`` keeps the changed *bytes* equal across sizes (the fraction scaled by
+1 GiB / size): the target "per-version time at 8 GiB within 1.5x of 1 GiB at the same
+changed bytes".
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import resource
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -33,65 +36,99 @@ from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
 from deltasync.checkpoint import build_header
 
 TENSOR_BYTES = 64 << 20
+ROWS, COLS = TENSOR_BYTES // 2 // 4096, 4096
 
 
-def write_version(path: Path, bits: np.ndarray, step: int) -> None:
-    n = bits.nbytes // TENSOR_BYTES
-    shape: tuple[int, ...] = (TENSOR_BYTES // 2 // 4096, 4096)
-    tensors = [(f"layers.{i}.weight", "BF16", shape, TENSOR_BYTES) for i in range(n)]
-    header, _ = build_header(tensors)
+def write_first(path: Path, tensors: int, rng: np.random.Generator) -> None:
+    shape: tuple[int, ...] = (ROWS, COLS)
+    header, _ = build_header([(f"layers.{i}.weight", "BF16", shape, TENSOR_BYTES) for i in range(tensors)])
     path.mkdir(parents=True, exist_ok=True)
     with open(path / "model.safetensors", "wb") as f:
         f.write(header)
-        f.write(bits.view(np.uint8).data)
-    (path / "config.json").write_text(f'{{"step": {step}}}')
+        for _ in range(tensors):  # one tensor at a time: memory stays at one tensor
+            bits = (rng.normal(0, 0.02, ROWS * COLS).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            f.write(bits.tobytes())
+    (path / "config.json").write_text('{"step": 1}')
 
 
-def step(bits: np.ndarray, fraction: float, rng: np.random.Generator) -> None:
-    count = int(bits.size * fraction)
-    pos = rng.choice(bits.size, size=count, replace=False)
-    bits[pos] += rng.choice(np.array([1, 0xFFFF], dtype=np.uint16), size=count)  # ±1 ulp (bit pattern)
+def step(path: Path, version: int, fraction: float, rng: np.random.Generator) -> None:
+    """Move ``fraction`` of the elements by one ulp, in place, one tensor at a time."""
+    target = path / "model.safetensors"
+    with open(target, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    data = np.memmap(target, dtype=np.uint16, mode="r+", offset=8 + header)
+    per = ROWS * COLS
+    for start in range(0, data.size, per):
+        pos = np.unique(rng.integers(0, per, int(per * fraction))) + start
+        data[pos] += np.uint16(1)
+    data.flush()
+    del data
+    (path / "config.json").write_text(f'{{"step": {version}}}')
 
 
 def cp_seconds(src: Path, dest: Path) -> float:
     shutil.rmtree(dest, ignore_errors=True)
     start = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dest)], check=True)
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(dest, ignore_errors=True)
+    return elapsed
+
+
+def subscriber(conn: Connection, repo: str, out: str, workers: int) -> None:
+    """A subscriber in its own process (its peak RSS is its own): pulls the versions it is sent."""
+    sub = Subscriber(repo, workers=workers, progress=False)
+    while True:
+        version = conn.recv()
+        if version is None:
+            return
+        start = time.perf_counter()
+        result = sub.update_dir(out, version)
+        elapsed = time.perf_counter() - start
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        conn.send((elapsed, result.bytes_written, result.walked, result.rebuilt, rss, str(result)))
 
 
 def run_size(tmp: Path, gib: float, fraction: float, versions: int, workers: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
-    n = int(gib * (1 << 30)) // TENSOR_BYTES * TENSOR_BYTES // 2
-    bits = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    repo, out, cache = tmp / "repo", tmp / "out", tmp / "cache"
-    pub = Publisher(str(repo), PublisherConfig(codec=PlanesZstdCodec(), workers=workers, progress=False, snapshot_every=1000))
-    ckpt = tmp / "ckpt"
-    sub = Subscriber(str(repo), workers=workers, progress=False)
+    tensors = max(1, int(gib * (1 << 30)) // TENSOR_BYTES)
+    repo, out, cache, ckpt = tmp / "repo", tmp / "out", tmp / "cache", tmp / "ckpt"
+    pub = Publisher(str(repo), PublisherConfig(codec=PlanesZstdCodec(), workers=workers, progress=False,
+                                               snapshot_every=1000))
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=subscriber, args=(there, str(repo), str(out), workers))
+    proc.start()
     pulls: list[float] = []
     copies: list[float] = []
     written: list[int] = []
     walked: list[int] = []
-    for v in range(1, versions + 3):
-        if v > 1:
-            step(bits, fraction, rng)
-        shutil.rmtree(ckpt, ignore_errors=True)
-        write_version(ckpt, bits, v)
-        pub.publish_dir(ckpt, cache_dir=cache)
-        start = time.perf_counter()
-        result = sub.update_dir(out, v)
-        elapsed = time.perf_counter() - start
-        if v > 2:  # both slots in use: the steady state
-            pulls.append(elapsed)
-            written.append(result.bytes_written)
-            walked.append(result.walked)
-            copies.append(cp_seconds(ckpt, tmp / "copy"))
-    shutil.rmtree(tmp / "copy", ignore_errors=True)
+    rss = 0
+    try:
+        for v in range(1, versions + 3):
+            if v == 1:
+                write_first(ckpt, tensors, rng)
+            else:
+                step(ckpt, v, fraction, rng)
+            pub.publish_dir(ckpt, cache_dir=cache)
+            here.send(v)
+            elapsed, nbytes, nwalked, _rebuilt, rss, how = here.recv()
+            if v > 2:  # both slots in use: the steady state
+                pulls.append(elapsed)
+                written.append(nbytes)
+                walked.append(nwalked)
+                copies.append(cp_seconds(ckpt, tmp / "copy"))
+                print(f"    v{v}: pull {elapsed:.3f}s ({how})", flush=True)
+        here.send(None)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
     pull, copy = statistics.median(pulls), statistics.median(copies)
     return {
-        "gib": gib, "fraction": fraction, "pull_s": pull, "copy_s": copy, "ratio": pull / copy,
-        "written": statistics.median(written), "walked": statistics.median(walked),
-        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "gib": tensors * TENSOR_BYTES / (1 << 30), "fraction": fraction, "pull_s": pull, "copy_s": copy,
+        "ratio": pull / copy, "written": statistics.median(written), "walked": statistics.median(walked),
+        "rss_mib": rss / (1 << 20),
     }
 
 
@@ -100,26 +137,28 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2,4,8", help="GiB, comma-separated")
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--versions", type=int, default=3, help="timed versions per size (after the two that fill the slots)")
-    ap.add_argument("--workers", type=int, default=0)
-    ap.add_argument("--same-bytes", action="store_true", help="scale the fraction so every size changes the bytes 1 GiB does")
+    ap.add_argument("--workers", type=int, default=0, help="default: one per core")
+    ap.add_argument("--same-bytes", action="store_true", help="scale the fraction so every size changes what 1 GiB does")
+    ap.add_argument("--dir", default=None, help="where to work (default: a temporary directory under .)")
     args = ap.parse_args()
-    print(f"{'size':>6} {'changed':>8} {'pull/version':>13} {'cp -r':>8} {'ratio':>6} {'written whole':>14} "
-          f"{'in place':>9} {'peak RSS':>9}")
     rows = []
     for gib in (float(s) for s in args.sizes.split(",")):
         fraction = args.fraction / gib if args.same_bytes else args.fraction
-        with tempfile.TemporaryDirectory(prefix="bench-lastmile-", dir=".") as d:
-            r = run_size(Path(d), gib, fraction, args.versions, args.workers)
-        rows.append(r)
-        print(f"{gib:>5.0f}G {fraction:>8.4%} {r['pull_s']:>12.3f}s {r['copy_s']:>7.3f}s {r['ratio']:>6.3f} "
-              f"{r['written'] / 2**20:>11.1f} MiB {r['walked']:>9.0f} {r['rss_mib']:>6.0f} MiB", flush=True)
+        with tempfile.TemporaryDirectory(prefix="bench-lastmile-", dir=args.dir or ".") as d:
+            rows.append(run_size(Path(d), gib, fraction, args.versions, args.workers))
+    print(f"{'size':>6} {'changed':>8} {'pull/version':>13} {'cp -r':>8} {'ratio':>6} {'written whole':>14} "
+          f"{'in place':>9} {'peak RSS':>9}")
+    for r in rows:
+        print(f"{r['gib']:>5.0f}G {r['fraction']:>8.4%} {r['pull_s']:>12.3f}s {r['copy_s']:>7.3f}s {r['ratio']:>6.3f} "
+              f"{r['written'] / 2**20:>10.1f} MiB {r['walked']:>9.0f} {r['rss_mib']:>5.0f} MiB")
     first = rows[0]
     print(f"target: pull <= 0.1x cp -r at {first['gib']:.0f} GiB: {first['ratio']:.3f}x "
           f"({'PASS' if first['ratio'] <= 0.1 else 'MISS'})")
     if len(rows) > 1:
         growth = rows[-1]["pull_s"] / first["pull_s"]
-        print(f"pull time at {rows[-1]['gib']:.0f} GiB / at {first['gib']:.0f} GiB: {growth:.2f}x"
-              + (" (same changed bytes; target <= 1.5x)" if args.same_bytes else " (same changed fraction)"))
+        what = "same changed bytes; target <= 1.5x" if args.same_bytes else "same changed fraction"
+        print(f"pull time at {rows[-1]['gib']:.0f} GiB / at {first['gib']:.0f} GiB: {growth:.2f}x ({what})")
+    print(f"peak RSS of the subscriber: {max(r['rss_mib'] for r in rows):.0f} MiB (target < 2048 MiB)")
 
 
 if __name__ == "__main__":
