@@ -409,7 +409,13 @@ class _Fill:
         """One chunk: "kept" (already the target), "walked", or "rebuild"."""
         t = p.tensor
         width = dtypes.element_width(t.dtype)
-        view = maps.view(p.file, p.start + off, length)
+        with maps.view(p.file, p.start + off, length) as view:
+            return self._walk_view(view, fetcher, t, idx, width, candidates)
+
+    def _walk_view(
+        self, view: Bits, fetcher: PackFetcher, t: pb.Tensor, idx: int, width: int,
+        candidates: list[tuple[ManifestInfo | None, bytes]],
+    ) -> str:
         target = t.chunks[idx].target_digest
         start: ManifestInfo | None = candidates[0][0]
         if len(candidates) > 1 or start is None:  # probe: which version do these bytes hold?
@@ -546,33 +552,38 @@ class _Fill:
 
 
 class _Maps:
-    """Writable memory maps of a slot's safetensors files, opened on first use."""
+    """Writable memory maps of chunks of a slot's files: one map per chunk, unmapped when
+    the chunk is done, so resident memory holds the chunks in flight, not the model."""
 
     def __init__(self, slot: Path, files: list[pb.File]) -> None:
         self.slot = slot
         self.sizes = {f.path: f.size for f in files}
-        self._maps: dict[str, tuple[mmap.mmap, Bits]] = {}
+        self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def view(self, rel: str, start: int, length: int) -> Bits:
+    @contextlib.contextmanager
+    def view(self, rel: str, start: int, length: int) -> Iterator[Bits]:
         with self._lock:
-            found = self._maps.get(rel)
-            if found is None:
-                fd = os.open(self.slot / rel, os.O_RDWR)
-                try:
-                    mm = mmap.mmap(fd, self.sizes[rel])
-                finally:
-                    os.close(fd)
-                found = self._maps[rel] = (mm, np.frombuffer(mm, dtype=np.uint8))
-        return found[1][start : start + length]
-
-    def close(self) -> None:
-        with self._lock:
-            maps, self._maps = self._maps, {}
-        for mm, arr in maps.values():
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._fds[rel] = os.open(self.slot / rel, os.O_RDWR)
+        if start + length > self.sizes[rel]:
+            raise CorruptObjectError(f"slot file {rel}", f"chunk at {start} runs past the file's {self.sizes[rel]} bytes")
+        lead = start % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, lead + length, offset=start - lead)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        try:
+            yield arr[lead:]
+        finally:
             del arr
             with contextlib.suppress(BufferError):  # a view still alive: the map closes when it goes
                 mm.close()
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _same_shape(path: Path, f: pb.File) -> bool:
