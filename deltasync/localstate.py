@@ -502,6 +502,7 @@ def finish_install(out: str | os.PathLike[str]) -> int | None:
 
 def apply_legacy_journal(root: Path, staging: Path, info: ManifestInfo, wip: WorkInProgress, db: StateDB, repo: str) -> None:
     """Finish an install journaled by older deltasync (files moved from ``incoming/`` into ``root``)."""
+    _refuse_symlinks(root, [*wip.remove, *wip.install])
     # Drop the old version's extra files first, and the directories that leaves empty, so
     # that a path which is a directory in one version and a file in the other installs.
     for rel in wip.remove:
