@@ -332,7 +332,10 @@ def serve(
               help="Attempts per update (with backoff) before a run without --follow gives up.")
 @click.option("--engine", "engine_spec", default=None, metavar="SPEC",
               help="Also swap each version into an engine: torch:MODULE:FACTORY, fanout[:MODULE:FACTORY], "
-                   "or http:sglang|vllm|generic@URL.")
+                   "vllm@URL (a vLLM with the deltasync backend: loads only what changed), "
+                   "or http:sglang|vllm|generic@URL (reloads from the copy).")
+@click.option("--pause-mode", type=click.Choice(["keep", "wait", "abort"]), default="keep", show_default=True,
+              help="vllm@URL: what the server does with requests in flight during a swap (keep: frozen, then resumed).")
 @move_aside_option
 @fsync_option
 @trusted_key_option
@@ -340,7 +343,7 @@ def serve(
 @quiet_option
 def subscribe(
     repo: str, out: Path, follow: bool, poll_interval: float, metrics_port: int | None, metrics_host: str,
-    keep_versions: int, retries: int, engine_spec: str | None, move_aside: bool, fsync: bool,
+    keep_versions: int, retries: int, engine_spec: str | None, pause_mode: str, move_aside: bool, fsync: bool,
     trusted_keys: tuple[Path, ...], workers: int, quiet: bool,
 ) -> None:
     """Bring a directory to the version to serve (the pinned one, else the latest); with --follow, keep it there.
@@ -363,8 +366,10 @@ def subscribe(
         from deltasync.engines import build_engine
 
         options: dict[str, object] = {"repo": repo}
-        if engine_spec.startswith("http"):
-            options["model_dir"] = str(out)  # the server loads the copy the agent serves
+        if engine_spec.startswith(("http", "vllm@")):
+            options["model_dir"] = str(out)  # the server loads (from) the copy the agent serves
+            if engine_spec.startswith("vllm@"):
+                options["pause_mode"] = pause_mode
         else:
             options["copy"] = str(out)  # changed chunks come from the agent's copy: one fetch, one decode
         if trusted_keys:

@@ -4,8 +4,10 @@
   elements are written, in place.
 * :class:`FanoutEngine` — ranks of a torch.distributed group: one rank fetches and decodes,
   broadcasts the changes, every rank writes the part it holds, all switch together.
+* :class:`VllmEngine` — a vLLM server running the deltasync weight-transfer backend: its
+  workers load only the modules that change, read from the agent's copy.
 * :class:`HttpEngine` — an inference server (SGLang, vLLM, or any with the same shape of
-  endpoints) that loads weights from a directory.
+  endpoints) that reloads weights from a directory.
 
 All share :class:`Engine` (stage, then pause / write / resume; ``swaps`` records every
 pause). :func:`build_engine` makes one from a short spec string, for the command line.
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from .fanout import FanoutEngine
     from .http_engine import PRESETS, HttpEngine, HttpPreset, ReferenceServer
     from .torch_engine import TorchEngine
+    from .vllm_engine import VllmEngine
 
 __all__ = [
     "PRESETS",
@@ -38,6 +41,7 @@ __all__ = [
     "StaleUpdateError",
     "SwapRecord",
     "TorchEngine",
+    "VllmEngine",
     "build_engine",
 ]
 
@@ -48,6 +52,7 @@ _LAZY = {
     "HttpPreset": "http_engine",
     "PRESETS": "http_engine",
     "ReferenceServer": "http_engine",
+    "VllmEngine": "vllm_engine",
 }
 
 
@@ -61,6 +66,7 @@ def __getattr__(name: str) -> Any:
 SPECS = (
     "torch:MODULE:FACTORY",
     "fanout[:MODULE:FACTORY]",
+    "vllm@URL",
     "http:sglang@URL",
     "http:vllm@URL",
     "http:generic@URL",
@@ -75,15 +81,25 @@ def build_engine(spec: str, **options: Any) -> Engine:
     * ``fanout`` (this process is rank 0 of an initialised torch.distributed group, or
       one is initialised from the ``MASTER_ADDR``/``RANK``/``WORLD_SIZE`` environment),
       optionally ``fanout:pkg.mod:factory`` for a module this rank serves too;
+    * ``vllm@URL``: a vLLM server with the deltasync backend; ``model_dir=`` the copy its
+      workers read (``pause_mode=`` keep, wait or abort);
     * ``http:PRESET@URL`` with ``model_dir=`` (where versions are written for the server
       to load); PRESET is ``sglang``, ``vllm`` or ``generic``.
 
     ``repo`` (URL, Store or Repository) is required for all; other options go to the
     engine's constructor (e.g. ``version``, ``workers``, ``timeout``, ``trusted_keys``).
     """
-    kind, _, rest = spec.partition(":")
     if "repo" not in options:
         raise UsageError("build_engine needs repo=")
+    if spec.startswith("vllm@"):
+        from .vllm_engine import VllmEngine
+
+        url = spec.removeprefix("vllm@")
+        if not url:
+            raise UsageError(f"vllm engine spec must be vllm@URL, got {spec!r}")
+        return _construct(VllmEngine, url, **options)
+    options.pop("pause_mode", None)
+    kind, _, rest = spec.partition(":")
     if kind == "torch":
         from .torch_engine import TorchEngine
 

@@ -1,0 +1,137 @@
+"""A vLLM server that runs the deltasync weight-transfer backend, driven over its RL routes.
+
+``deltasync subscribe --engine vllm@URL --out DIR`` keeps DIR at the version to serve and,
+for each version, calls::
+
+    POST /pause?mode=keep           (or wait / abort: --pause-mode)
+    POST /start_weight_update
+    POST /update_weights            {"update_info": {"version": N, "copy": DIR, "repo": URL}}
+    POST /finish_weight_update      {"weight_version": "N"}
+    POST /resume
+    GET  /weight_info               → {"weight_version": "N"}, checked
+
+Each vLLM worker loads only the modules whose tensors change, reading them from DIR (the
+server must run on the same host; without ``model_dir`` only the repository URL is sent and
+workers pull the tensors themselves). The server is started with ``VLLM_SERVER_DEV_MODE=1``
+and ``--weight-transfer-config '{"backend": "deltasync"}'``, deltasync installed next to vLLM.
+A failed update leaves the server on the version it served (the workers restore it) and
+resumes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..manifest import ManifestInfo
+from ..repository import Repository
+from ..signing import PublicKeyLike
+from ..storage import Store
+from .base import EngineError, Staged
+from .http_engine import Call, HttpEngine, HttpPreset, HttpStaged
+from .vllm_weights import names_to_load
+
+PAUSE_MODES = ("keep", "wait", "abort")
+
+#: What most vLLM decoder models fuse (the worker uses the model's own mapping; this only
+#: estimates, agent side, how many bytes an update loads).
+COMMON_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class VllmEngine(HttpEngine):
+    """Drive a vLLM server with the deltasync backend.
+
+    >>> engine = VllmEngine("http://127.0.0.1:8000", repo="s3://bucket/run-7", model_dir="/srv/policy")
+    >>> engine.update()   # pause, load what changed from /srv/policy in every worker, resume
+
+    ``model_dir``: the directory copy the workers read (kept by ``deltasync subscribe
+    --out``, on the server's host), brought to the version first. ``repo_url`` (default:
+    ``repo`` when it is a URL or path): where workers pull what the copy does not hold, or
+    everything when there is no ``model_dir``. ``pause_mode``: what vLLM does with requests in flight
+    (``keep``: frozen and resumed after the swap, ``wait``: finished first, ``abort``).
+    """
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        url: str,
+        repo: str | Store | Repository,
+        *,
+        model_dir: str | os.PathLike[str] | None = None,
+        repo_url: str | None = None,
+        pause_mode: str = "keep",
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 600.0,
+        version: int | None = None,
+        workers: int = 0,
+        trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+        progress: bool | None = False,
+    ) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise UsageError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
+        if repo_url is None and isinstance(repo, str) and not repo.startswith("memory://"):
+            repo_url = repo  # where workers pull what the copy does not hold
+        if model_dir is None and repo_url is None:
+            raise UsageError("the vllm engine needs model_dir= (a copy the server can read) or a repository URL")
+        preset = HttpPreset(
+            name="vllm", pause=Call(path="/pause", query={"mode": pause_mode}),
+            update=Call(path="/update_weights"), resume=Call(path="/resume"),
+            version=Call(method="GET", path="/weight_info"), version_field="weight_version", success_field=None,
+        )
+        super().__init__(url, repo, model_dir=model_dir or ".", preset=preset, headers=headers, timeout=timeout,
+                         version=version, workers=workers, trusted_keys=trusted_keys, progress=progress)
+        self.copy = None if model_dir is None else Path(model_dir).absolute()
+        self.repo_url = repo_url
+        self.pause_mode = pause_mode
+        self._held_info: ManifestInfo | None = None
+
+    def _stage(self, version: int) -> Staged:
+        info = self.subscriber.repo.manifest(version)
+        if self.copy is not None:
+            staged = super()._stage(version)  # the copy at the version (a no-op under `subscribe`)
+        else:
+            chunks = sum(len(t.chunks) for t in info.pb.tensors)
+            staged = HttpStaged(version, model_path="", chunks_total=chunks, extra={"preset": "vllm"})
+        held = self._held_info if self._held_info is not None and self._held_info.version == self._version else None
+        names = set(names_to_load(held, info, COMMON_PACKED))
+        staged.bytes_to_write = sum(t.nbytes for t in info.pb.tensors if t.name in names)
+        staged.extra = {**staged.extra, "tensors_loaded_estimate": len(names)}
+        return staged
+
+    def _write(self, staged: Staged) -> int:
+        update: dict[str, Any] = {"version": staged.version}
+        if self.copy is not None:
+            update["copy"] = str(self.copy)
+        if self.repo_url is not None:
+            update["repo"] = self.repo_url
+        self._post("/start_weight_update", {}, "start weight update")
+        try:
+            self._post("/update_weights", {"update_info": update}, "update weights")
+        except EngineError:
+            # The workers restored the version they held; make sure no update stays open.
+            with contextlib.suppress(EngineError):  # vLLM closed it already
+                self._post("/finish_weight_update", {}, "close the failed update")
+            raise
+        self._post("/finish_weight_update", {"weight_version": str(staged.version)}, "finish weight update")
+        return staged.bytes_to_write
+
+    def _after_swap(self, staged: Staged) -> None:
+        super()._after_swap(staged)
+        self._held_info = self.subscriber.repo.manifest(staged.version)
+
+    def _post(self, path: str, body: Any, what: str) -> Any:
+        return self._call(Call(path=path, body=_literal(body)), what)
+
+
+def _literal(obj: Any) -> Any:
+    """``obj`` with braces in strings escaped (HttpEngine fills templates)."""
+    if isinstance(obj, str):
+        return obj.replace("{", "{{").replace("}", "}}")
+    if isinstance(obj, dict):
+        return {k: _literal(v) for k, v in obj.items()}
+    return obj

