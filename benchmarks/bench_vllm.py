@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +35,9 @@ from safetensors.torch import load_file, save_file
 
 import deltasync
 from deltasync.engines import HttpEngine, VllmEngine
-from tests.vllm_server import VllmServer, build_model, vllm_python
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from vllm_server import VllmServer, build_model, vllm_python
 
 
 def perturb(src: Path, dst: Path, *, fraction: float, seed: int, only: str | None) -> Path:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import write_checkpoint
 
 import deltasync
 from deltasync.engines import build_engine
@@ -21,7 +22,6 @@ from deltasync.engines.vllm_weights import (
     request_amx,
 )
 from deltasync.errors import ChecksumMismatchError, DeltasyncError, UsageError
-from tests.ckpt_helpers import write_checkpoint
 
 QWEN = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -54,7 +54,7 @@ def published(tmp_path: Path) -> tuple[str, dict[int, dict[str, torch.Tensor]]]:
 def test_update_request_names_what_is_wrong() -> None:
     ok = UpdateRequest.parse({"version": 3, "copy": "/srv/copy"})
     assert ok.version == 3 and ok.copy == "/srv/copy" and ok.repo is None
-    for bad, says in [
+    cases: list[tuple[dict[str, object], str]] = [
         ({"version": "3", "copy": "x"}, "version must be a positive integer"),
         ({"version": True, "copy": "x"}, "version must be a positive integer"),
         ({"version": 0, "copy": "x"}, "version must be a positive integer"),
@@ -64,7 +64,10 @@ def test_update_request_names_what_is_wrong() -> None:
         ({"version": 2, "repo": "r", "trusted_keys": "k"}, "trusted_keys"),
         ({"version": 2, "repo": "r", "from_version": -1}, "from_version"),
         ({"version": 2, "repo": "r", "fail_after": -1}, "fail_after"),
-    ]:
+        ({"version": 2, "repo": "r", "stage": 1}, "stage must be"),
+        ({"version": 2, "repo": "r", "stage_max_bytes": -5}, "stage_max_bytes"),
+    ]
+    for bad, says in cases:
         with pytest.raises(UsageError, match=says):
             UpdateRequest.parse(bad)
 

@@ -20,9 +20,10 @@ server goes on serving the old version, whole.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,14 +76,15 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             self.held = found[0]
             log.info("deltasync: serving version %d (from the copy at %s)", self.held.version, started_from)
         self.last: dict[str, Any] = {}
+        self._staging: _Staging | None = None
 
     # -- vLLM's interface -------------------------------------------------------------------------
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> DeltasyncUpdateInfo:
         raw = dict(update_dict)
-        for field, default in (("copy", self.defaults.copy), ("repo", self.defaults.repo)):
-            if default and field not in raw:
-                raw[field] = default
+        for key, default in (("copy", self.defaults.copy), ("repo", self.defaults.repo)):
+            if default and key not in raw:
+                raw[key] = default
         try:
             return DeltasyncUpdateInfo(UpdateRequest.parse(raw))
         except UsageError as e:
@@ -111,10 +113,15 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if held is None and req.from_version is not None:
             held = source.manifest(req.from_version)
         names = names_to_load(held, target, _packed(self.model))
+        if req.stage:
+            self._start_staging(source, held, target, names, req.stage_max_bytes)
+            return
+        staged = self._take_staged(held, target)
+        n_staged = len(staged)
         where = "nothing"
         if names:
             try:
-                where = self._load(source, target, names, fail_after=req.fail_after)
+                where = self._load(source, target, names, staged=staged, fail_after=req.fail_after)
             except BaseException as e:
                 self._restore(source, held, names, e)
                 raise
@@ -122,22 +129,78 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self.last = {
             "version": target.version, "from": None if held is None else held.version, "tensors_loaded": len(names),
             "tensors_total": len({t.name for t in target.pb.tensors}), "source": where,
-            "seconds": time.perf_counter() - started,
+            "staged": n_staged, "seconds": round(time.perf_counter() - started, 4),
         }
         log.info("deltasync: version %d loaded (%s)", target.version, self.last)
+
+    # -- staging (before the pause) -----------------------------------------------------------
+
+    def _start_staging(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, names: list[str],
+                       limit: int) -> None:
+        """Read and verify (up to ``limit`` bytes of) the tensors the update will load, in a
+        thread: the call returns at once and the server keeps serving meanwhile."""
+        self._take_staged(None, None)  # drop an earlier staging
+        sizes: dict[str, int] = {}
+        for t in target.pb.tensors:
+            sizes[t.name] = sizes.get(t.name, 0) + t.nbytes
+        chosen: list[str] = []
+        for n in names:
+            if sizes[n] > limit:
+                break
+            limit -= sizes[n]
+            chosen.append(n)
+        staging = _Staging((None if held is None else held.version, target.version), {})
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                with source.tensors(target, chosen) as (_where, stream):
+                    for n, tensor in stream:
+                        staging.tensors[n] = tensor
+            except BaseException as e:  # the update reads them itself
+                staging.error = e
+            staging.seconds = time.perf_counter() - t0
+
+        staging.thread = threading.Thread(target=work, name="deltasync-stage", daemon=True)
+        staging.thread.start()
+        self._staging = staging
+        log.info("deltasync: staging %d of %d tensors of version %d", len(chosen), len(names), target.version)
+
+    def _take_staged(self, held: ManifestInfo | None, target: ManifestInfo | None) -> dict[str, torch.Tensor]:
+        """The tensors staged for going from ``held`` to ``target`` (waiting for the staging
+        to end); empty when none were. Any staging is dropped."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return {}
+        staging.thread.join()
+        key = (None if held is None else held.version, None if target is None else target.version)
+        if staging.key != key:
+            return {}
+        if staging.error is not None:
+            log.warning("deltasync: staging version %s failed (%s); reading during the update", key[1], staging.error)
+            return {}
+        return staging.tensors
 
     def shutdown(self) -> None:
         """Nothing held open between updates."""
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def _load(self, source: Source, info: ManifestInfo, names: list[str], *, fail_after: int = 0) -> str:
+    def _load(self, source: Source, info: ManifestInfo, names: list[str], *,
+              staged: dict[str, torch.Tensor] | None = None, fail_after: int = 0) -> str:
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        with source.tensors(info, names) as (where, stream):
+        staged = staged or {}
+        rest = [n for n in names if n not in staged]
+        with source.tensors(info, rest) as (where, read):
+            stream = _merge(names, staged, read)
+            if not rest:
+                where = "staged"
+            elif staged:
+                where = f"staged + {where}"
             if fail_after:
                 stream = _fail_after(stream, fail_after)
             initialize_layerwise_reload(self.model)
@@ -169,6 +232,28 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                       error, held.version, again)
             return
         log.warning("deltasync: loading failed (%s); version %d restored", error, held.version)
+
+
+@dataclass
+class _Staging:
+    key: tuple[int | None, int]
+    """(held version, target version) it was staged for."""
+    tensors: dict[str, torch.Tensor]
+    thread: threading.Thread = field(default_factory=threading.Thread)
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+def _merge(names: list[str], staged: dict[str, torch.Tensor],
+           read: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``names`` in order: staged ones from memory, the others from ``read`` (same order)."""
+    for n in names:
+        if n in staged:
+            yield n, staged.pop(n)
+        else:
+            got, tensor = next(read)
+            assert got == n
+            yield got, tensor
 
 
 def _packed(model: torch.nn.Module) -> dict[str, list[str]]:

@@ -3,6 +3,8 @@
 ``deltasync subscribe --engine vllm@URL --out DIR`` keeps DIR at the version to serve and,
 for each version, calls::
 
+    POST /start_weight_update, /update_weights {"update_info": {..., "stage": true}},
+         /finish_weight_update     (staging, while serving: workers read and verify)
     POST /pause?mode=keep           (or wait / abort: --pause-mode)
     POST /start_weight_update
     POST /update_weights            {"update_info": {"version": N, "copy": DIR, "repo": URL}}
@@ -33,7 +35,7 @@ from ..signing import PublicKeyLike
 from ..storage import Store
 from .base import EngineError, Staged
 from .http_engine import Call, HttpEngine, HttpPreset, HttpStaged
-from .vllm_weights import names_to_load
+from .vllm_weights import DEFAULT_STAGE_MAX_BYTES, names_to_load
 
 PAUSE_MODES = ("keep", "wait", "abort")
 
@@ -53,6 +55,8 @@ class VllmEngine(HttpEngine):
     ``repo`` when it is a URL or path): where workers pull what the copy does not hold, or
     everything when there is no ``model_dir``. ``pause_mode``: what vLLM does with requests in flight
     (``keep``: frozen and resumed after the swap, ``wait``: finished first, ``abort``).
+    ``stage_max_bytes``: how much of what changes each worker reads and verifies before the
+    pause, while serving (0: everything is read during the pause).
     """
 
     kind = "vllm"
@@ -65,6 +69,7 @@ class VllmEngine(HttpEngine):
         model_dir: str | os.PathLike[str] | None = None,
         repo_url: str | None = None,
         pause_mode: str = "keep",
+        stage_max_bytes: int = DEFAULT_STAGE_MAX_BYTES,
         headers: Mapping[str, str] | None = None,
         timeout: float = 600.0,
         version: int | None = None,
@@ -72,6 +77,8 @@ class VllmEngine(HttpEngine):
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
         progress: bool | None = False,
     ) -> None:
+        if stage_max_bytes < 0:
+            raise UsageError(f"stage_max_bytes must be >= 0, got {stage_max_bytes}")
         if pause_mode not in PAUSE_MODES:
             raise UsageError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         if repo_url is None and isinstance(repo, str) and not repo.startswith("memory://"):
@@ -88,6 +95,7 @@ class VllmEngine(HttpEngine):
         self.copy = None if model_dir is None else Path(model_dir).absolute()
         self.repo_url = repo_url
         self.pause_mode = pause_mode
+        self.stage_max_bytes = stage_max_bytes
         self._held_info: ManifestInfo | None = None
 
     def _stage(self, version: int) -> Staged:
@@ -101,14 +109,28 @@ class VllmEngine(HttpEngine):
         names = set(names_to_load(held, info, COMMON_PACKED))
         staged.bytes_to_write = sum(t.nbytes for t in info.pb.tensors if t.name in names)
         staged.extra = {**staged.extra, "tensors_loaded_estimate": len(names)}
+        if self.stage_max_bytes:
+            # The workers read and verify what they will load now, while the server serves;
+            # the update after the pause finds it in memory.
+            self._post("/start_weight_update", {}, "start staging")
+            try:
+                self._post("/update_weights", {"update_info": {**self._update_info(version), "stage": True,
+                                                               "stage_max_bytes": self.stage_max_bytes}}, "stage")
+            finally:
+                with contextlib.suppress(EngineError):
+                    self._post("/finish_weight_update", {}, "finish staging")
         return staged
 
-    def _write(self, staged: Staged) -> int:
-        update: dict[str, Any] = {"version": staged.version}
+    def _update_info(self, version: int) -> dict[str, Any]:
+        update: dict[str, Any] = {"version": version}
         if self.copy is not None:
             update["copy"] = str(self.copy)
         if self.repo_url is not None:
             update["repo"] = self.repo_url
+        return update
+
+    def _write(self, staged: Staged) -> int:
+        update = self._update_info(staged.version)
         self._post("/start_weight_update", {}, "start weight update")
         try:
             self._post("/update_weights", {"update_info": update}, "update weights")

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("deltasync.engines.vllm")
 
+#: Staged tensors a worker holds in memory before a pause, at most (more are read during it).
+DEFAULT_STAGE_MAX_BYTES = 2 << 30
+
 
 @dataclass(frozen=True)
 class UpdateRequest:
@@ -58,7 +61,11 @@ class UpdateRequest:
     of the two. ``trusted_keys``: paths of public-key PEM files (readable by the
     worker) a repository manifest must be signed by. ``from_version``: the version the server holds, when it was started from a
     directory deltasync does not know (omit it and the first update loads every tensor).
-    ``fail_after``: testing only — fail after loading that many tensors (0: never).
+    ``stage``: only read and verify the tensors the update will load, in a background
+    thread of the worker, and return at once (sent before the pause, so the update itself
+    finds them in memory); at most ``stage_max_bytes`` of them are held, the rest are read
+    during the update. ``fail_after``: testing only — fail after loading that many tensors
+    (0: never).
     """
 
     version: int
@@ -67,12 +74,14 @@ class UpdateRequest:
     trusted_keys: tuple[str, ...] = ()
     from_version: int | None = None
     fail_after: int = 0
+    stage: bool = False
+    stage_max_bytes: int = DEFAULT_STAGE_MAX_BYTES
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> UpdateRequest:
         if not isinstance(raw, Mapping):
             raise UsageError(f"deltasync update_info must be a JSON object, got {type(raw).__name__}")
-        known = {"version", "copy", "repo", "trusted_keys", "from_version", "fail_after"}
+        known = {"version", "copy", "repo", "trusted_keys", "from_version", "fail_after", "stage", "stage_max_bytes"}
         extra = sorted(set(raw) - known)
         if extra:
             raise UsageError(f"deltasync update_info: unknown field(s) {', '.join(extra)}; expected {', '.join(sorted(known))}")
@@ -94,7 +103,13 @@ class UpdateRequest:
         fail_after = raw.get("fail_after", 0)
         if isinstance(fail_after, bool) or not isinstance(fail_after, int) or fail_after < 0:
             raise UsageError(f"deltasync update_info: fail_after must be a non-negative integer, got {fail_after!r}")
-        return cls(version, copy, repo, tuple(keys), held, fail_after)
+        stage = raw.get("stage", False)
+        if not isinstance(stage, bool):
+            raise UsageError(f"deltasync update_info: stage must be true or false, got {stage!r}")
+        limit = raw.get("stage_max_bytes", DEFAULT_STAGE_MAX_BYTES)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise UsageError(f"deltasync update_info: stage_max_bytes must be a non-negative integer, got {limit!r}")
+        return cls(version, copy, repo, tuple(keys), held, fail_after, stage, limit)
 
 
 # -- which tensors ---------------------------------------------------------------------------------
