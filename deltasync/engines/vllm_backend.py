@@ -184,6 +184,16 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
     def shutdown(self) -> None:
         """Nothing held open between updates."""
 
+    def stage_status(self) -> dict[str, Any]:
+        """What this worker holds and stages (the agent polls it through ``/collective_rpc``
+        ``{"method": "deltasync_status"}`` before it pauses)."""
+        st = self._staging
+        staging = None if st is None else {
+            "version": st.key[1], "done": not st.thread.is_alive(), "tensors": len(st.tensors),
+            "error": None if st.error is None else str(st.error),
+        }
+        return {"held": None if self.held is None else self.held.version, "staging": staging}
+
     # -- loading ----------------------------------------------------------------------------------
 
     def _load(self, source: Source, info: ManifestInfo, names: list[str], *,

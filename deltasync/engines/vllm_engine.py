@@ -5,8 +5,8 @@ for each version, calls::
 
     POST /start_weight_update, /update_weights {"update_info": {..., "stage": true}},
          /finish_weight_update     (staging, while serving: workers read and verify)
-    POST /pause?mode=keep           (or wait / abort: --pause-mode)
     POST /start_weight_update
+    POST /pause?mode=keep           (or wait / abort: --pause-mode)
     POST /update_weights            {"update_info": {"version": N, "copy": DIR, "repo": URL}}
     POST /finish_weight_update      {"weight_version": "N"}
     POST /resume
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,28 @@ class VllmEngine(HttpEngine):
             finally:
                 with contextlib.suppress(EngineError):
                     self._post("/finish_weight_update", {}, "finish staging")
+            self._wait_staged(version)
         return staged
+
+    def _wait_staged(self, version: int) -> None:
+        """Until every worker has read what it stages (the server serves meanwhile); the
+        update would otherwise wait for it inside the pause."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.005
+        while time.monotonic() < deadline:
+            try:
+                answer = self._post("/collective_rpc", {"method": "deltasync_status"}, "staging status")
+            except EngineError:
+                return  # an older plugin or no dev routes: the update waits for staging itself
+            states = answer.get("results") if isinstance(answer, dict) else None
+            if not isinstance(states, list) or not states:
+                return
+            pending = [s for s in states if isinstance(s, dict) and isinstance(s.get("staging"), dict)
+                       and s["staging"].get("version") == version and not s["staging"].get("done")]
+            if not pending:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     def _update_info(self, version: int) -> dict[str, Any]:
         update: dict[str, Any] = {"version": version}
@@ -129,9 +151,19 @@ class VllmEngine(HttpEngine):
             update["repo"] = self.repo_url
         return update
 
+    def _pause(self) -> None:
+        # Opening the update is bookkeeping (no weights move): done while the server still
+        # serves, before the pause.
+        self._post("/start_weight_update", {}, "start weight update")
+        try:
+            super()._pause()
+        except BaseException:
+            with contextlib.suppress(EngineError):
+                self._post("/finish_weight_update", {}, "close the update")
+            raise
+
     def _write(self, staged: Staged) -> int:
         update = self._update_info(staged.version)
-        self._post("/start_weight_update", {}, "start weight update")
         try:
             self._post("/update_weights", {"update_info": update}, "update weights")
         except EngineError:
