@@ -204,8 +204,7 @@ def _real_server(module: str, env: str) -> tuple[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("preset", "module", "env"), [
-    ("sglang", "sglang", "DELTASYNC_TEST_SGLANG_URL"),
-    ("vllm", "vllm", "DELTASYNC_TEST_VLLM_URL"),
+    ("sglang", "sglang", "DELTASYNC_TEST_SGLANG_URL"),  # vLLM: tests/test_vllm.py starts its own
 ])
 def test_real_server(preset: str, module: str, env: str, tmp_path: Path) -> None:
     target, checkpoint = _real_server(module, env)
