@@ -47,7 +47,19 @@ def cli() -> None:
     """deltasync: lossless, compressed weight deltas from an RL trainer to inference fleets."""
 
 
-repo_option = click.option("--repo", required=True, metavar="URL", help="Repository: a path, file://, or memory://.")
+def _repo_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and value.lower().startswith("memory://"):
+        raise click.BadParameter(
+            "memory:// repositories live inside one process and vanish when the command exits; "
+            "use a path, file:///abs/path, s3://bucket/prefix or grpc://host:port"
+        )
+    return value
+
+
+repo_option = click.option(
+    "--repo", required=True, metavar="URL", callback=_repo_url,
+    help="Repository: a path or file:///abs/path, s3://bucket/prefix, or grpc(s)://host:port[,host:port] (relays; read-only).",
+)
 move_aside_option = click.option(
     "--move-aside", is_flag=True,
     help="Move files in the directory that are not the repository's (weights, configs a loader would read) into "
@@ -420,7 +432,10 @@ def subscribe(
         for s, handler in before.items():
             signal.signal(s, handler)
     if agent.stopping:
-        click.echo(f"stopped at version {version}" + ("" if version is None else "; the next run resumes any update in progress"))
+        if version is None:
+            click.echo("stopped before any version was held; the next run resumes any update in progress")
+        else:
+            click.echo(f"stopped at version {version}; the next run resumes any update in progress")
     else:
         click.echo(f"{out} is at version {version}")
 
@@ -610,6 +625,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("deltasync: aborted", err=True)
         sys.exit(130)
+    except click.UsageError as e:
+        # One line, like every other error; the command's --help is named for the details.
+        where = f" (see deltasync {e.ctx.command_path.split(' ', 1)[1]} --help)" if e.ctx and " " in e.ctx.command_path else ""
+        click.echo(f"deltasync: error: {e.format_message()}{where}", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

@@ -48,6 +48,7 @@ def key_id(public_key: Ed25519PublicKey) -> bytes:
 
 def generate_keypair(prefix: str | os.PathLike[str]) -> tuple[Path, Path, bytes]:
     """Write a new key pair to ``PREFIX.key`` (0600) and ``PREFIX.pub``; refuses to overwrite.
+    The directory of PREFIX is created (0700) when missing.
 
     Returns (private key path, public key path, key id).
     """
@@ -56,6 +57,10 @@ def generate_keypair(prefix: str | os.PathLike[str]) -> tuple[Path, Path, bytes]
     for p in (key_path, pub_path):
         if os.path.lexists(p):
             raise UsageError(f"{p} already exists; refusing to overwrite a key")
+    try:
+        key_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create {key_path.parent} for the keys: {e.strerror}") from None
     private = Ed25519PrivateKey.generate()
     key_pem = private.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()

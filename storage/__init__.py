@@ -27,6 +27,11 @@ def open_store(url: str) -> Store:
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
     if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):
+        if scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise UsageError(
+                f"{url!r} names the host {parsed.netloc!r}: a file:// URL takes an absolute path "
+                f"(file:///abs/path); give a relative path without file://"
+            )
         path = parsed.path if scheme == "file" else url
         return LocalStore(path)
     if scheme == "memory":

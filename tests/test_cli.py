@@ -258,11 +258,28 @@ def test_checksum_mismatch(cli: Env, tmp_path: Path) -> None:
     assert after["model.safetensors"] != before["model.safetensors"]
 
 
-def test_usage_errors_are_clicks(cli: Env) -> None:
+def test_usage_errors_are_one_line(cli: Env) -> None:
     r = cli.run("pull", "--out", "o", ok=False)
     assert r.rc == 2 and "Missing option '--repo'" in r.err and "Traceback" not in r.err
+    assert r.err.strip().count("\n") == 0 and r.err.startswith("deltasync: error: ") and "deltasync pull --help" in r.err
     r = cli.run("frobnicate", ok=False)
-    assert r.rc == 2 and "No such command" in r.err
+    assert r.rc == 2 and "No such command" in r.err and r.err.strip().count("\n") == 0
+
+
+def test_repository_urls_that_cannot_work_are_refused(cli: Env, tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "ckpt", make_state(seed=1))
+    r = cli.run("publish", str(tmp_path / "ckpt"), "--repo", "memory://scratch", ok=False)
+    assert r.rc == 2 and "vanish when the command exits" in r.err
+    r = cli.run("publish", str(tmp_path / "ckpt"), "--repo", "file://repo", ok=False)
+    assert r.rc != 0 and "names the host 'repo'" in r.err and "file:///abs/path" in r.err
+    r = cli.run("publish", str(tmp_path / "ckpt"), "--repo", f"file://{tmp_path / 'repo'}")
+    assert "published version 1" in r.out
+
+
+def test_keygen_creates_the_key_directory(cli: Env, tmp_path: Path) -> None:
+    r = cli.run("keygen", "--out", str(tmp_path / "keys" / "deep" / "publisher"))
+    assert (tmp_path / "keys" / "deep" / "publisher.key").exists() and "wrote" in r.out
+    assert (tmp_path / "keys" / "deep").stat().st_mode & 0o777 == 0o700
 
 
 # -- progress -------------------------------------------------------------------------------------
