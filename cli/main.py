@@ -98,13 +98,15 @@ trusted_key_option = click.option(
               help="Sign the manifest with this ed25519 private key (PEM, see keygen).")
 @click.option("--squash-stride", "squash_strides", multiple=True, type=click.IntRange(min=2), metavar="S",
               help="When S divides the new version id V, also store V as one delta from V-S (repeatable).")
+@click.option("--allow-empty", is_flag=True,
+              help="Publish a new version even when nothing changed since the latest [default: publish none].")
 @workers_option
 @quiet_option
 def publish(
     checkpoint: Path, repo: str, base_dir: Path | None, cache_dir: Path | None, no_cache: bool,
     version: int | None, snapshot_every: int, max_delta_fraction: float, chunk_mib: float,
     zstd_level: int, meta: tuple[str, ...], signing_key: Path | None, squash_strides: tuple[int, ...],
-    workers: int, quiet: bool,
+    allow_empty: bool, workers: int, quiet: bool,
 ) -> None:
     """Publish a checkpoint directory (safetensors, single or sharded) as a new version."""
     from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
@@ -113,13 +115,17 @@ def publish(
     config = PublisherConfig(
         codec=PlanesZstdCodec(chunk_bytes=chunk_bytes, zstd_level=zstd_level),
         workers=workers, snapshot_every=snapshot_every, max_delta_fraction=max_delta_fraction,
-        progress=_progress(quiet), squash_strides=squash_strides,
+        progress=_progress(quiet), squash_strides=squash_strides, skip_unchanged=not allow_empty,
     )
     pub = Publisher(repo, config, signing_key=signing_key)
     cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
     pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta))
     r = pub.last_result
     assert r is not None
+    if r.kind == "unchanged":
+        click.echo(f"nothing changed since version {r.version} (tensors, files and metadata are equal): "
+                   f"no version published (--allow-empty publishes one)")
+        return
     parent = f" parent {r.parent}" if r.parent is not None else ""
     click.echo(
         f"published version {r.version} ({r.kind}{parent}): {_mib(r.raw_bytes)} raw, "

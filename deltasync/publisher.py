@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +60,9 @@ class PublisherConfig:
     """Target size of one pack (the unit of upload and download)."""
     progress: bool | None = None
     """Show a progress line; None: only when stderr is a terminal."""
+    skip_unchanged: bool = False
+    """When the tensors, files and metadata equal the latest version's, commit nothing and
+    return a result of kind ``unchanged`` naming that version (the command line's default)."""
     squash_strides: tuple[int, ...] = ()
     """After committing version C, also store C as one delta from C - s for each stride s
     dividing C (a squash, see squash.py), when that is smaller than what a subscriber at
@@ -86,7 +89,7 @@ class PublisherConfig:
 @dataclass(frozen=True)
 class PublishResult:
     version: int
-    kind: str  # "snapshot" | "delta"
+    kind: str  # "snapshot" | "delta" | "unchanged" (nothing committed: ``version`` is the latest)
     parent: int | None
     raw_bytes: int
     stored_bytes: int
@@ -311,6 +314,8 @@ class Publisher:
             result = self._publish(
                 sources, self._dir_files(ckpt), bases, parent, version, metadata, blob_root=ckpt.root
             )
+            if result.kind == "unchanged":
+                return result.version
             self._squash(result.version, {s.key: s.read for s in sources})
         if cache_dir is not None:
             _replace_cache(Path(cache_dir), ckpt, self.repo.manifest(result.version))
@@ -539,6 +544,14 @@ class Publisher:
         metadata: Mapping[str, str] | None,
         start: float,
     ) -> PublishResult:
+        if self.config.skip_unchanged and parent is not None and _same_version(
+            self.repo.manifest(parent), files, encoded.tensors, metadata
+        ):
+            self._abandon(encoded)
+            result = PublishResult(version=parent, kind="unchanged", parent=parent, raw_bytes=encoded.raw,
+                                   stored_bytes=0, seconds=time.monotonic() - start)
+            self.last_result = result
+            return result
         codec = self.config.codec
         manifest = pb.Manifest(
             format=FORMAT,
@@ -570,6 +583,22 @@ class Publisher:
         )
         self.last_result = result
         return result
+
+
+def _same_version(parent: ManifestInfo, files: list[pb.File], tensors: Sequence[pb.Tensor],
+                  metadata: Mapping[str, str] | None) -> bool:
+    """Whether a new version would hold exactly what ``parent`` holds."""
+
+    def tensor_sig(t: pb.Tensor) -> tuple[object, ...]:
+        return (t.name, t.dtype, tuple(t.shape), tuple(t.full_shape), tuple(t.slice_offsets),
+                tuple(c.target_digest for c in t.chunks))
+
+    return (
+        dict(parent.pb.metadata) == dict(metadata or {})
+        and [f.SerializeToString(deterministic=True) for f in parent.pb.files]
+        == [f.SerializeToString(deterministic=True) for f in files]
+        and [tensor_sig(t) for t in parent.pb.tensors] == [tensor_sig(t) for t in tensors]
+    )
 
 
 def _encode_job(

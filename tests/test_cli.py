@@ -323,3 +323,17 @@ def test_progress_only_on_a_terminal(cli: Env, steps: list[Path]) -> None:
     cli.run("publish", steps[2], "--repo", "repo")
     cli.run("pull", "--repo", "repo", "--out", "serving")
     cli.run("verify", "--repo", "repo")
+
+
+def test_publishing_an_unchanged_checkpoint_publishes_nothing(cli: Env, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, make_state(seed=3))
+    repo = str(tmp_path / "repo")
+    cli.run("publish", str(ckpt), "--repo", repo)
+    r = cli.run("publish", str(ckpt), "--repo", repo)
+    assert "nothing changed since version 1" in r.out
+    assert Repository(repo).latest() == 1
+    r = cli.run("publish", str(ckpt), "--repo", repo, "--meta", "step=2")  # new metadata: a new version
+    assert "published version 2" in r.out
+    r = cli.run("publish", str(ckpt), "--repo", repo, "--meta", "step=2", "--allow-empty")
+    assert "published version 3" in r.out
