@@ -140,7 +140,7 @@ def publish(
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
 @trusted_key_option
 def log(repo: str, as_json: bool, trusted_keys: tuple[Path, ...]) -> None:
-    """List versions: id, kind, parent, raw size, stored size, ratio, time."""
+    """List versions: id, kind, parent, raw size, stored size, ratio, time, --meta given at publish."""
     from deltasync import Repository
 
     r = Repository(repo, trusted_keys=trusted_keys)
@@ -156,18 +156,20 @@ def log(repo: str, as_json: bool, trusted_keys: tuple[Path, ...]) -> None:
             "stored_bytes": m.stored_bytes,
             "ratio": round(m.raw_bytes / m.stored_bytes, 2) if m.stored_bytes else None,
             "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix)),
+            "metadata": dict(sorted(m.metadata.items())),
         })
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
         return
-    click.echo(f"{'version':>8}  {'kind':8}  {'parent':>6}  {'raw':>10}  {'stored':>10}  {'ratio':>8}  time")
+    click.echo(f"{'version':>8}  {'kind':8}  {'parent':>6}  {'raw':>10}  {'stored':>10}  {'ratio':>8}  {'time':19}  meta")
     for row in rows:
         ratio = f"{row['ratio']:.1f}x" if row["ratio"] is not None else "inf"
         parent = str(row["parent"]) if row["parent"] is not None else "-"
         click.echo(
             f"{row['version']:>8}  {row['kind']:8}  {parent:>6}  {_mib(row['raw_bytes']):>10}  "
-            f"{_mib(row['stored_bytes']):>10}  {ratio:>8}  {row['time']}"
+            f"{_mib(row['stored_bytes']):>10}  {ratio:>8}  {row['time']:19}  "
+            + " ".join(f"{k}={v}" for k, v in row["metadata"].items())
         )
 
 

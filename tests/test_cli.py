@@ -337,3 +337,6 @@ def test_publishing_an_unchanged_checkpoint_publishes_nothing(cli: Env, tmp_path
     assert "published version 2" in r.out
     r = cli.run("publish", str(ckpt), "--repo", repo, "--meta", "step=2", "--allow-empty")
     assert "published version 3" in r.out
+    rows = cli.run("log", "--repo", repo).out.splitlines()
+    assert rows[0].split()[-1] == "meta" and rows[2].endswith("step=2") and rows[3].endswith("step=2")
+    assert json.loads(cli.run("log", "--repo", repo, "--json").out.splitlines()[1])["metadata"] == {"step": "2"}
