@@ -86,6 +86,7 @@ def test_names_to_load_takes_whole_modules(published: tuple[str, dict[int, dict[
     m1, m2, m3 = (r.manifest(v) for v in (1, 2, 3))
     # k_proj changed: q, k and v load (one fused module), nothing else.
     assert sorted(names_to_load(m1, m2, QWEN)) == [f"model.layers.1.self_attn.{p}_proj.weight" for p in "kqv"]
+    assert sorted(names_to_load(m2, m1, QWEN)) == sorted(names_to_load(m1, m2, QWEN))  # a restore: the same modules
     assert names_to_load(m2, m3, QWEN) == ["model.layers.0.input_layernorm.weight"]
     assert names_to_load(m3, m3, QWEN) == []
     assert len(names_to_load(None, m3, QWEN)) == len(_state(0))  # unknown: everything

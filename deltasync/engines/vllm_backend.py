@@ -123,7 +123,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             try:
                 where = self._load(source, target, names, staged=staged, fail_after=req.fail_after)
             except BaseException as e:
-                self._restore(source, held, names, e)
+                self._restore(source, held, target, e)
                 raise
         self.held = target
         self.last = {
@@ -226,15 +226,16 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 quiet.setLevel(level)
         return where
 
-    def _restore(self, source: Source, held: ManifestInfo | None, names: list[str], error: BaseException) -> None:
-        """After a failed load: load the same tensors of the held version."""
+    def _restore(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, error: BaseException) -> None:
+        """After a failed load towards ``target``: load the held version's tensors of every
+        module the load may have touched (the same modules, named as ``held`` names them)."""
         if held is None:
             self.held = None
             log.error("deltasync: loading failed (%s) and the version held before is unknown: the server's "
                       "weights may be mixed until the next update completes (it loads every tensor)", error)
             return
         try:
-            self._load(source, held, names)
+            self._load(source, held, names_to_load(target, held, _packed(self.model)))
         except BaseException as again:
             self.held = None
             log.error("deltasync: loading failed (%s) and restoring version %d failed too (%s): the server's "
