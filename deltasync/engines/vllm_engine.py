@@ -83,7 +83,8 @@ class VllmEngine(HttpEngine):
         if pause_mode not in PAUSE_MODES:
             raise UsageError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         if repo_url is None and isinstance(repo, str) and not repo.startswith("memory://"):
-            repo_url = repo  # where workers pull what the copy does not hold
+            # where workers pull what the copy does not hold (a path: absolute, workers run elsewhere)
+            repo_url = repo if "://" in repo else str(Path(repo).absolute())
         if model_dir is None and repo_url is None:
             raise UsageError("the vllm engine needs model_dir= (a copy the server can read) or a repository URL")
         preset = HttpPreset(
@@ -158,6 +159,10 @@ class VllmEngine(HttpEngine):
         try:
             super()._pause()
         except BaseException:
+            # vLLM may have paused its scheduler before the error (a drain that timed out):
+            # resume it, and close the update, best effort.
+            with contextlib.suppress(EngineError):
+                self._post("/resume", {}, "resume after a failed pause")
             with contextlib.suppress(EngineError):
                 self._post("/finish_weight_update", {}, "close the update")
             raise
