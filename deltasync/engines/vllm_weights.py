@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import platform
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,7 +38,7 @@ from ..localstate import CopyInUseError, StateDB, copy_lock
 from ..manifest import ManifestInfo, key_of
 from ..placement import logical_shape, placements, read_placed
 from ..slots import other, slot_dir
-from ..tensors import bits_to_tensor
+from ..subscriber import _assemble, _Request
 from ..v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -199,7 +198,9 @@ class CopyReader:
                     )
                 buf[off : off + length] = chunk
             bits[key_of(t)] = buf
-        return _whole(entries, bits)
+        first = entries[0]
+        shape = logical_shape(first)
+        return _assemble(_Request(first.dtype, (0,) * len(shape), shape, entries), bits)
 
 
 @contextlib.contextmanager
@@ -229,25 +230,6 @@ def open_copy(root: str | os.PathLike[str], info: ManifestInfo) -> Iterator[Copy
             return
         reader = stack.enter_context(FileReader())
         yield CopyReader(slot_dir(path, found), info, reader)
-
-
-def _whole(entries: list[pb.Tensor], bits: Mapping[str, np.ndarray[Any, np.dtype[np.uint8]]]) -> torch.Tensor:
-    """A logical tensor from its entries (one whole entry, or slices of it)."""
-    from ..slices import copy_region, intersect
-
-    first = entries[0]
-    shape = logical_shape(first)
-    if len(entries) == 1 and not first.full_shape:
-        return bits_to_tensor(bits[key_of(first)], first.dtype, shape)
-    itemsize = dtypes.itemsize(first.dtype)
-    buf = np.zeros(math.prod(shape) * itemsize, dtype=np.uint8)
-    zeros = (0,) * len(shape)
-    for t in entries:
-        e_off = tuple(t.slice_offsets) or zeros
-        inter = intersect(e_off, tuple(t.shape), zeros, shape)
-        if inter is not None:
-            copy_region(bits[key_of(t)], e_off, tuple(t.shape), buf, zeros, shape, inter[0], inter[1], itemsize)
-    return bits_to_tensor(buf, first.dtype, shape)
 
 
 class Source:
