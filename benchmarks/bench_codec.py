@@ -70,8 +70,8 @@ import torch
 import zstandard
 from typing_extensions import Buffer
 
-from deltasync.codec import ENCODING_NAMES, EncodedChunk, PlanesZstdCodec
-from deltasync.digest import digest
+from deltasync.format.codec import ENCODING_NAMES, EncodedChunk, PlanesZstdCodec
+from deltasync.format.digest import digest
 from deltasync.v1 import manifest_pb2 as pb
 
 from .rl_stream import (

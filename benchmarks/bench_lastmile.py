@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
-from deltasync.checkpoint import build_header
+from deltasync.format.checkpoint import build_header
 
 TENSOR_BYTES = 64 << 20
 ROWS, COLS = TENSOR_BYTES // 2 // 4096, 4096

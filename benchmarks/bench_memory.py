@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# checkpoints: 2 x {size / 2**30:.1f} GiB bf16 in {size // SHARD_BYTES} shards, "
               f"written in {time.perf_counter() - t0:.0f}s; workers = {os.cpu_count()}")
         repo, out = root / "repo", root / "out"
-        imports = "import deltasync, deltasync.publisher, deltasync.subscriber, torch"
+        imports = "import deltasync, deltasync.publish.publisher, deltasync.pull.subscriber, torch"
         phases = [
             ("python with deltasync and torch imported", f"{imports}"),
             ("publish version 1 (snapshot)",

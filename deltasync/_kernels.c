@@ -1,4 +1,4 @@
-/* Hot loops of the chunk codec (deltasync/codec.py), as a CPython extension module.
+/* Hot loops of the chunk codec (deltasync/format/codec.py), as a CPython extension module.
  *
  * deltasync/_kernels_py.py is the pure-numpy twin of every function here: same arguments,
  * byte-identical results, the same inputs refused (tests/test_codec.py checks both). The

@@ -2,7 +2,7 @@
 
 Same functions, arguments and byte-identical results; malformed input raises ValueError in
 both. The codec uses the C module when it imports (built by ``pip install``) and this one
-otherwise; tests run both and compare. The formats are documented in ``deltasync/codec.py``
+otherwise; tests run both and compare. The formats are documented in ``deltasync/format/codec.py``
 and the C source: bit streams are LSB-first, a unary code of q is q zero bits then a one,
 every stream is padded with zero bits to whole bytes.
 """

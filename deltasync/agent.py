@@ -8,14 +8,14 @@ push stream, when the store has one, wakes it sooner) and sleeps in between: no 
 
 How it moves (each verified chunk by chunk, staged, installed atomically per file, journaled
 in the copy's LMDB state, resumable after a kill at any point — see subscriber.py and
-localstate.py):
+pull/state.py):
 
 * forwards: a pull (the planner picks the delta chain or snapshot plus chain); the payloads
-  of the deltas applied are kept in the copy (``keep_versions``, localcache.py);
+  of the deltas applied are kept in the copy (``keep_versions``, pull/cache.py);
 * backwards (a pin to an earlier version, ``rollback``): the deltas in between are reversed
   from the local bits, reading the kept payloads (nothing downloaded) or, when not kept,
   the repository's small delta payloads; chunks that cannot be reversed come from the
-  snapshot chain (localcopy.py);
+  snapshot chain (pull/check.py);
 * forwards again to versions whose payloads it kept: walked locally, nothing downloaded.
 
 Upstream errors are retried with jittered exponential backoff, capped: a one-shot run gives
@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -51,14 +50,15 @@ from .errors import (
     SignatureError,
     UsageError,
 )
-from .localcache import CachedStore, LocalCache
-from .localstate import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock, finish_install
+from .format.signing import PublicKeyLike
 from .metrics import Metric, MetricsServer
-from .repository import LATEST, Repository
-from .signing import PublicKeyLike
-from .slotfill import update_copy
+from .pull.cache import CachedStore, LocalCache
+from .pull.slotfill import update_copy
+from .pull.state import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock, finish_install
+from .pull.subscriber import Subscriber, state_url
+from .repo.repository import LATEST, Repository
+from .retry import Backoff as Backoff  # the agent's retries; importable here too
 from .storage import Store, open_store
-from .subscriber import Subscriber, state_url
 
 log = logging.getLogger(__name__)
 
@@ -122,24 +122,6 @@ class Update:
     how: str  # "pull from version N", "pull from a snapshot", "local: N chunks walked, M fetched"
     fetched_bytes: int
     seconds: float
-
-
-class Backoff:
-    """Jittered exponential waits: initial, 2x, 4x, ... capped; :meth:`reset` after a success."""
-
-    def __init__(self, initial: float, cap: float, *, rng: random.Random | None = None) -> None:
-        self.initial = initial
-        self.cap = cap
-        self.failures = 0
-        self._rng = rng or random.Random()
-
-    def next(self) -> float:
-        delay = min(self.cap, self.initial * 2**self.failures)
-        self.failures += 1
-        return float(delay * self._rng.uniform(0.5, 1.0))
-
-    def reset(self) -> None:
-        self.failures = 0
 
 
 @dataclass
@@ -462,8 +444,7 @@ class Agent:
             f.last_error, f.last_error_unix = stats.get("last_error"), stats.get("last_error_unix")
             f.pid, f.running, f.follow, f.started_unix, f.state = os.getpid(), True, follow, time.time(), "starting"
         self._fetched_at_start = self.store.fetched_bytes
-        with self.store._lock:
-            self._fetched_by_kind_at_start = dict(self.store.fetched)
+        self._fetched_by_kind_at_start = self.store.fetched_by_kind()
         self._base_total = self.figures.bytes_fetched_total
         self._flush(force=True)
 
@@ -490,8 +471,7 @@ class Agent:
         with self._lock:
             f = self.figures
             f.bytes_fetched_total = self._base_total + self.store.fetched_bytes - self._fetched_at_start
-            with self.store._lock:
-                now_by_kind = dict(self.store.fetched)
+            now_by_kind = self.store.fetched_by_kind()
             kinds = set(now_by_kind) | set(self._base_by_kind)
             f.fetched_by_kind = {
                 k: self._base_by_kind.get(k, 0) + now_by_kind.get(k, 0) - self._fetched_by_kind_at_start.get(k, 0)

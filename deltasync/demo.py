@@ -29,7 +29,7 @@ def run_demo(workdir: Path, *, steps: int = 5, echo: Callable[[str], None] = pri
     from safetensors.torch import save_file
 
     from . import Publisher, PublisherConfig, Repository, Subscriber
-    from .verify import verify_repository
+    from .repo.verify import verify_repository
 
     workdir = Path(workdir)
     if workdir.exists():
@@ -61,10 +61,8 @@ def run_demo(workdir: Path, *, steps: int = 5, echo: Callable[[str], None] = pri
         state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(last_ckpt / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
         (last_ckpt / "config.json").write_text(json.dumps({"vocab_size": vocab, "hidden_size": dim, "layers": 2}))
-        v = pub.publish_dir(last_ckpt, cache_dir=workdir / "publish-cache", metadata={"step": str(step)})
-        r = pub.last_result
-        assert r is not None
-        echo(f"  step {step}: loss {loss.item():.3f} -> version {v} ({r.kind}), "
+        r = pub.publish_dir(last_ckpt, cache_dir=workdir / "publish-cache", metadata={"step": str(step)})
+        echo(f"  step {step}: loss {loss.item():.3f} -> version {r} ({r.kind}), "
              f"{human_bytes(r.raw_bytes)} raw, {human_bytes(r.stored_bytes)} stored ({r.ratio:.1f}x)")
 
     sub = Subscriber(str(repo_dir), progress=progress)

@@ -2,7 +2,10 @@
 
 Every error a user can cause derives from :class:`DeltasyncError` and carries the
 structured fields that name what is wrong (version, tensor, chunk, key, path), so the
-command line can print one clear line and library users can branch on fields.
+command line can print one clear line and library users can branch on fields. Where an
+error is one of Python's own kinds it also derives from that built-in (a bad argument is a
+``ValueError``, a missing version or object a ``LookupError``), so generic handlers work.
+All of them are defined here and exported from ``deltasync``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ class DeltasyncError(Exception):
         return self.message
 
 
-class UsageError(DeltasyncError):
+class UsageError(DeltasyncError, ValueError):
     """A bad argument or configuration value."""
 
     exit_code = 2
@@ -37,7 +40,7 @@ class RepositoryFormatError(DeltasyncError):
     """The repository was written by an incompatible deltasync."""
 
 
-class VersionNotFoundError(DeltasyncError):
+class VersionNotFoundError(DeltasyncError, LookupError):
     def __init__(self, version: int, url: str = "") -> None:
         where = f" in {url}" if url else ""
         super().__init__(f"version {version} not found{where}")
@@ -62,7 +65,7 @@ class VersionConflictError(DeltasyncError):
         self.version = version
 
 
-class ObjectNotFoundError(DeltasyncError):
+class ObjectNotFoundError(DeltasyncError, LookupError):
     def __init__(self, key: str) -> None:
         super().__init__(f"object not found: {key}")
         self.key = key
@@ -118,3 +121,84 @@ class SignatureError(DeltasyncError):
         super().__init__(f"version {version}: {detail}")
         self.version = version
         self.detail = detail
+
+
+# -- local copies and pulls --------------------------------------------------------------------
+
+
+class CopyInUseError(DeltasyncError):
+    """Another process is changing this local copy (an agent following it, or a pull)."""
+
+    def __init__(self, root: str, holder: str) -> None:
+        super().__init__(f"{root} is in use by another deltasync process{holder}; stop it first")
+        self.root = root
+
+
+class PullStopped(DeltasyncError):
+    """A pull stopped on request between chunks; its staged work is kept for a resume."""
+
+    exit_code = 130
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"pull of version {version} stopped; running it again resumes it")
+        self.version = version
+
+
+# -- publishing from many ranks ----------------------------------------------------------------
+
+
+class DistributedPublishError(DeltasyncError):
+    """Publishing failed on some rank; nothing was committed."""
+
+    def __init__(self, version: int | None, failures: dict[int, str]) -> None:
+        first = min(failures)
+        where = f"version {version}" if version is not None else "publish"
+        more = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+        super().__init__(f"{where} failed on rank {first}: {failures[first]}{more}; nothing was committed")
+        self.version = version
+        self.failures = failures
+
+
+# -- engines -----------------------------------------------------------------------------------
+
+
+class EngineError(DeltasyncError):
+    """An engine could not stage or swap a version; the version it serves is in ``serving``."""
+
+    def __init__(self, message: str, *, version: int | None = None, serving: int | None = None) -> None:
+        super().__init__(message)
+        self.version = version
+        self.serving = serving
+
+
+class StaleUpdateError(EngineError):
+    """A staged update was made against a version the engine no longer serves."""
+
+
+class GroupError(EngineError):
+    """The rank group failed (a rank died or timed out); this engine cannot be used again."""
+
+
+# -- the reference RL loop ---------------------------------------------------------------------
+
+
+class WorkerError(DeltasyncError):
+    """A rollout worker failed; ``detail`` holds its traceback (None: it exited without one)."""
+
+    def __init__(self, worker: int | None, detail: str | None) -> None:
+        if worker is None:
+            message = "a rollout worker exited without reporting an error (killed?)"
+        else:
+            last = detail.strip().splitlines()[-1] if detail and detail.strip() else "no detail"
+            message = f"rollout worker {worker} failed: {last}"
+        super().__init__(message)
+        self.worker = worker
+        self.detail = detail
+
+
+class FeedbackError(UsageError):
+    """Feedback that cannot be joined; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status

@@ -37,20 +37,13 @@ from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 
+from deltasync.errors import FeedbackError as FeedbackError  # defined there; importable here too
 from deltasync.errors import UsageError
 
 from .task import VOCAB, AdditionTask
 from .worker import RolloutBatch
 
 VERDICT_REWARD = {"accepted": 1.0, "edited": 0.5, "rejected": 0.0}
-
-
-class FeedbackError(UsageError):
-    """Feedback that cannot be joined; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def feedback_reward(verdict: Any, score: Any = None) -> float:

@@ -17,7 +17,10 @@ rejected version leaves the last good version pinned and rolls the trainer back 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
+import os
 import queue
 import shutil
 import time
@@ -31,6 +34,7 @@ import torch
 
 from deltasync import Repository, Subscriber
 from deltasync.errors import ChecksumMismatchError, DeltasyncError, UsageError
+from deltasync.errors import WorkerError as WorkerError  # defined there; importable here too
 
 from .backends import get_reports, make_backend
 from .config import RLConfig, to_dict
@@ -38,25 +42,11 @@ from .feedback import FeedbackServer, FeedbackStore, SimulatedUsers
 from .gate import EvalGate, Evaluation, Verdict
 from .metrics import MetricsLog, SyncTracker
 from .model import TinyTransformer
-from .report import Echo, ProgressLine, eval_dict, format_summary, progress_line, summarize
+from .report import PROGRESS_LEGEND, Echo, ProgressLine, eval_dict, format_summary, progress_line, summarize
 from .serving import serving_target
 from .task import AdditionTask
 from .trainer import Trainer
 from .worker import RolloutBatch, SyncReport, WorkerFailed, WorkerNote, WorkerSpec
-
-
-class WorkerError(DeltasyncError):
-    """A rollout worker failed; ``detail`` holds its traceback (None: it exited without one)."""
-
-    def __init__(self, worker: int | None, detail: str | None) -> None:
-        if worker is None:
-            message = "a rollout worker exited without reporting an error (killed?)"
-        else:
-            last = detail.strip().splitlines()[-1] if detail and detail.strip() else "no detail"
-            message = f"rollout worker {worker} failed: {last}"
-        super().__init__(message)
-        self.worker = worker
-        self.detail = detail
 
 
 @dataclass
@@ -75,8 +65,16 @@ class RunResult:
         return format_summary(self.summary, out_dir=self.out_dir, plot_path=self.plot_path, final_dir=self.final_dir)
 
 
-def _prepare_out_dir(config: RLConfig) -> Path:
+#: What a run writes in its directory (and what a rerun there would replace).
+RUN_OUTPUTS = ("repo", "checkpoints", "final", "metrics.jsonl", "plot.png")
+
+
+def _prepare_out_dir(config: RLConfig, force: bool) -> Path:
     out = Path(config.out_dir)
+    previous = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if previous and not force:
+        raise UsageError(f"{out} holds a previous run ({', '.join(previous)}): --force replaces it, "
+                         f"--out DIR writes this run elsewhere")
     out.mkdir(parents=True, exist_ok=True)
     for name in ("repo", "checkpoints", "final"):  # only what a previous run wrote
         shutil.rmtree(out / name, ignore_errors=True)
@@ -88,9 +86,16 @@ def _prepare_out_dir(config: RLConfig) -> Path:
     return out
 
 
-def run(config: RLConfig, *, echo: Echo = print, progress: bool | None = None) -> RunResult:
-    """Run warm start and RL as configured; returns where everything was written."""
-    out = _prepare_out_dir(config)
+def run(config: RLConfig, *, echo: Echo = print, progress: bool | None = None, force: bool = False,
+        warm_start_cache: str | Path | None = None) -> RunResult:
+    """Run warm start and RL as configured; returns where everything was written.
+
+    A directory holding a previous run's outputs is refused unless ``force``. With
+    ``warm_start_cache`` (a directory), the warm-started weights are kept there, keyed by
+    everything that determines them, and a later run with the same settings starts from them
+    (bit for bit what the warm start would compute again).
+    """
+    out = _prepare_out_dir(config, force)
     task = AdditionTask(config.digits)
     torch.set_num_threads(1)  # deterministic kernels, and the cores go to the workers
     backend = make_backend(config.workers.backend, queue_size=config.workers.queue_size,
@@ -105,11 +110,37 @@ def run(config: RLConfig, *, echo: Echo = print, progress: bool | None = None) -
         for i in range(config.workers.count)
     ]
     state = _RunState(config, task, metrics, backend, echo)
+    state.warm_cache = warm_start_dir(Path(warm_start_cache), config) if warm_start_cache is not None else None
     try:
         backend.start(specs)
         return state.run(out, progress)
     finally:
         state.close()
+
+
+WARM_DONE = "warm_start.json"
+
+
+def warm_start_dir(root: Path, config: RLConfig) -> Path:
+    """Where ``config``'s warm-started weights are kept under ``root``: keyed by everything
+    that determines them (model, task, seed, warm-start settings, torch version)."""
+    ws = {k: v for k, v in to_dict(config)["warm_start"].items() if k != "init_from"}
+    key = {"model": to_dict(config)["model"], "digits": config.digits, "seed": config.seed, "warm_start": ws,
+           "torch": torch.__version__, "layout": 1}
+    return root / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _keep_warm_start(trainer: Trainer, where: Path, loss: float) -> None:
+    """Save the fp32 weights (the trainer's master copy, exactly) for later runs; best effort."""
+    staging = where.with_name(f"{where.name}.tmp-{os.getpid()}")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        trainer.policy.save_pretrained(staging, dtype=torch.float32)
+        (staging / WARM_DONE).write_text(json.dumps({"loss": loss}) + "\n")
+        shutil.rmtree(where, ignore_errors=True)
+        os.replace(staging, where)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 class _RunState:
@@ -132,6 +163,7 @@ class _RunState:
         self.gate: EvalGate | None = None
         self.bar: ProgressLine | None = None
         self.synced: list[dict[str, Any]] = []  # sync figures completed since the last step record
+        self.warm_cache: Path | None = None  # where warm-started weights for this config are kept
         self.closed = False
 
     # -- reports from workers ------------------------------------------------------------------
@@ -230,11 +262,17 @@ class _RunState:
             if step % 25 == 0 or step == config.warm_start.steps:
                 bar.update(step, f"warm start {step}/{config.warm_start.steps}  loss {loss:.3f}")
 
+        cached = self.warm_cache if self.warm_cache is not None and (self.warm_cache / WARM_DONE).exists() else None
         if config.warm_start.init_from is not None:
             trainer.load(config.warm_start.init_from)
             loss = math.nan
+        elif cached is not None:
+            trainer.load(cached)
+            loss = float(json.loads((cached / WARM_DONE).read_text())["loss"])
         else:
             loss = trainer.warm_start(on_progress=ws_progress)
+            if self.warm_cache is not None and config.warm_start.steps:
+                _keep_warm_start(trainer, self.warm_cache, loss)
         bar.finish()
         trainer.start_rl()
         version = 1
@@ -249,16 +287,22 @@ class _RunState:
         teacher = task.reward(suite, task.teacher_answers(*task.operands_of(suite), np.random.default_rng(config.seed),
                                                           config.warm_start.teacher_carry_error))
         metrics.log("warm_start", loss=loss, seconds=time.monotonic() - ws_start, version=version,
+                    reused_from=str(cached) if cached is not None else None,
                     stored_bytes=pub.stored_bytes, raw_bytes=pub.raw_bytes, eval=eval_dict(warm), pinned=verdict.pinned,
                     teacher_reward=float(teacher.mean()), teacher_exact=float((teacher == 1).mean()))
-        how = (f"{config.warm_start.steps} steps in {time.monotonic() - ws_start:.1f}s, loss {loss:.3f}"
-               if config.warm_start.init_from is None else f"weights from {config.warm_start.init_from}")
+        if config.warm_start.init_from is not None:
+            how = f"weights from {config.warm_start.init_from}"
+        elif cached is not None:
+            how = f"{config.warm_start.steps} steps, reused from {cached} (same settings), loss {loss:.3f}"
+        else:
+            how = f"{config.warm_start.steps} steps in {time.monotonic() - ws_start:.1f}s, loss {loss:.3f}"
         echo(f"warm start: {how}; held-out reward {warm.score:.3f} sampled ({warm.exact:.1%} exact), "
              f"{warm.greedy_reward:.3f} greedy ({warm.greedy_exact:.1%} exact) -> version 1")
 
         if config.live.enabled:
             self._start_live()
 
+        echo(PROGRESS_LEGEND)
         bar = self.bar = ProgressLine(echo, config.steps, progress)
         rl_start = time.monotonic()
         last_eval = warm

@@ -12,16 +12,35 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 
+def _legend_below(ax: Any, extra: Any = None) -> None:
+    """The axes' legend under its x label, outside the plotting area: it never hides a curve."""
+    handles, labels = ax.get_legend_handles_labels()
+    if extra is not None:
+        more_handles, more_labels = extra.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    if handles:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8, frameon=False)
+
+
 def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
     """Four panels over versions: reward; bytes stored per version and compression ratio;
     time from publish to every worker serving it; engine pause per swap."""
+    fig = draw_metrics(records)
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def draw_metrics(records: list[dict[str, Any]]) -> Any:
+    """The figure :func:`plot_metrics` saves (a matplotlib Figure; the caller closes it)."""
     steps = [r for r in records if r["event"] == "step"]
     syncs = [r for r in records if r["event"] == "sync"]
     swaps = [r for r in records if r["event"] == "swap"]
     warm = next((r for r in records if r["event"] == "warm_start"), None)
     summary = next((r for r in records if r["event"] == "summary"), None)
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9), constrained_layout=True)
     ax_r, ax_b, ax_l, ax_p = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
 
     versions = [s["version"] for s in steps]
@@ -38,7 +57,7 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
         ax_r.scatter([s["version"] for s in rejected], [s["eval"]["reward"] for s in rejected], marker="x",
                      color="tab:red", s=60, zorder=5, label="rejected by the gate")
     ax_r.set(title="Reward", xlabel="version", ylabel="reward (partial credit)")
-    ax_r.legend(loc="lower right", fontsize=8)
+    _legend_below(ax_r)
     ax_r.grid(alpha=0.3)
 
     deltas = [s for s in steps if s["kind"] == "delta"]
@@ -51,10 +70,13 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
         raw = deltas[0]["raw_bytes"] / 1024
         ax_b.axhline(raw, color="0.4", ls="--", lw=1, label=f"full bf16 weights ({raw:.0f} KiB)")
         ax2 = ax_b.twinx()
-        ax2.plot([s["version"] for s in deltas], [s["ratio"] for s in deltas], color="tab:purple", lw=1.5)
+        ax2.plot([s["version"] for s in deltas], [s["ratio"] for s in deltas], color="tab:purple", lw=1.5,
+                 label="compression ratio (right axis)")
         ax2.set_ylabel("compression ratio (raw / stored)", color="tab:purple")
         ax2.set_ylim(bottom=0)
-    ax_b.legend(loc="center right", fontsize=8)
+        _legend_below(ax_b, extra=ax2)
+    else:
+        _legend_below(ax_b)
     ax_b.grid(alpha=0.3)
 
     ax_l.plot([s["version"] for s in syncs], [s["latency_s"] * 1e3 for s in syncs], ".-", color="tab:cyan", lw=1,
@@ -62,7 +84,7 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
     ax_l.plot([s["version"] for s in syncs], [s["serve_latency_s"] * 1e3 for s in syncs], ".-", color="tab:brown", lw=1,
               label="pinned → every worker serving")
     ax_l.set(title="Time until every worker serves a version", xlabel="version", ylabel="ms")
-    ax_l.legend(loc="upper right", fontsize=8)
+    _legend_below(ax_l)
     ax_l.set_ylim(bottom=0)
     ax_l.grid(alpha=0.3)
 
@@ -73,7 +95,7 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
     ax_p.set(title="Engine pause per swap (serving lock held for the write)", xlabel="version", ylabel="ms")
     ax_p.set_ylim(bottom=0)
     if workers:
-        ax_p.legend(loc="upper right", fontsize=8)
+        _legend_below(ax_p)
     ax_p.grid(alpha=0.3)
 
     if summary is not None:
@@ -84,7 +106,4 @@ def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
             f"max log-prob gap {summary['logprob_gap_max']:.1g}",
             fontsize=11,
         )
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig

@@ -46,6 +46,16 @@ class ProgressLine:
             sys.stderr.flush()
 
 
+#: Printed once above the progress lines: what their fields mean.
+PROGRESS_LEGEND = (
+    "each line: rl STEP/STEPS vVERSION; reward: mean of the step's training batches; eval: held-out score of the "
+    "version served (warm: after the warm start); stale K:N: N of the batches trained on were sampled from weights K "
+    "updates old; gap: largest log-prob difference between trainer and worker for the same tokens (0: the workers "
+    "served exactly the trainer's weights); bytes stored per version and its compression; sync: publish to every "
+    "worker serving it"
+)
+
+
 def progress_line(metrics: MetricsLog, steps: int, rec: Mapping[str, Any], warm: Evaluation, last: Evaluation) -> str:
     """One line on a step: reward, staleness, log-prob gap, bytes per version, sync time."""
     syncs = metrics.events("sync")

@@ -23,11 +23,11 @@ import numpy.typing as npt
 import torch
 
 from deltasync import dtypes
-from deltasync.digest import digest, version_digest
 from deltasync.engines import TorchEngine
-from deltasync.manifest import ManifestInfo
-from deltasync.repository import Repository
-from deltasync.tensors import tensor_bits
+from deltasync.format.digest import digest, version_digest
+from deltasync.format.manifest import ManifestInfo
+from deltasync.format.tensors import tensor_bits
+from deltasync.repo.repository import Repository
 
 from .config import ModelConfig
 from .model import TinyTransformer

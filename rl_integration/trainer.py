@@ -149,10 +149,10 @@ class Trainer:
             shutil.rmtree(ckpt)
         self.policy.save_pretrained(ckpt, metadata={"deltasync.rl.version": str(version)},
                                     extra_config={"deltasync_task": {"name": "addition", "digits": self.task.digits}})
-        v = self.publisher.publish_dir(ckpt, base_dir=self._last_checkpoint, version=version, metadata=metadata)
+        r = self.publisher.publish_dir(ckpt, base_dir=self._last_checkpoint, version=version, metadata=metadata)
         published = time.time()
-        r = self.publisher.last_result
-        assert r is not None and v == version
+        v = r.version
+        assert v == version
         scorer = TinyTransformer(self.config.model).to(torch.bfloat16).requires_grad_(False).eval()
         scorer.load_state_dict(self.policy.bf16_state())
         self.scorers[version] = scorer

@@ -27,7 +27,7 @@ import numpy.typing as npt
 import torch
 
 from deltasync.errors import DeltasyncError, EmptyRepositoryError, RepositoryNotFoundError
-from deltasync.repository import Repository
+from deltasync.repo.repository import Repository
 
 from .config import ModelConfig
 from .sampling import Generation

@@ -13,6 +13,7 @@ grpcio at runtime to the version of grpcio-tools that generated it.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -349,7 +350,14 @@ class _Download:
 
 
 class VersionWatch(Iterator[int]):
-    """Iterator over newly committed versions (see :meth:`GrpcStore.watch`)."""
+    """Iterator over newly committed versions (see :meth:`GrpcStore.watch`).
+
+    Each Watch stream is read on a helper thread and handed over through a queue: grpcio (1.85)
+    can leave a read blocked for good when a relay stops just as the stream opens (the call has
+    its status, the read never completes, and ``cancel()`` is then a no-op). Reading through a
+    queue lets the watch see that the call is over, move to the next relay, and ``close()`` at
+    once, whatever the stuck read does.
+    """
 
     def __init__(self, store: GrpcStore, after_version: int) -> None:
         self.store = store
@@ -357,6 +365,7 @@ class VersionWatch(Iterator[int]):
         self.latest = after_version  # newest version a relay reported, keepalives included
         self._lock = threading.Lock()
         self._call: Any = None
+        self._inbox: queue.Queue[Any] | None = None
         self._closed = False
         self._events = self._run()
 
@@ -370,9 +379,11 @@ class VersionWatch(Iterator[int]):
         """End the watch; a thread blocked in ``next()`` gets StopIteration."""
         with self._lock:
             self._closed = True
-            call = self._call
+            call, inbox = self._call, self._inbox
         if call is not None:
             call.cancel()
+        if inbox is not None:
+            inbox.put(_CLOSED)
 
     def _run(self) -> Iterator[int]:
         relays = self.store._relays
@@ -384,14 +395,18 @@ class VersionWatch(Iterator[int]):
                 if self._closed:
                     return
                 self._call = call = relay.watch(pb.WatchRequest(after_version=self.last))
+                self._inbox = inbox = queue.Queue()
+            threading.Thread(target=_read_stream, args=(call, inbox), name="deltasync-watch-read", daemon=True).start()
             try:
-                for event in call:
+                for event in _drain(call, inbox):
                     failures = 0
                     self.store._preferred = index
                     self.latest = max(self.latest, event.latest)
                     if event.version > self.last:
                         self.last = event.version
                         yield event.version
+                if self._closed:
+                    return
                 error = "the relay ended the stream"
             except grpc.RpcError as e:
                 if self._closed:
@@ -407,3 +422,46 @@ class VersionWatch(Iterator[int]):
             index = (index + 1) % len(relays)
             if index == self.store._preferred or len(relays) == 1:
                 time.sleep(_ROUND_PAUSE)
+
+
+_CLOSED = object()  # put in a watch's inbox by close()
+_STREAM_END = object()  # put by the reader when the stream ended cleanly
+_WATCH_POLL = 0.25  # seconds between looks at a call that sends nothing
+_READ_GRACE = 1.0  # seconds a finished call's reader gets to hand over what it read
+
+
+def _read_stream(call: Any, inbox: queue.Queue[Any]) -> None:
+    try:
+        for event in call:
+            inbox.put(event)
+        inbox.put(_STREAM_END)
+    except BaseException as e:
+        inbox.put(e)
+
+
+def _drain(call: Any, inbox: queue.Queue[Any]) -> Iterator[Any]:
+    """The events of one Watch call as its reader hands them over; raises the call's error.
+
+    Ends when the reader says the stream ended, when ``close()`` posts to the inbox, or when the
+    call has its status and the reader has handed nothing over for ``_READ_GRACE`` seconds."""
+    finished_at: float | None = None
+    while True:
+        try:
+            item = inbox.get(timeout=_WATCH_POLL)
+        except queue.Empty:
+            if not call.done():
+                continue
+            now = time.monotonic()
+            if finished_at is None:
+                finished_at = now
+            if now - finished_at < _READ_GRACE:
+                continue
+            if call.code() == grpc.StatusCode.OK:
+                return
+            raise call from None  # the finished call is itself the grpc.RpcError
+        if item is _STREAM_END or item is _CLOSED:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+

@@ -13,9 +13,7 @@ PutObject or CompleteMultipartUpload), which S3 decides atomically.
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -45,6 +43,7 @@ from deltasync.errors import (
     UsageError,
 )
 
+from ..retry import Backoff
 from ._base import Store, check_key
 
 MiB = 1024 * 1024
@@ -102,8 +101,9 @@ def _code(e: ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
 
 
-def _backoff(attempt: int) -> None:
-    time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))  # full jitter
+def _backoff() -> Backoff:
+    """Waits between attempts of one request: 50 ms doubling to 2 s, full jitter."""
+    return Backoff(0.05, 2.0, low=0.0)
 
 
 class S3Store(Store):
@@ -225,6 +225,7 @@ class S3Store(Store):
                     raise CorruptObjectError(key, f"range {offset}+0 past end of {size}-byte object")
                 return b""
             request["Range"] = f"bytes={offset}-{offset + length - 1}"
+        backoff = _backoff()
         for attempt in range(_READ_ATTEMPTS):
             response = self._call("read", key, self._client.get_object, **request)
             body = response["Body"]
@@ -234,7 +235,7 @@ class S3Store(Store):
             except _STREAM_ERRORS as e:
                 if attempt == _READ_ATTEMPTS - 1:
                     raise self._error(e, "read", key) from None
-                _backoff(attempt)
+                backoff.sleep()
             finally:
                 body.close()
         if byte_range is None:
@@ -278,7 +279,8 @@ class S3Store(Store):
                 raise ObjectExistsError(key)
             if_absent = False
         write_id = uuid.uuid4().hex if if_absent else None
-        for attempt in range(_CONFLICT_ATTEMPTS):
+        backoff = _backoff()
+        for _attempt in range(_CONFLICT_ATTEMPTS):
             try:
                 if view.nbytes > self.multipart_threshold:
                     self._put_multipart(key, view, write_id)
@@ -298,7 +300,7 @@ class S3Store(Store):
                     if self._written_by(key, write_id):
                         return
                     raise ObjectExistsError(key) from None
-                _backoff(attempt)
+                backoff.sleep()
         raise StoreError(f"conditional write of {self._where(key)} kept conflicting with concurrent writes")
 
     def _put_single(self, key: str, view: memoryview, write_id: str | None) -> None:

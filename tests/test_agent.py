@@ -29,14 +29,14 @@ from ckpt_helpers import State, make_state, step_state, tree_digests, write_chec
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
 from deltasync.agent import Agent, AgentConfig, Backoff, read_status
-from deltasync.codec import DENSE, FULL, SAME, SPARSE, decode_reverse
 from deltasync.errors import StoreError, UsageError
-from deltasync.localcache import CachedStore
-from deltasync.localcopy import check_copy
-from deltasync.localstate import CopyInUseError, PullStopped, StateDB, read_local_state
+from deltasync.format.codec import DENSE, FULL, SAME, SPARSE, decode_reverse
 from deltasync.metrics import Metric, render
+from deltasync.pull.cache import CachedStore
+from deltasync.pull.check import check_copy
+from deltasync.pull.placement import placements
+from deltasync.pull.state import CopyInUseError, PullStopped, StateDB, read_local_state
 from deltasync.storage import LocalStore, Store, WrappingStore
-from deltasync.subscriber import placements
 
 CHUNK = 16 << 10
 BIG_LAYOUT: list[tuple[str, tuple[int, ...], torch.dtype]] = [
@@ -178,14 +178,13 @@ def test_state_lives_in_lmdb_and_a_legacy_state_file_is_read(run: Run, tmp_path:
     legacy_state = read_local_state(legacy)
     assert legacy_state is not None and legacy_state.version == 1
     sub = Subscriber(run.repo, progress=False)
-    sub.pull_to_dir(legacy, 2)
-    assert sub.last_plan is not None and sub.last_plan.base == 1
+    assert sub.update_dir(legacy, 2).plan_base == 1
     assert tree_digests(legacy) == run.digests(2)
     assert not (legacy / ".deltasync" / "state.json").exists()
 
 
 def test_the_state_map_grows_as_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import deltasync.localstate as localstate
+    import deltasync.pull.state as localstate
 
     monkeypatch.setattr(localstate, "_MAP_SIZE", 64 << 10)
     db = StateDB.open(tmp_path / "copy")
@@ -270,7 +269,7 @@ def test_another_process_cannot_change_a_copy_in_use(run: Run, tmp_path: Path) -
     out.mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from deltasync.localstate import copy_lock\n"
+         "import sys, time; from deltasync.pull.state import copy_lock\n"
          "with copy_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(30)", str(out)],
         stdout=subprocess.PIPE, text=True,
     )
@@ -418,7 +417,7 @@ def test_rollback_command_uses_the_recorded_repository(run: Run, tmp_path: Path)
     _follow_each(run, out, LocalStore(run.repo), 3)
     r = _cli("rollback", out, "--to", "1")
     assert r.returncode == 0, r.stderr
-    assert "from version 3 to 1" in r.stdout and "0 B fetched" in r.stdout
+    assert "from version 3 to version 1" in r.stdout and "0 B fetched" in r.stdout
     assert tree_digests(out) == run.digests(1)
     assert "already at version 1" in _cli("rollback", out, "--to", "1").stdout
 
@@ -650,7 +649,7 @@ def test_follow_notices_each_version_within_a_second(run: Run, tmp_path: Path) -
 
 
 def test_follow_through_a_relay_wakes_on_its_push_stream(run: Run, tmp_path: Path) -> None:
-    from deltasync.relay import build_server
+    from deltasync.relay.server import build_server
 
     run.publish(1)
     server = build_server(run.repo, "127.0.0.1:0", tmp_path / "relay-cache", poll_interval=0.05).start()

@@ -340,3 +340,212 @@ def test_publishing_an_unchanged_checkpoint_publishes_nothing(cli: Env, tmp_path
     rows = cli.run("log", "--repo", repo).out.splitlines()
     assert rows[0].split()[-1] == "meta" and rows[2].endswith("step=2") and rows[3].endswith("step=2")
     assert json.loads(cli.run("log", "--repo", repo, "--json").out.splitlines()[1])["metadata"] == {"step": "2"}
+
+
+# -- issue 14: newcomer frictions ---------------------------------------------------------------
+
+
+def _console_script() -> str:
+    exe = shutil.which("deltasync")
+    if exe is None:
+        pytest.skip("the deltasync console script is not installed")
+    return exe
+
+
+def test_engine_factory_is_imported_from_the_current_directory(cli: Env, steps: list[Path]) -> None:
+    """`deltasync subscribe --engine torch:MODULE:FACTORY` finds MODULE where `python -m deltasync` does."""
+    exe = _console_script()
+    publish_all(cli, steps[:1])
+    (cli.tmp / "myfactory.py").write_text(
+        "import glob\n"
+        "from safetensors.torch import load_file\n\n"
+        "def make():\n"
+        "    out = {}\n"
+        f"    for f in sorted(glob.glob({str(steps[0] / '*.safetensors')!r})):\n"
+        "        out.update(load_file(f))\n"
+        "    return {k: v.clone() for k, v in out.items()}\n"
+    )
+    p = subprocess.run([exe, "subscribe", "serving", "--repo", "repo", "--engine", "torch:myfactory:make"],
+                       capture_output=True, text=True, cwd=cli.tmp, env=cli.env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "engine serves version 1" in p.stdout, p.stdout
+    help_text = " ".join(cli.run("subscribe", "--help").out.split())
+    assert "current directory" in help_text and "returns the torch.nn.Module" in help_text
+
+
+def test_publish_cache_is_announced_timed_and_can_be_cleared(cli: Env, steps: list[Path]) -> None:
+    r = cli.run("publish", steps[0], "--repo", "repo")
+    cache_root = cli.tmp / "default-cache" / "publish"
+    assert "note: publish keeps a local copy of the latest version" in r.out and str(cache_root) in r.out, r.out
+    assert "deltasync cache --clear" in r.out
+    r = cli.run("publish", steps[1], "--repo", "repo")
+    assert "note:" not in r.out  # said once, at first use
+    # The cache is gone: the next publish first brings a fresh one to the latest version, and
+    # the time it prints covers that too (it is the whole command's).
+    shutil.rmtree(next(d for d in cache_root.iterdir() if d.is_dir()))
+    r = cli.run("publish", steps[2], "--repo", "repo", "--json")
+    entry = json.loads(r.out)
+    assert entry["version"] == 3 and entry["kind"] == "delta" and entry["parent"] == 2 and entry["seconds"] > 0
+
+    listed = cli.run("cache").out
+    assert str(cli.tmp / "repo") in listed and "version 3" in listed and "1 cache(s)" in listed, listed
+    entries = json.loads(cli.run("cache", "--json").out)["caches"]
+    assert [(e["repo"], e["version"]) for e in entries] == [(str(cli.tmp / "repo"), 3)] and entries[0]["bytes"] > 0
+    assert "no publish cache" in cli.run("cache", "--repo", "elsewhere").out
+    r = cli.run("cache", "--clear")
+    assert "removed 1 cache(s)" in r.out
+    assert not [d for d in cache_root.iterdir() if d.is_dir()]
+    assert "no publish cache" in cli.run("cache").out
+
+
+REPO_FORMS = ("a path", "file:///abs/path", "s3://bucket/prefix", "grpc://host:port", "grpcs://host:port")
+
+
+def test_repo_help_names_every_url_form(cli: Env) -> None:
+    for sub in ("publish", "log", "pull", "verify", "inspect", "squash", "gc", "serve", "subscribe", "check",
+                "rollback", "pin"):
+        text = " ".join(cli.run(sub, "--help").out.split())
+        for form in REPO_FORMS:
+            assert form in text, (sub, form, text)
+        assert "memory://" not in text, sub
+
+
+def test_gc_names_the_versions_kept_only_as_a_chain(cli: Env, steps: list[Path]) -> None:
+    publish_all(cli, steps)
+    r = cli.run("gc", "--repo", "repo", "--keep-last", "1", "--dry-run")
+    assert "kept 3 version(s)" in r.out
+    assert "kept 3 by --keep-last" in r.out and "1-2 only as the delta chain" in r.out and "(snapshot 1)" in r.out, r.out
+    report = json.loads(cli.run("gc", "--repo", "repo", "--keep-last", "1", "--dry-run", "--json").out)
+    assert report["kept_by_policy"] == [3] and report["kept_as_chain"] == [1, 2] and report["versions_deleted"] == []
+
+
+def test_messages_newcomers_tripped_on(cli: Env, steps: list[Path]) -> None:
+    # A snapshot has no parent, in publish and in log; both print the same ratio.
+    out = [cli.run("publish", ckpt, "--repo", "repo", "--snapshot-every", "2").out for ckpt in steps]
+    assert out[2].startswith("published version 3 (snapshot):"), out[2]
+    rows = [line.split() for line in cli.run("log", "--repo", "repo").out.splitlines()[1:]]
+    assert [row[2] for row in rows] == ["-", "1", "-"]
+    assert [row[7] for row in rows] == [o.split(" stored, ")[1].split(",")[0] for o in out]
+    entries = [json.loads(line) for line in cli.run("log", "--repo", "repo", "--json").out.splitlines()]
+    assert [(e["parent"], e["previous"]) for e in entries] == [(None, None), (1, 1), (None, 2)]
+
+    # Moving a directory that held nothing: no "from version None".
+    r = cli.run("rollback", "fresh", "--to", "2", "--repo", "repo")
+    assert "None" not in r.out and "to version 2" in r.out, r.out
+
+    # A failed subscribe: one warning per retried attempt, the error once.
+    r = cli.run("subscribe", "s", "--repo", "grpc://127.0.0.1:1?timeout=2", "--retries", "2", ok=False)
+    lines = r.err.splitlines()
+    assert r.rc == 1 and len(lines) == 2 and "Traceback" not in r.err, r.err
+    assert lines[0].startswith("deltasync: warning: update failed (attempt 1 of 2; retrying): "), lines[0]
+    assert lines[1].startswith("deltasync: error: "), lines[1]
+    cli.fails("subscribe", "s", "--repo", "missing", match="repository not found: missing")  # not retried
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp / "relay.pem", tmp / "relay.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_a_self_signed_relay_names_its_fix_in_one_line(cli: Env, steps: list[Path]) -> None:
+    from deltasync.relay.server import build_server
+
+    publish_all(cli, steps[:1])
+    cert, key = _self_signed(cli.tmp)
+    cli.env.pop("DELTASYNC_RELAY_CA", None)
+    cli.env.pop("GRPC_VERBOSITY", None)
+    server = build_server(str(cli.tmp / "repo"), "127.0.0.1:0", tls_cert=cert, tls_key=key).start()
+    try:
+        url = f"grpcs://127.0.0.1:{server.port}?timeout=5"
+        r = cli.fails("pull", "o", "--repo", url, match="CERTIFICATE_VERIFY_FAILED")  # gRPC's own log lines: none
+        assert "set DELTASYNC_RELAY_CA=" in r.err, r.err
+        cli.env["DELTASYNC_RELAY_CA"] = str(cert)
+        assert "pulled version 1" in cli.run("pull", "o", "--repo", url).out
+    finally:
+        server.stop()
+
+
+def test_log_with_a_trusted_key_marks_unsigned_versions(cli: Env, steps: list[Path]) -> None:
+    cli.run("keygen", "--out", "keys/pub")
+    cli.run("publish", steps[0], "--repo", "repo")
+    cli.run("publish", steps[1], "--repo", "repo", "--signing-key", "keys/pub.key")
+    cli.run("publish", steps[2], "--repo", "repo", "--signing-key", "keys/pub.key", "--snapshot-every", "2")
+    r = cli.run("log", "--repo", "repo", "--trusted-key", "keys/pub.pub")
+    lines = r.out.splitlines()
+    assert "signature" in lines[0]
+    assert "unsigned manifest" in lines[1] and "trusted, chain unsigned" in lines[2] and " trusted " in lines[3], r.out
+    assert "note: pull --trusted-key refuses version(s) 1-2" in r.out
+    entries = [json.loads(line) for line in cli.run("log", "--repo", "repo", "--trusted-key", "keys/pub.pub",
+                                                    "--json").out.splitlines()]
+    assert [e["pull_accepts"] for e in entries] == [False, False, True]
+
+
+def test_inspect_says_what_it_leaves_out_and_speaks_json(cli: Env, steps: list[Path]) -> None:
+    publish_all(cli, steps[:2])
+    r = cli.run("inspect", "--repo", "repo", "--top", "3")
+    tensor_lines = [line for line in r.out.splitlines() if line.startswith("  ") and "more tensor" not in line]
+    assert len(tensor_lines) == 3 and "... 7 more tensor(s)" in r.out, r.out
+    r = cli.run("inspect", "--repo", "repo", "--top", "0")
+    assert "more tensor" not in r.out and len([x for x in r.out.splitlines() if x.startswith("  ")]) == 10
+    d = json.loads(cli.run("inspect", "--repo", "repo", "--json").out)
+    assert d["version"] == 2 and d["kind"] == "delta" and d["parent"] == 1 and len(d["tensors"]) == 10
+    assert {"name", "dtype", "shape", "stored_bytes", "encodings"} <= set(d["tensors"][0])
+    assert any(f["path"] == "config.json" and f["kind"] == "blob" for f in d["files"])
+
+
+def test_json_for_scripts_and_the_directory_either_way(cli: Env, steps: list[Path]) -> None:
+    pub = json.loads(cli.run("publish", steps[0], "--repo", "repo", "--json").out)
+    assert pub["version"] == 1 and pub["kind"] == "snapshot" and pub["published"] is True
+    assert json.loads(cli.run("publish", steps[0], "--repo", "repo", "--json").out)["published"] is False
+    cli.run("publish", steps[1], "--repo", "repo")
+
+    pulled = json.loads(cli.run("pull", "a", "--repo", "repo", "--json").out)  # DIR as an argument
+    assert pulled["version"] == 2 and pulled["directory"] == "a" and pulled["fetched_bytes"] > 0
+    cli.run("pull", "--repo", "repo", "--out", "b", "--version", "1")  # or as --out
+    cli.run("pull", "b", "--repo", "repo", "--out", "b")  # both, the same
+    cli.fails("pull", "a", "--repo", "repo", "--out", "b", match="two directories given")
+    cli.fails("pull", "--repo", "repo", match="give the local directory: deltasync pull DIR (or --out DIR)")
+    assert tree_digests(cli.tmp / "a") == tree_digests(cli.tmp / "b") == tree_digests(steps[1])
+
+    v = json.loads(cli.run("verify", "--repo", "repo", "--json").out)
+    assert v["ok"] is True and v["versions"] == [1, 2]
+    g = json.loads(cli.run("gc", "--repo", "repo", "--keep-last", "5", "--json").out)
+    assert g["versions_kept"] == [1, 2] and g["versions_deleted"] == []
+    for how in (["a"], ["--out", "a"]):
+        c = json.loads(cli.run("check", *how, "--json").out)
+        assert c["ok"] is True and c["version"] == 2
+        assert json.loads(cli.run("status", *how, "--json").out)["version"] == 2
+    rb = json.loads(cli.run("rollback", "--out", "a", "--to", "1", "--json").out)
+    assert rb["moved"] is True and rb["previous"] == 2 and rb["version"] == 1
+    assert json.loads(cli.run("rollback", "a", "--to", "1", "--json").out)["moved"] is False
+    r = cli.run("subscribe", "--out", "c", "--repo", "repo")
+    assert "c is at version 2" in r.out
+    with open(cli.tmp / "a" / "model-00001-of-00002.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    r = cli.run("check", "a", "--json", ok=False)
+    assert r.rc == 1 and json.loads(r.out)["ok"] is False and json.loads(r.out)["drifted"]
+    for sub in ("status", "check", "rollback"):
+        cli.fails(sub, *(["--to", "1"] if sub == "rollback" else []), match=f"deltasync {sub} DIR (or --out DIR)")

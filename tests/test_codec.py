@@ -18,9 +18,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import deltasync.codec as codec_module
+import deltasync.format.codec as codec_module
 from deltasync import _kernels_py
-from deltasync.codec import (
+from deltasync.errors import CorruptObjectError, UsageError
+from deltasync.format.codec import (
     DENSE,
     ENCODING_NAMES,
     FULL,
@@ -33,14 +34,13 @@ from deltasync.codec import (
     planes,
     unplanes,
 )
-from deltasync.errors import CorruptObjectError, UsageError
 
 Bytes = npt.NDArray[np.uint8]
 
 WIDTHS = (1, 2, 4, 8)
 UINT: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-# Payload layouts, as documented in deltasync/codec.py (codec_version 1).
+# Payload layouts, as documented in deltasync/format/codec.py (codec_version 1).
 SPARSE_HEADER = struct.Struct("<BBBBQQ")
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")

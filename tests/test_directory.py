@@ -28,8 +28,8 @@ from ckpt_helpers import (
     write_safetensors,
 )
 
-import deltasync.publisher
-import deltasync.repository
+import deltasync.publish.publisher
+import deltasync.repo.repository
 from deltasync import (
     CheckpointError,
     ChecksumMismatchError,
@@ -41,10 +41,10 @@ from deltasync import (
     Subscriber,
     VersionNotFoundError,
 )
-from deltasync.localcache import CachedStore
-from deltasync.localstate import StateDB
+from deltasync.pull.cache import CachedStore
+from deltasync.pull.pipeline import ChunkPipeline
+from deltasync.pull.state import StateDB, read_local_state
 from deltasync.storage import LocalStore
-from deltasync.subscriber import read_local_state
 
 CHUNK = 16 << 10  # several chunks per tensor, so chunk-level paths are exercised
 
@@ -113,14 +113,12 @@ def test_round_trip_every_version_in_any_order(tmp_path: Path, shards: int, sour
     cache = tmp_path / "cache"
     for i, ckpt in enumerate(ckpts):
         if source == "cache_dir":
-            v = pub.publish_dir(ckpt, cache_dir=cache)
+            r = pub.publish_dir(ckpt, cache_dir=cache)
         else:
-            v = pub.publish_dir(ckpt, base_dir=ckpts[i - 1] if i else None)
-        assert v == i + 1
-        r = pub.last_result
-        assert r is not None and r.version == v
+            r = pub.publish_dir(ckpt, base_dir=ckpts[i - 1] if i else None)
+        assert r == i + 1 and r.version == i + 1 and isinstance(r, int)
         if i:  # ~1% of elements changed: deltas are far smaller than the snapshot
-            assert r.kind == "delta" and r.parent == v - 1
+            assert r.kind == "delta" and r.parent == i
             assert r.stored_bytes < r.raw_bytes / 3
     assert kinds(repo) == ["snapshot", "delta", "delta", "delta"]
     if source == "cache_dir":
@@ -286,8 +284,8 @@ def test_blobs_are_deduplicated_across_versions(tmp_path: Path) -> None:
 
 def test_blob_spanning_several_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     part = 64 << 10
-    monkeypatch.setattr(deltasync.repository, "BLOB_PART_BYTES", part)
-    monkeypatch.setattr(deltasync.publisher, "BLOB_PART_BYTES", part)  # the publisher's copy of the name
+    monkeypatch.setattr(deltasync.repo.repository, "BLOB_PART_BYTES", part)
+    monkeypatch.setattr(deltasync.publish.publisher, "BLOB_PART_BYTES", part)  # the publisher's copy of the name
     rng = np.random.default_rng(7)
     payload = rng.integers(0, 256, 5 * part + 123, dtype=np.uint8).tobytes()
     v1 = write_checkpoint(tmp_path / "v1", make_state(0), side_files=False)
@@ -353,8 +351,8 @@ def test_stale_cache_is_brought_forward(tmp_path: Path) -> None:
     state = read_local_state(cache_a)
     assert state is not None and state.version == 1  # now stale: the latest is 2
     pub = Publisher(str(repo), config())
-    assert pub.publish_dir(ckpts[2], cache_dir=cache_a) == 3
-    assert pub.last_result is not None and pub.last_result.kind == "delta"
+    result = pub.publish_dir(ckpts[2], cache_dir=cache_a)
+    assert result == 3 and result.kind == "delta"
     state = read_local_state(cache_a)
     assert state is not None and state.version == 3
     assert tree_digests(cache_a) == tree_digests(ckpts[2])
@@ -585,10 +583,9 @@ def test_incremental_pull_repairs_damaged_copy(tmp_path: Path, shards: int) -> N
     _damage(weights[0], 9)  # and the header
     _damage(weights[-1], weights[-1].stat().st_size - 64)  # and the very end
     (out / "config.json").write_text("tampered")
-    sub.pull_to_dir(out, 2)
+    filled = sub.update_dir(out, 2)
     assert tree_digests(out) == tree_digests(ckpts[1])
-    plan = sub.last_plan
-    assert plan is not None and plan.base == 1  # incremental, with the damaged chunks rebuilt
+    assert filled.plan_base == 1  # incremental, with the damaged chunks rebuilt
 
     # Truncated and missing files are rebuilt as well.
     with open(weights[0], "r+b") as f:
@@ -618,7 +615,7 @@ def test_pull_after_interrupted_pull(tmp_path: Path, monkeypatch: pytest.MonkeyP
     before = tree_digests(out) if where == "walk" else {}
 
     calls = 0
-    real = slotfill._Fill._walk if where == "walk" else Subscriber._apply
+    real = slotfill._Fill._walk if where == "walk" else ChunkPipeline.apply_steps
 
     def dying(self: object, *args: object, **kwargs: object) -> object:
         nonlocal calls
@@ -630,7 +627,7 @@ def test_pull_after_interrupted_pull(tmp_path: Path, monkeypatch: pytest.MonkeyP
     if where == "walk":
         monkeypatch.setattr(slotfill._Fill, "_walk", dying)
     else:
-        monkeypatch.setattr(Subscriber, "_apply", dying)
+        monkeypatch.setattr(ChunkPipeline, "apply_steps", dying)
     with pytest.raises(KeyboardInterrupt):
         subscriber(repo).pull_to_dir(out, 3)
     assert tree_digests(out) == before

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import deltasync
-from deltasync.slices import Region
-from deltasync.verify import verify_repository
+from deltasync.format.slices import Region
+from deltasync.repo.verify import verify_repository
 
 pytest_plugins = ["s3server"]
 

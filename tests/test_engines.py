@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import deltasync
-from deltasync.codec import PlanesZstdCodec
 from deltasync.engines import Engine, ServingLock, TorchEngine, build_engine
 from deltasync.engines import torch_engine as te
 from deltasync.engines.http_engine import state_digest
 from deltasync.engines.testing import EngineConformance, MakeEngine, Served, assert_serves, bits
 from deltasync.errors import UsageError
+from deltasync.format.codec import PlanesZstdCodec
 from deltasync.storage import open_store
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import deltasync
-from deltasync.codec import PlanesZstdCodec
+from deltasync.format.codec import PlanesZstdCodec
 
 ROWS, COLS = 64, 48
 

@@ -38,11 +38,11 @@ from hypothesis import strategies as st
 
 from deltasync import CorruptObjectError, DeltasyncError, PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
 from deltasync import dtypes as ds_dtypes
-from deltasync.codec import DENSE, FULL, SAME, SPARSE, EncodedChunk
-from deltasync.digest import DIGEST_SIZE, digest, version_digest
 from deltasync.errors import CheckpointError
-from deltasync.manifest import MAX_TENSOR_BYTES, ManifestInfo, check_relpath, key_of, manifest_key, parse_manifest
-from deltasync.repository import Repository, blob_key
+from deltasync.format.codec import DENSE, FULL, SAME, SPARSE, EncodedChunk
+from deltasync.format.digest import DIGEST_SIZE, digest, version_digest
+from deltasync.format.manifest import MAX_TENSOR_BYTES, ManifestInfo, check_relpath, key_of, manifest_key, parse_manifest
+from deltasync.repo.repository import Repository, blob_key
 from deltasync.storage import open_store
 from deltasync.v1 import manifest_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""deltasync.gc.collect and ``deltasync gc``: retention, chains, orphans and grace, concurrency."""
+"""deltasync.repo.retention.collect and ``deltasync gc``: retention, chains, orphans and grace, concurrency."""
 
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ from deltasync import (
     Subscriber,
     UsageError,
 )
-from deltasync.gc import PENDING, GcReport, collect
-from deltasync.manifest import manifest_key, version_from_key
-from deltasync.repository import blob_key
+from deltasync.format.manifest import manifest_key, version_from_key
+from deltasync.pull.state import read_local_state
+from deltasync.repo.repository import blob_key
+from deltasync.repo.retention import PENDING, GcReport, collect
+from deltasync.repo.verify import verify_repository
 from deltasync.storage import Store
-from deltasync.subscriber import read_local_state
 from deltasync.v1 import manifest_pb2 as pb
-from deltasync.verify import verify_repository
 
 pytest_plugins = ["s3server"]  # the s3_url fixture
 
@@ -425,8 +425,9 @@ def test_pull_from_a_deleted_local_version_falls_back_to_the_snapshot(repo_url: 
     collect(repo_url, keep_last=1, grace_seconds=0)  # now 8 is gone too
     assert Repository(repo_url).versions() == [10]
     assert Subscriber(repo_url).pull_to_dir(out) == 10
-    assert_state(mem_sub.pull(), states[9])
-    assert mem_sub.last_plan is not None and mem_sub.last_plan.base is None
+    got = mem_sub.pull()
+    assert_state(got, states[9])
+    assert got.plan.base is None
     state = read_local_state(out)
     assert state is not None and state.version == 10
 
@@ -556,7 +557,7 @@ def test_the_pinned_version_and_its_chain_are_kept(repo_url: str) -> None:
     import torch
 
     import deltasync
-    from deltasync.gc import collect
+    from deltasync.repo.retention import collect
 
     pub = deltasync.Publisher(repo_url, deltasync.PublisherConfig(snapshot_every=3, max_delta_fraction=10))
     state = {"w": torch.zeros(64)}

@@ -20,8 +20,8 @@ import deltasync
 from deltasync.engines import Engine, EngineError, HttpEngine, ReferenceServer, build_engine
 from deltasync.engines.http_engine import PRESETS, Call, replace_preset, state_digest
 from deltasync.engines.testing import EngineConformance, MakeEngine, Served, assert_serves, suite_states
+from deltasync.pull.state import read_local_state
 from deltasync.storage import open_store
-from deltasync.subscriber import read_local_state
 
 
 class TestHttpEngineConformance(EngineConformance):

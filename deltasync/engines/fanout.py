@@ -12,7 +12,7 @@ every rank), each writes, and a second collective collects the outcomes: if any 
 failed, every rank writes its old values back. Then all resume together.
 
 Coordination uses a gloo group of its own with its own timeout (as
-``deltasync.distributed`` does), so a dead rank surfaces as a :class:`EngineError` on the
+``deltasync.publish.distributed`` does), so a dead rank surfaces as a :class:`EngineError` on the
 others within ``timeout`` seconds, never a hang. Payloads go over nccl when every rank
 serves from a GPU. Ranks other than 0 sit in :meth:`FanoutEngine.follow`, acting on what
 rank 0 sends; rank 0 sends a heartbeat while idle so that waiting is not mistaken for death.
@@ -32,26 +32,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import dtypes
 from ..errors import DeltasyncError, UsageError
-from ..repository import Repository
-from ..signing import PublicKeyLike
-from ..slices import Slice
+from ..errors import GroupError as GroupError  # defined there; importable here too
+from ..format import dtypes
+from ..format.signing import PublicKeyLike
+from ..format.slices import Slice
+from ..pull.subscriber import Subscriber
+from ..repo.repository import Repository
 from ..storage import Store
-from ..subscriber import Subscriber
 from ._changes import WORD_NP, Bits, Geometry, VersionChanges, compute_changes, entry_geometry
 from .base import Engine, EngineError, Staged, SwapRecord
-from .torch_engine import Run, WritePlan, _staged, build_writes, check_layout, word_dtype, word_view
+from .torch_engine import Run, WritePlan, build_writes, check_layout, fill_staged, word_dtype, word_view
 from .torch_engine import apply_writes as apply_writes  # module attribute: tests inject failures here
 
 if TYPE_CHECKING:
     import torch
 
 _ALIGN = 8
-
-
-class GroupError(EngineError):
-    """The rank group failed (a rank died or timed out); this engine cannot be used again."""
 
 
 @dataclass
@@ -264,7 +261,7 @@ class FanoutEngine(Engine):
         staged.extra.update(bytes_broadcast=int(payload.numel()) + len(pickle.dumps(msg)), full_bytes=full)
         assert isinstance(staged, FanoutStaged)
         staged.changes = changes
-        return _staged(staged, changes, staged.bytes_to_write)
+        return fill_staged(staged, changes, staged.bytes_to_write)
 
     def _read_host(self, key: str, off: int, length: int) -> Bits | None:
         arr = self._host.get(key)

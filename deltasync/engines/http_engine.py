@@ -39,12 +39,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..digest import StreamDigest
 from ..errors import UsageError
-from ..repository import Repository
-from ..signing import PublicKeyLike
+from ..format.digest import StreamDigest
+from ..format.signing import PublicKeyLike
+from ..pull.state import read_local_state
+from ..pull.subscriber import Subscriber
+from ..repo.repository import Repository
 from ..storage import Store
-from ..subscriber import Subscriber, read_local_state
 from .base import Engine, EngineError, ServingLock, Staged, SwapRecord
 
 if TYPE_CHECKING:
@@ -300,7 +301,7 @@ def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     """Hex xxh3-128 over every tensor's name and bits, in name order: "which weights"."""
-    from ..tensors import tensor_bits
+    from ..format.tensors import tensor_bits
 
     d = StreamDigest()
     for name in sorted(state):

@@ -74,7 +74,7 @@ class EngineConformance:
     @pytest.fixture
     def published(self) -> Iterator[tuple[str, list[dict[str, torch.Tensor]]]]:
         from .. import Publisher, PublisherConfig
-        from ..codec import PlanesZstdCodec
+        from ..format.codec import PlanesZstdCodec
         from ..storage import open_store
 
         url = f"memory://engine-suite-{uuid.uuid4().hex}"

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import dtypes
 from ..errors import UsageError
-from ..manifest import key_of
-from ..repository import Repository
-from ..signing import PublicKeyLike
+from ..format import dtypes
+from ..format.manifest import key_of
+from ..format.signing import PublicKeyLike
+from ..pull.subscriber import Subscriber
+from ..repo.repository import Repository
 from ..storage import Store
-from ..subscriber import Subscriber
 from ..v1 import manifest_pb2 as pb
 from ._changes import Bits, EntryChanges, Geometry, VersionChanges, Words, compute_changes, entry_geometry, map_words
 from ._fused import FusedScatter, fuse_writes
@@ -354,7 +354,7 @@ class TorchEngine(Engine):
         )
         writes = build_writes(runs_of(changes.entries.values()), self._words, self._geometry)
         plan = WritePlan.of(writes)
-        return _staged(TorchStaged(version, plan=plan), changes, plan.nbytes)
+        return fill_staged(TorchStaged(version, plan=plan), changes, plan.nbytes)
 
     def _write(self, staged: Staged) -> int:
         assert isinstance(staged, TorchStaged)
@@ -434,7 +434,8 @@ def _words_per_item(t: torch.Tensor) -> int:
     return max(1, t.element_size() // 8)
 
 
-def _staged(staged: Staged, changes: VersionChanges, nbytes: int) -> Staged:
+def fill_staged(staged: Staged, changes: VersionChanges, nbytes: int) -> Staged:
+    """Record on ``staged`` what staging found (changed elements and chunks, bytes to write)."""
     staged.elements_changed = changes.elements
     staged.chunks_changed = changes.chunks_changed
     staged.chunks_total = changes.chunks_total

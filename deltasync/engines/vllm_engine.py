@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..manifest import ManifestInfo
-from ..repository import Repository
-from ..signing import PublicKeyLike
+from ..format.manifest import ManifestInfo
+from ..format.signing import PublicKeyLike
+from ..repo.repository import Repository
 from ..storage import Store
 from .base import EngineError, Staged
 from .http_engine import Call, HttpEngine, HttpPreset, HttpStaged

@@ -23,22 +23,22 @@ import contextlib
 import logging
 import os
 import platform
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import dtypes
-from ..checkpoint import FileReader
-from ..digest import digest
 from ..errors import ChecksumMismatchError, DeltasyncError, UsageError
-from ..localstate import CopyInUseError, StateDB, copy_lock
-from ..manifest import ManifestInfo, key_of
-from ..placement import logical_shape, placements, read_placed
-from ..slots import other, slot_dir
-from ..subscriber import _assemble, _Request
+from ..format import dtypes
+from ..format.checkpoint import FileReader
+from ..format.digest import digest
+from ..format.manifest import ManifestInfo, key_of
+from ..pull.placement import logical_shape, placements, read_placed
+from ..pull.select import TensorRequest, assemble
+from ..pull.slots import other, slot_dir
+from ..pull.state import CopyInUseError, StateDB, copy_lock
 from ..v1 import manifest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -153,6 +153,141 @@ def names_to_load(held: ManifestInfo | None, target: ManifestInfo, packed: Mappi
     return [n for n in new if group_key(n, packed) in changed]
 
 
+# -- sparse or dense --------------------------------------------------------------------------------
+
+#: Checkpoint dtypes a sparse patch carries exactly: vLLM's patches are floating point (NaN
+#: marks "unchanged"), and each has an integer type of its width to compare bit patterns with.
+SPARSE_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+@dataclass
+class TensorChange:
+    """What changes in one checkpoint tensor: the flat positions whose bits differ between
+    the held version and the target, the values there in both, and the whole target tensor
+    (read and checked against the manifest's digests), which a patched parameter is verified
+    against."""
+
+    name: str
+    target: torch.Tensor
+    indices: torch.Tensor
+    """int64 flat positions in checkpoint coordinates, ascending."""
+    new: torch.Tensor
+    old: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.target.numel() * self.target.element_size() + 8 * self.indices.numel()
+                   + 2 * self.new.numel() * self.new.element_size())
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers of its width (so NaNs and signed zeros compare by bits)."""
+    import torch
+
+    kinds = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(kinds[t.element_size()])
+
+
+def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor) -> TensorChange | str:
+    """The change from ``old`` to ``new`` (same name), or why it cannot travel as a sparse
+    patch: another shape or dtype, a dtype outside :data:`SPARSE_DTYPES`, or a changed
+    element whose new value is a NaN (NaN means "unchanged" in a vLLM sparse patch)."""
+    import torch
+
+    if old.shape != new.shape or old.dtype != new.dtype:
+        return f"shape or dtype changed ({tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype})"
+    if dtypes.from_torch(new.dtype) not in SPARSE_DTYPES:
+        return f"dtype {dtypes.from_torch(new.dtype)} (sparse patches are F16, BF16, F32 or F64)"
+    flat_new = new.reshape(-1)
+    indices = torch.nonzero(int_view(old).reshape(-1) != int_view(new).reshape(-1)).reshape(-1)
+    values = flat_new[indices]
+    if bool(torch.isnan(values).any()):
+        return f"{int(torch.isnan(values).sum())} changed element(s) become NaN"
+    return TensorChange(name, new, indices, values, old.reshape(-1)[indices])
+
+
+@dataclass
+class UpdatePlan:
+    """How a worker goes from the held version to the target: ``dense`` tensors are loaded
+    through vLLM's layerwise reload (whole runtime modules), ``sparse`` ones are patched in
+    place (only their changed elements); ``why_dense`` says, per runtime module, why it
+    could not go sparse."""
+
+    dense: list[str]
+    sparse: list[str]
+    why_dense: dict[str, str]
+
+    def demote(self, refused: Mapping[str, str], target: ManifestInfo, packed: Mapping[str, Sequence[str]]) -> None:
+        """Move the modules of the sparse tensors in ``refused`` (name → why) to the dense
+        side: all of their tensors load through the module reload."""
+        groups = {group_key(n, packed): why for n, why in refused.items()}
+        if not groups:
+            return
+        self.why_dense.update({g: why for g, why in groups.items() if g not in self.why_dense})
+        self.sparse = [n for n in self.sparse if group_key(n, packed) not in groups]
+        dense = set(self.dense)
+        self.dense = [n for n in tensor_signatures(target) if n in dense or group_key(n, packed) in groups]
+
+
+def plan_update(held: ManifestInfo | None, target: ManifestInfo, packed: Mapping[str, Sequence[str]],
+                contract: Callable[[str, tuple[int, ...], str], str | None]) -> UpdatePlan:
+    """Which changed tensors go sparse and which modules reload whole.
+
+    A changed tensor can go sparse when the held version is known, its shape and dtype stay,
+    its dtype is in :data:`SPARSE_DTYPES`, and ``contract(name, shape, dtype)`` returns None
+    (the runtime parameter it loads into is in vLLM's sparse-loader contract; else it returns
+    why not). A module with any changed tensor that cannot reloads whole (every tensor of
+    it, as :func:`names_to_load` widens), so a module is never half patched, half reloaded.
+    Whether the new values allow a sparse patch (no NaN) is known only once they are read:
+    :meth:`UpdatePlan.demote`.
+    """
+    dense_all = names_to_load(held, target, packed)
+    if held is None:
+        return UpdatePlan(dense_all, [], {group_key(n, packed): "the version held is unknown" for n in dense_all})
+    new, old = tensor_signatures(target), tensor_signatures(held)
+    why: dict[str, str] = {}
+    changed: list[str] = []
+    for name, sig in new.items():
+        if old.get(name) == sig:
+            continue
+        changed.append(name)
+        dtype, shape = sig[0], tuple(int(x) for x in sig[1])
+        if name not in old:
+            reason: str | None = "a new tensor"
+        elif old[name][:2] != sig[:2]:
+            reason = "its shape or dtype changed"
+        elif dtype not in SPARSE_DTYPES:
+            reason = f"dtype {dtype} (sparse patches are F16, BF16, F32 or F64)"
+        else:
+            reason = contract(name, shape, dtype)
+        if reason is not None:
+            why.setdefault(group_key(name, packed), f"{name}: {reason}")
+    dense = [n for n in dense_all if group_key(n, packed) in why]
+    sparse = [n for n in changed if group_key(n, packed) not in why]
+    return UpdatePlan(dense, sparse, why)
+
+
+def read_changes(source: Source, held: ManifestInfo, target: ManifestInfo,
+                 names: Sequence[str]) -> tuple[dict[str, TensorChange], dict[str, str]]:
+    """For each tensor in ``names``: read it in both versions (each chunk checked against its
+    manifest digest; from the copy's two slots, else the repository) and diff the bits.
+    Returns the changes, and the tensors that cannot go sparse with the reason."""
+    if not names:
+        return {}, {}
+    with source.tensors(target, names) as (_where, stream):
+        new = dict(stream)
+    changes: dict[str, TensorChange] = {}
+    refused: dict[str, str] = {}
+    with source.tensors(held, names) as (_where, stream):
+        for name, old in stream:
+            got = diff_tensor(name, old, new.pop(name))
+            if isinstance(got, str):
+                refused[name] = got
+            elif got.indices.numel():
+                changes[name] = got
+    return changes, refused
+
+
 # -- where from ------------------------------------------------------------------------------------
 
 
@@ -200,7 +335,7 @@ class CopyReader:
             bits[key_of(t)] = buf
         first = entries[0]
         shape = logical_shape(first)
-        return _assemble(_Request(first.dtype, (0,) * len(shape), shape, entries), bits)
+        return assemble(TensorRequest(first.dtype, (0,) * len(shape), shape, entries), bits)
 
 
 @contextlib.contextmanager
@@ -245,7 +380,7 @@ class Source:
         if self._sub is None:
             if self.repo_url is None:
                 raise DeltasyncError(f"{why}, and no repo was given to read it from")
-            from ..subscriber import Subscriber
+            from ..pull.subscriber import Subscriber
 
             self._sub = Subscriber(self.repo_url, trusted_keys=list(self.trusted_keys) or None)
         return self._sub

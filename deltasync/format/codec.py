@@ -57,11 +57,11 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from . import _kernels_py
-from ._kernels_py import UINT as _UINT
-from ._kernels_py import Data, unzigzag, zigzag
-from .errors import CorruptObjectError, UsageError
-from .v1 import manifest_pb2 as pb
+from .. import _kernels_py
+from .._kernels_py import UINT as _UINT
+from .._kernels_py import Data, unzigzag, zigzag
+from ..errors import CorruptObjectError, UsageError
+from ..v1 import manifest_pb2 as pb
 
 SAME = pb.SAME
 SPARSE = pb.SPARSE
@@ -107,7 +107,7 @@ class _Kernels(Protocol):
 def _load_kernels() -> tuple[_Kernels, str]:
     if not os.environ.get("DELTASYNC_NO_KERNELS"):
         try:
-            from . import _kernels
+            from .. import _kernels
         except ImportError:
             pass
         else:

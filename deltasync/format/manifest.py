@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from ..errors import CorruptObjectError
+from ..v1 import manifest_pb2 as v1pb
 from . import dtypes
 from .codec import DENSE, FULL, SAME, SPARSE, PlanesZstdCodec, codec_from_spec
 from .digest import DIGEST_SIZE, version_digest
-from .errors import CorruptObjectError
 from .slices import entry_key, intersect
-from .v1 import manifest_pb2 as v1pb
 
 FORMAT = 1
 

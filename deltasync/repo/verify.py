@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import CorruptObjectError, ObjectNotFoundError
+from ..errors import CorruptObjectError, ObjectNotFoundError
+from ..publish.squash import verify_squash
+from ..pull.subscriber import Subscriber
+from ..v1 import manifest_pb2 as pb
 from .repository import Repository
-from .squash import verify_squash
-from .subscriber import Subscriber
-from .v1 import manifest_pb2 as pb
 
 
 @dataclass

@@ -24,20 +24,22 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from . import dtypes
-from .checkpoint import FileReader
-from .digest import digest
-from .errors import ChecksumMismatchError, DeltasyncError, UsageError
-from .localcache import CachedStore
-from .localstate import LocalState, StateDB, copy_lock, finish_install, output_files
-from .manifest import ManifestInfo, key_of
+from ..errors import ChecksumMismatchError, DeltasyncError, UsageError
+from ..format import dtypes
+from ..format.checkpoint import FileReader
+from ..format.digest import digest
+from ..format.manifest import ManifestInfo, key_of
+from ..format.signing import PublicKeyLike
+from ..repo.repository import Repository
+from ..v1 import manifest_pb2 as pb
+from .cache import CachedStore
+from .pipeline import write_blob
 from .placement import Placement, file_digest, placements, read_placed, version_files, write_placed
-from .repository import Repository
-from .signing import PublicKeyLike
+from .plan import Want
 from .slotfill import ordered_map
 from .slots import ensure_slots, foreign_files, link_target, make_link, settle_foreign, slot_dir
-from .subscriber import Subscriber, Want
-from .v1 import manifest_pb2 as pb
+from .state import LocalState, StateDB, copy_lock, finish_install, output_files
+from .subscriber import Subscriber
 
 Bits = npt.NDArray[np.uint8]
 
@@ -238,7 +240,7 @@ def _repair(sub: Subscriber, root: Path, data: Path, info: ManifestInfo, drifted
         path = data / rel
         if f.kind == pb.File.BLOB:
             tmp = path.with_name(f".{path.name}.deltasync-repair")
-            sub._write_blob(f, tmp)
+            write_blob(sub.repo, f, tmp)
             os.replace(tmp, path)
             continue
         if path.is_symlink() or not path.is_file():
@@ -268,7 +270,7 @@ def _repair(sub: Subscriber, root: Path, data: Path, info: ManifestInfo, drifted
             p = places[key_of(t)]
             write_placed(fds[p.file], p, off, data)  # verified bits, in place (see the module doc)
 
-        sub._run(info, None, sink, want={k: sorted(set(v)) for k, v in want.items()})
+        sub.pipeline.run(info, None, sink, want={k: sorted(set(v)) for k, v in want.items()})
         for fd in fds.values():
             os.fsync(fd)
     finally:

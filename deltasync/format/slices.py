@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import UsageError
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     import torch

@@ -44,25 +44,16 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from . import dtypes
-from .checkpoint import FileReader
-from .codec import FULL, SAME, EncodedChunk, decode_reverse
-from .digest import StreamDigest, digest
-from .errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError
+from ..errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError
+from ..format import dtypes
+from ..format.checkpoint import FileReader
+from ..format.codec import FULL, SAME, EncodedChunk, decode_reverse
+from ..format.digest import StreamDigest, digest
+from ..format.manifest import ManifestInfo, check_relpath, key_of
+from ..progress import Progress
+from ..v1 import manifest_pb2 as pb
 from .fetch import PackFetcher
-from .localstate import (
-    ProgressRecorder,
-    PullStopped,
-    SlotInfo,
-    SlotsRecord,
-    StateDB,
-    WorkInProgress,
-    copy_lock,
-    output_files,
-)
-from .manifest import ManifestInfo, check_relpath, key_of
 from .placement import Placement, file_digest, placements, read_placed, tiles, version_files, write_placed
-from .progress import Progress
 from .slots import (
     detach_readers,
     ensure_slots,
@@ -74,11 +65,21 @@ from .slots import (
     switch,
     untouched,
 )
-from .v1 import manifest_pb2 as pb
+from .state import (
+    ProgressRecorder,
+    PullStopped,
+    SlotInfo,
+    SlotsRecord,
+    StateDB,
+    WorkInProgress,
+    copy_lock,
+    output_files,
+)
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .subscriber import Subscriber, Want, _Chain
+    from ..repo.repository import Repository
+    from .plan import Chain, Want
+    from .subscriber import Subscriber
 
 Bits = npt.NDArray[np.uint8]
 Step = tuple[ManifestInfo, pb.Chunk]
@@ -165,7 +166,7 @@ def _held(db: StateDB, sub: Subscriber, version: int | None) -> ManifestInfo | N
 def _repair_if_touched(sub: Subscriber, root: Path, db: StateDB, record: SlotsRecord, held: ManifestInfo) -> None:
     """Check and repair the served files written since they were verified (through a link,
     say): a pull to the version held costs a few stats, unless something changed them."""
-    from .localcopy import check_copy
+    from .check import check_copy
     from .slots import slot_stats
 
     assert record.active is not None
@@ -186,7 +187,7 @@ def _after_power_loss(sub: Subscriber, root: Path, db: StateDB, record: SlotsRec
     now = boot_id()
     if record.active is None or record.synced or not record.boot_id or not now or record.boot_id == now:
         return record
-    from .localcopy import check_copy
+    from .check import check_copy
 
     log.warning("%s: the machine restarted since the last update; checking the served version", root)
     report = check_copy(root, repo=sub.repo, repair=True, workers=sub.workers)
@@ -219,7 +220,7 @@ class _Fill:
         self.own = recorded if recorded is not None and start is not None and recorded.version == start else None
         self.clean = mine.version is not None and self.own is not None
         self._paths: dict[int, list[ManifestInfo] | None] = {}
-        self._squashed: dict[int, _Chain | None] = {}
+        self._squashed: dict[int, Chain | None] = {}
         self._lock = threading.Lock()
 
     # -- the whole fill ---------------------------------------------------------------------------
@@ -476,7 +477,7 @@ class _Fill:
             out.append((s_info, c))
         return out
 
-    def _squash_chain(self, start: ManifestInfo) -> _Chain | None:
+    def _squash_chain(self, start: ManifestInfo) -> Chain | None:
         """The planner's path from ``start`` forward when it is cheapest and uses squashes."""
         if start.version >= self.info.version:
             return None
@@ -508,7 +509,7 @@ class _Fill:
     # -- rebuilding through the pipeline ------------------------------------------------------------
 
     def _rebuild(self, want: Want, recorder: ProgressRecorder) -> None:
-        from .subscriber import _LocalBits
+        from .pipeline import LocalBits
 
         info, places = self.info, placements(self.info)
         held_places = placements(self.held) if self.held is not None else {}
@@ -538,8 +539,8 @@ class _Fill:
                 self.result.bytes_written += len(data)
                 recorder.advance()
 
-            local = _LocalBits(self.held.version, read) if self.held is not None else None
-            plan = self.sub._run(info, local, sink, want=want)
+            local = LocalBits(self.held.version, read) if self.held is not None else None
+            plan = self.sub.pipeline.run(info, local, sink, want=want)
             self.result.plan_base = plan.base
             self.result.fetched_bytes += plan.fetch_bytes
         finally:

@@ -4,7 +4,7 @@ Manifests, blob parts and packs never change once committed, so a copy can keep 
 read and serve them to itself later. ``DIR/.deltasync/objects/`` holds them under their
 store keys: manifests and blob parts whole, packs as the pieces that were read
 (``packs/<name>/<offset>-<length>``). With the payloads of the deltas it applied at hand, a
-copy rolls back a few versions (reversing the deltas, see localcopy.py), or returns to a
+copy rolls back a few versions (reversing the deltas, see pull/check.py), or returns to a
 version it held, without reading anything from the repository.
 
 Only packs named in :attr:`CachedStore.capture` are kept (the deltas an agent applies): a
@@ -28,11 +28,11 @@ import zstandard
 
 from deltasync.storage import WrappingStore
 
-from .digest import digest
-from .errors import DeltasyncError
-from .manifest import ManifestInfo, manifest_key, parse_manifest, version_from_key
-from .repository import BLOB_PART_BYTES, blob_key
-from .storage import Store
+from ..errors import DeltasyncError
+from ..format.digest import digest
+from ..format.manifest import ManifestInfo, manifest_key, parse_manifest, version_from_key
+from ..repo.repository import BLOB_PART_BYTES, blob_key
+from ..storage import Store
 
 _WHOLE_PREFIXES = ("manifests/", "blobs/")
 
@@ -198,6 +198,11 @@ class CachedStore(WrappingStore):
     def fetched_bytes(self) -> int:
         with self._lock:
             return sum(self.fetched.values())
+
+    def fetched_by_kind(self) -> dict[str, int]:
+        """A consistent snapshot of :attr:`fetched` (safe while other threads read)."""
+        with self._lock:
+            return dict(self.fetched)
 
     def _keeps(self, key: str) -> bool:
         return self.cache is not None and (key.startswith(_WHOLE_PREFIXES) or key in self.capture)

@@ -34,8 +34,8 @@ from typing import IO
 
 import lmdb
 
-from .errors import CorruptObjectError, UsageError
-from .storage import Store
+from ..errors import CorruptObjectError, UsageError
+from ..storage import Store
 
 CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/", "squashes/")
 MARKER = "deltasync-relay-cache"  # marks a directory as a relay cache

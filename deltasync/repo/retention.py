@@ -56,12 +56,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError, VersionNotFoundError
-from .manifest import ManifestInfo, manifest_key, parse_manifest
-from .progress import human_bytes
+from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError, VersionNotFoundError
+from ..format.manifest import ManifestInfo, manifest_key, parse_manifest
+from ..progress import human_bytes
+from ..storage import Store
+from ..v1 import manifest_pb2 as pb
 from .repository import Repository, blob_key, squash_key
-from .storage import Store
-from .v1 import manifest_pb2 as pb
 
 PENDING = "gc/pending.json"
 DEFAULT_GRACE_SECONDS = 3600.0

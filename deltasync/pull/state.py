@@ -10,7 +10,7 @@
                   version served is in one, the other is brought forward in place
     current       symbolic link to the slot served; every file of the version in DIR is a
                   link through it, so switching it switches the whole version at once
-    objects/      manifests, blobs and delta payloads of recent versions (localcache.py)
+    objects/      manifests, blobs and delta payloads of recent versions (pull/cache.py)
     aside/        files found in DIR that were not the repository's, moved aside on request
 
 Records of the environment (JSON unless noted):
@@ -55,8 +55,10 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from .errors import CheckpointError, DeltasyncError
-from .manifest import ManifestInfo, check_relpath, parse_manifest
+from ..errors import CheckpointError, DeltasyncError
+from ..errors import CopyInUseError as CopyInUseError  # defined there; importable here too
+from ..errors import PullStopped as PullStopped
+from ..format.manifest import ManifestInfo, check_relpath, parse_manifest
 
 STATE_DIR = ".deltasync"
 STATE_DB = "state.lmdb"
@@ -66,24 +68,6 @@ _LEGACY_STATE = "state.json"  # deltasync before the LMDB state
 _MAP_SIZE = 64 << 20  # initial LMDB map; doubled whenever a write does not fit
 
 T = TypeVar("T")
-
-
-class CopyInUseError(DeltasyncError):
-    """Another process is changing this local copy (an agent following it, or a pull)."""
-
-    def __init__(self, root: str, holder: str) -> None:
-        super().__init__(f"{root} is in use by another deltasync process{holder}; stop it first")
-        self.root = root
-
-
-class PullStopped(DeltasyncError):
-    """A pull stopped on request between chunks; its staged work is kept for a resume."""
-
-    exit_code = 130
-
-    def __init__(self, version: int) -> None:
-        super().__init__(f"pull of version {version} stopped; running it again resumes it")
-        self.version = version
 
 
 # -- records ------------------------------------------------------------------------------------
@@ -292,7 +276,7 @@ class StateDB:
 
     def record_version(self, info: ManifestInfo, *, repo: str) -> None:
         """Record ``info`` as the version held and end the work in progress: one transaction."""
-        from .manifest import serialize
+        from ..format.manifest import serialize
 
         state = {
             "version": info.version,
@@ -349,7 +333,7 @@ class StateDB:
     def record_switch(self, info: ManifestInfo, record: SlotsRecord, *, repo: str, slot_manifest: bytes | None) -> None:
         """Record ``info`` as the version held, the slots after a switch, and end the work in
         progress: one transaction."""
-        from .manifest import serialize
+        from ..format.manifest import serialize
 
         state = {
             "version": info.version, "version_digest": info.pb.version_digest.hex(), "files": output_files(info),

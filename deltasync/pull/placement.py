@@ -3,7 +3,7 @@
 A version of files (published from a checkpoint directory) keeps its own file layout; a
 library version (published from a state dict) lands in one safetensors file,
 ``model.safetensors``, whose header is rebuilt from the manifest. Both the pull side (slots,
-see slots.py) and check/repair (localcopy.py) place and read bytes through this module.
+see slots.py) and check/repair (check.py) place and read bytes through this module.
 
 A safetensors file is *proven* byte-identical to its manifest without reading it whole when
 its header and size match the manifest and its entries tile the data section exactly (no
@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from . import dtypes
-from .checkpoint import FileReader, build_header
-from .digest import StreamDigest
-from .localstate import LIBRARY_FILE
-from .manifest import ManifestInfo, key_of
-from .slices import runs
-from .v1 import manifest_pb2 as pb
+from ..format import dtypes
+from ..format.checkpoint import FileReader, build_header
+from ..format.digest import StreamDigest
+from ..format.manifest import ManifestInfo, key_of
+from ..format.slices import runs
+from ..v1 import manifest_pb2 as pb
+from .state import LIBRARY_FILE
 
 Bits = npt.NDArray[np.uint8]
 

@@ -25,8 +25,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import SignatureError, UsageError
-from .v1 import manifest_pb2 as pb
+from ..errors import SignatureError, UsageError
+from ..v1 import manifest_pb2 as pb
 
 KEY_ID_BYTES = 8
 SIGNATURE_BYTES = 64

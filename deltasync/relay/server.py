@@ -5,7 +5,7 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
 
 - **Get** streams an object (or a byte range of it) in 1 MiB chunks under gRPC flow control.
   Immutable objects (packs, blobs, manifests) are fetched from the upstream once, whole, into
-  the cache (:mod:`deltasync.relay_cache`), however many subscribers ask at the same moment
+  the cache (:mod:`deltasync.relay.cache`), however many subscribers ask at the same moment
   (single flight per key), and every range of them is then served from the file.
   ``refs/latest``, listings and other keys always go to the upstream.
 - **Watch** pushes newly committed versions. One feed per relay follows the upstream, shared
@@ -47,12 +47,12 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import grpc.aio
 
-from .errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
-from .relay_cache import Entry, ObjectCache, cacheable
-from .repository import LATEST, Repository
-from .storage import Store, check_key, open_store
-from .storage._grpc import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE, GrpcStore, VersionWatch
-from .v1 import relay_pb2 as pb
+from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
+from ..repo.repository import LATEST, Repository
+from ..storage import Store, check_key, open_store
+from ..storage._grpc import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE, GrpcStore, VersionWatch
+from ..v1 import relay_pb2 as pb
+from .cache import Entry, ObjectCache, cacheable
 
 log = logging.getLogger("deltasync.relay")
 

@@ -23,9 +23,7 @@ from collections.abc import Callable, Iterable
 
 import zstandard
 
-from .codec import FULL
-from .digest import digest
-from .errors import (
+from ..errors import (
     CorruptObjectError,
     EmptyRepositoryError,
     ObjectExistsError,
@@ -37,10 +35,12 @@ from .errors import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from .manifest import ManifestInfo, key_of, manifest_key, parse_manifest, serialize, version_from_key
-from .signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_signing_key, sign_manifest
-from .storage import Store, open_store
-from .v1 import manifest_pb2 as pb
+from ..format.codec import FULL
+from ..format.digest import digest
+from ..format.manifest import ManifestInfo, key_of, manifest_key, parse_manifest, serialize, version_from_key
+from ..format.signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_signing_key, sign_manifest
+from ..storage import Store, open_store
+from ..v1 import manifest_pb2 as pb
 
 REPO_FORMAT = 1
 MARKER = "deltasync.json"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .codec import ENCODING_NAMES
-from .progress import human_bytes
+from ..format.codec import ENCODING_NAMES
+from ..progress import human_bytes
+from ..v1 import manifest_pb2 as pb
 from .repository import Repository
-from .v1 import manifest_pb2 as pb
 
 
 def describe_version(url: str | Repository, version: int | None = None, *, top: int = 10) -> list[str]:

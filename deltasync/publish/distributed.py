@@ -19,27 +19,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import DeltasyncError, UsageError
-from .publisher import Publisher, PublisherConfig, PublishResult, _Encoded, _SourceTensor, state_sources
-from .repository import Repository
-from .slices import Slice
-from .storage import Store
-from .v1 import manifest_pb2 as pb
+from ..errors import DeltasyncError, UsageError
+from ..errors import DistributedPublishError as DistributedPublishError  # defined there; importable here too
+from ..format.slices import Slice
+from ..repo.repository import Repository, open_repository
+from ..storage import Store
+from ..v1 import manifest_pb2 as pb
+from .config import PublisherConfig, PublishResult
+from .encode import Bits, Encoded, SourceTensor, abandon, commit, encode, memory_bases, state_sources
 
 if TYPE_CHECKING:
     import torch
-
-
-class DistributedPublishError(DeltasyncError):
-    """Publishing failed on some rank; nothing was committed."""
-
-    def __init__(self, version: int | None, failures: dict[int, str]) -> None:
-        first = min(failures)
-        where = f"version {version}" if version is not None else "publish"
-        more = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
-        super().__init__(f"{where} failed on rank {first}: {failures[first]}{more}; nothing was committed")
-        self.version = version
-        self.failures = failures
 
 
 @dataclass
@@ -79,12 +69,10 @@ class DistributedPublisher:
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout))
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self._pub = Publisher(repo, config)
-        self.last_result: PublishResult | None = None  # set on rank 0 after each commit
-
-    @property
-    def repo(self) -> Repository:
-        return self._pub.repo
+        self.repo = open_repository(repo)
+        self.config = config or PublisherConfig()
+        self._bits: dict[str, Bits] = {}  # this rank's part of the last version, the next delta's base
+        self._bits_version: int | None = None
 
     # -- collectives (every failure becomes a DeltasyncError) ----------------------------------
 
@@ -116,16 +104,16 @@ class DistributedPublisher:
         *,
         version: int | None = None,
         metadata: Mapping[str, str] | None = None,
-    ) -> int:
-        """Commit this rank's part of ``state`` with every other rank's; returns the version id."""
+    ) -> PublishResult:
+        """Commit this rank's part of ``state`` with every other rank's; every rank gets the result."""
         start = time.monotonic()
-        sources: list[_SourceTensor] = []
+        sources: list[SourceTensor] = []
         error: str | None = None
         try:
             sources = state_sources(state)
         except Exception as e:
             error = str(e)
-        metas = self._all_gather({"keys": [s.key for s in sources], "base": self._pub._bits_version, "error": error})
+        metas = self._all_gather({"keys": [s.key for s in sources], "base": self._bits_version, "error": error})
         failures = {r: m["error"] for r, m in enumerate(metas) if m["error"]}
         if failures:
             raise DistributedPublishError(version, failures)
@@ -137,32 +125,31 @@ class DistributedPublisher:
             raise DistributedPublishError(version, {0: decision.error})
         mine = [s for s in sources if decision.owners.get(s.key) == self.rank]
 
-        self._pub._bits_version = None  # the in-memory base is rewritten in place below
+        self._bits_version = None  # the in-memory base is rewritten in place below
         delta = decision.delta
         while True:
-            new_bits: dict[str, Any] = {}
+            new_bits: dict[str, Bits] = {}
             encoded, error = self._encode_mine(mine, decision, delta, new_bits)
             results = self._all_gather(_wire(encoded, error))
             outcome = self._finish(results, decision, delta, metadata, start) if self.rank == 0 else None
             outcome = self._broadcast(outcome)
             if outcome == "snapshot":
                 if encoded is not None:
-                    self._pub._abandon(encoded)
+                    abandon(self.repo.store, encoded)
                 delta = False  # the delta came out larger than a snapshot's worth: store a snapshot
                 continue
-            if isinstance(outcome, int):
-                self._pub._bits = new_bits
-                self._pub._bits_version = outcome
-                self.last_result = self._pub.last_result
+            if isinstance(outcome, PublishResult):
+                self._bits = new_bits
+                self._bits_version = outcome.version
                 return outcome
             if encoded is not None:
-                self._pub._abandon(encoded)
+                abandon(self.repo.store, encoded)
             assert isinstance(outcome, dict)
             raise DistributedPublishError(decision.version, outcome)
 
     def _decide(self, metas: list[dict[str, Any]], version: int | None) -> _Decision:
         try:
-            repo = self._pub.repo
+            repo = self.repo
             repo.create()
             latest = repo.latest()
             if version is None:
@@ -176,21 +163,20 @@ class DistributedPublisher:
             decision = _Decision(version=version, parent=latest, owners=owners)
             if latest is not None and all(m["base"] == latest for m in metas):
                 chain = repo.chain(latest)
-                if len(chain) < self._pub.config.snapshot_every:
+                if len(chain) < self.config.snapshot_every:
                     decision.delta = True
-                    decision.limit = int(self._pub.config.max_delta_fraction * chain[0].pb.stored_bytes)
+                    decision.limit = int(self.config.max_delta_fraction * chain[0].pb.stored_bytes)
             return decision
         except DeltasyncError as e:
             return _Decision(error=str(e))
 
     def _encode_mine(
-        self, mine: list[_SourceTensor], decision: _Decision, delta: bool, new_bits: dict[str, Any]
-    ) -> tuple[_Encoded | None, str | None]:
+        self, mine: list[SourceTensor], decision: _Decision, delta: bool, new_bits: dict[str, Bits]
+    ) -> tuple[Encoded | None, str | None]:
         try:
-            bases = self._pub._memory_bases(decision.parent) if delta else {}
-            encoded = self._pub._encode(
-                mine, [], bases, new_bits, self._pub._bits, None, f"publish v{decision.version} rank {self.rank}"
-            )
+            bases = memory_bases(self.repo, self._bits, decision.parent) if delta else {}
+            encoded = encode(self.repo.store, self.config, mine, [], bases,
+                             label=f"publish v{decision.version} rank {self.rank}", keep=new_bits, base_arrays=self._bits)
             return encoded, None
         except Exception as e:
             return None, f"{type(e).__name__}: {e}" if not isinstance(e, DeltasyncError) else str(e)
@@ -202,7 +188,7 @@ class DistributedPublisher:
         delta: bool,
         metadata: Mapping[str, str] | None,
         start: float,
-    ) -> int | str | dict[int, str]:
+    ) -> PublishResult | str | dict[int, str]:
         failures = {r: res["error"] for r, res in enumerate(results) if res["error"]}
         if failures:
             return failures
@@ -220,15 +206,15 @@ class DistributedPublisher:
                     if c.length:
                         c.pack += base_index
                 tensors.append(t)
-        merged = _Encoded(tensors, packs, stored, sum(res["raw"] for res in results), set())
+        merged = Encoded(tensors, packs, stored, sum(res["raw"] for res in results), set())
         try:
-            result = self._pub._commit(decision.version, decision.parent, not delta, [], merged, 0, metadata, start)
+            return commit(self.repo, self.config, decision.version, decision.parent, not delta, [], merged,
+                          blob_bytes=0, metadata=metadata, start=start)
         except DeltasyncError as e:
             return {0: str(e)}
-        return result.version
 
 
-def _wire(encoded: _Encoded | None, error: str | None) -> dict[str, Any]:
+def _wire(encoded: Encoded | None, error: str | None) -> dict[str, Any]:
     if encoded is None:
         return {"error": error or "unknown failure", "tensors": [], "packs": [], "stored": 0, "raw": 0}
     return {

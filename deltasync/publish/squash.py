@@ -35,9 +35,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import numpy.typing as npt
 
-from . import dtypes
-from .codec import FULL, SAME
-from .errors import (
+from ..errors import (
     ChecksumMismatchError,
     CorruptObjectError,
     DeltasyncError,
@@ -46,17 +44,21 @@ from .errors import (
     UsageError,
     VersionNotFoundError,
 )
-from .fetch import PackFetcher
-from .manifest import FORMAT, ManifestInfo, key_of
-from .publisher import Publisher, PublisherConfig, _BaseTensor, _DeltaTooLarge, _SourceTensor
-from .repository import Repository, open_repository, squash_key
-from .signing import PrivateKeyLike
-from .storage import Store
-from .subscriber import Subscriber, _Chain
-from .v1 import manifest_pb2 as pb
+from ..format import dtypes
+from ..format.codec import FULL, SAME
+from ..format.manifest import FORMAT, ManifestInfo, key_of
+from ..format.signing import PrivateKeyLike
+from ..pull.fetch import PackFetcher
+from ..pull.plan import Chain
+from ..pull.subscriber import Subscriber
+from ..repo.repository import Repository, open_repository, squash_key
+from ..storage import Store
+from ..v1 import manifest_pb2 as pb
+from .config import PublisherConfig
+from .encode import BaseTensor, DeltaTooLarge, Reader, SourceTensor, abandon, encode
 
 if TYPE_CHECKING:
-    from .publisher import Reader
+    from .publisher import Publisher
 
 Bits = npt.NDArray[np.uint8]
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class SquashResult:
     seconds: float
 
     def summary(self) -> str:
-        from .progress import human_bytes
+        from ..progress import human_bytes
 
         if self.outcome == "written":
             return (
@@ -131,15 +133,14 @@ def write_squash(
         key = key_of(t)
         if key not in target:
             raise UsageError(f"no bits given for tensor {t.name!r} of version {c}")
-        sources.append(_SourceTensor(t.name, t.dtype, tuple(t.shape), t.nbytes, t.file, t.data_offset, target[key],
+        sources.append(SourceTensor(t.name, t.dtype, tuple(t.shape), t.nbytes, t.file, t.data_offset, target[key],
                                      tuple(t.slice_offsets), tuple(t.full_shape)))
     files = [pb.File() for _ in cinfo.pb.files]
     for mine, theirs in zip(files, cinfo.pb.files, strict=True):
         mine.CopyFrom(theirs)
-    pub = Publisher(r, cfg)
     try:
-        encoded = pub._encode(sources, files, bases, None, None, before.fetch_bytes - 1, f"squash {a}->{c}")
-    except _DeltaTooLarge:
+        encoded = encode(r.store, cfg, sources, files, bases, label=f"squash {a}->{c}", limit=before.fetch_bytes - 1)
+    except DeltaTooLarge:
         return SquashResult(a, c, "not smaller", 0, before.fetch_bytes, time.monotonic() - start)
     manifest = pb.Manifest(
         format=FORMAT, version=c, kind=pb.DELTA, parent=a, has_parent=True, snapshot=cinfo.pb.snapshot,
@@ -152,10 +153,10 @@ def write_squash(
     except ObjectExistsError:  # another writer stored this squash first: keep what it uses
         with contextlib.suppress(DeltasyncError):
             encoded.created -= {p.key for p in r.squash(a, c).pb.packs}
-        pub._abandon(encoded)
+        abandon(r.store, encoded)
         return SquashResult(a, c, "exists", 0, before.fetch_bytes, time.monotonic() - start)
     except BaseException:
-        pub._abandon(encoded)
+        abandon(r.store, encoded)
         raise
     return SquashResult(a, c, "written", encoded.stored, before.fetch_bytes, time.monotonic() - start)
 
@@ -250,7 +251,7 @@ class _Chunks:
     def __init__(self, sub: Subscriber, info: ManifestInfo, fetcher: PackFetcher) -> None:
         self.sub = sub
         self.info = info
-        self.chain = _Chain(sub.repo.chain(info.version))
+        self.chain = Chain(sub.repo.chain(info.version))
         self.fetcher = fetcher
         self.cpu = threading.Semaphore(sub.workers)
 
@@ -264,7 +265,7 @@ class _Chunks:
     def read(self, t: pb.Tensor, idx: int, length: int) -> Bits:
         steps, _ = self.chain.steps(key_of(t), idx, None)
         width = dtypes.element_width(t.dtype)
-        return self.sub._apply(t, idx, length, width, None, steps, self.fetcher, self.cpu)
+        return self.sub.pipeline.apply_steps(t, idx, length, width, None, steps, self.fetcher, self.cpu)
 
     def reader(self, t: pb.Tensor) -> Reader:
         step = self.info.codec.chunk_step(dtypes.element_width(t.dtype))
@@ -278,11 +279,11 @@ class _Chunks:
         return lambda length: self.read(t, idx, length)
 
 
-def _bases(ainfo: ManifestInfo, cinfo: ManifestInfo, a_chunks: _Chunks) -> dict[str, _BaseTensor]:
+def _bases(ainfo: ManifestInfo, cinfo: ManifestInfo, a_chunks: _Chunks) -> dict[str, BaseTensor]:
     """Version a's tensors that c's chunks can be encoded against: same size, same element
     width and the same chunk boundaries (else their chunks start over in full)."""
     a_entries = ainfo.entries()
-    out: dict[str, _BaseTensor] = {}
+    out: dict[str, BaseTensor] = {}
     for t in cinfo.pb.tensors:
         key = key_of(t)
         base = a_entries.get(key)
@@ -292,12 +293,12 @@ def _bases(ainfo: ManifestInfo, cinfo: ManifestInfo, a_chunks: _Chunks) -> dict[
         steps = (ainfo.codec.chunk_step(width), cinfo.codec.chunk_step(width))
         if steps[0] != steps[1] and t.nbytes > min(steps):
             continue
-        out[key] = _BaseTensor(width, t.nbytes, [c.target_digest for c in base.chunks], a_chunks.reader(base),
+        out[key] = BaseTensor(width, t.nbytes, [c.target_digest for c in base.chunks], a_chunks.reader(base),
                                verify=False)  # rebuilt bits are verified already
     return out
 
 
-def _changed(ainfo: ManifestInfo, cinfo: ManifestInfo, bases: Mapping[str, _BaseTensor]) -> list[tuple[pb.Tensor, int]]:
+def _changed(ainfo: ManifestInfo, cinfo: ManifestInfo, bases: Mapping[str, BaseTensor]) -> list[tuple[pb.Tensor, int]]:
     """Chunks of version a that differ in c: the only ones read from a."""
     a_entries = ainfo.entries()
     out = []
@@ -327,7 +328,7 @@ def _checker(
         bits = base(length) if base is not None else None
         chunk = t.chunks[idx]
         try:
-            sub._apply(t, idx, length, dtypes.element_width(t.dtype), bits, [(sq, chunk)], fetcher, cpu)
+            sub.pipeline.apply_steps(t, idx, length, dtypes.element_width(t.dtype), bits, [(sq, chunk)], fetcher, cpu)
         except (CorruptObjectError, ChecksumMismatchError) as e:
             where = f"tensor {t.name!r} chunk {idx}"
             if chunk.encoding != SAME:

@@ -39,8 +39,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import CheckpointError, DeltasyncError, UsageError
-from .localstate import (
+from ..errors import CheckpointError, DeltasyncError, UsageError
+from ..format.manifest import ManifestInfo, check_relpath, serialize
+from .state import (
     STATE_DIR,
     SlotInfo,
     SlotsRecord,
@@ -49,7 +50,6 @@ from .localstate import (
     copy_lock,
     output_files,
 )
-from .manifest import ManifestInfo, check_relpath, serialize
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def finish_switch(root: Path) -> int | None:
     held = db.state()
     repo = held.repo if held is not None else ""
     if not wip.slot:  # a journal of older deltasync: files moved from incoming/ into DIR
-        from .localstate import apply_legacy_journal
+        from .state import apply_legacy_journal
 
         apply_legacy_journal(root, root / STATE_DIR / "incoming", info, wip, db, repo)
         return info.version

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import CheckpointError
 from . import dtypes
-from .errors import CheckpointError
 from .manifest import MAX_HEADER_BYTES
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .storage import Store
+from ..storage import Store
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import UsageError
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,283 @@
+"""The publisher: turns a state (dict of tensors, or a checkpoint directory) into a version.
+
+Chunks are encoded on a thread pool (zstd and numpy release the GIL) with a bounded window
+of chunks in flight, appended in order to packs that upload in the background, and the
+manifest is committed last. Memory stays O(chunk size * workers + pack size).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import CheckpointError, UsageError
+from ..format import dtypes
+from ..format.checkpoint import CheckpointDir, FileReader, scan_checkpoint
+from ..format.digest import StreamDigest
+from ..format.manifest import ManifestInfo
+from ..format.signing import PrivateKeyLike
+from ..format.slices import Slice
+from ..repo.repository import BLOB_PART_BYTES, Repository, open_repository
+from ..storage import Store
+from ..v1 import manifest_pb2 as pb
+from .config import PublisherConfig, PublishResult
+from .encode import (
+    BaseTensor,
+    Bits,
+    DeltaTooLarge,
+    Reader,
+    SourceTensor,
+    array_reader,
+    commit,
+    encode,
+    file_reader,
+    memory_bases,
+    state_sources,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PublishResult", "Publisher", "PublisherConfig"]
+
+
+class Publisher:
+    """Publishes versions to a repository.
+
+    >>> pub = Publisher("./repo")
+    >>> v = pub.publish(model.state_dict())
+
+    For the library, the previous version's bits are kept in memory, so diffing needs no
+    download. A new Publisher (or one whose last attempt failed) starts with a snapshot.
+    """
+
+    def __init__(
+        self,
+        repo: str | Store | Repository,
+        config: PublisherConfig | None = None,
+        *,
+        signing_key: PrivateKeyLike | None = None,
+    ) -> None:
+        """``signing_key``: an ed25519 key (or its PEM file) that signs every manifest."""
+        self.repo = open_repository(repo, signing_key=signing_key)
+        self.config = config or PublisherConfig()
+        self._bits: dict[str, Bits] = {}
+        self._bits_version: int | None = None
+
+    # -- library entry point -------------------------------------------------------------------
+
+    def publish(
+        self,
+        state: Mapping[str, torch.Tensor | Slice],
+        *,
+        version: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> PublishResult:
+        """Commit ``state`` as a new version; the result is its id (an ``int``) with the details."""
+        sources = state_sources(state)
+        parent = self._bits_version
+        bases = memory_bases(self.repo, self._bits, parent)
+        new_bits: dict[str, Bits] = {}
+        self._bits_version = None  # the in-memory copy is rewritten in place below
+        result = self._publish(sources, [], bases, parent, version, metadata, keep=new_bits, base_arrays=self._bits)
+        self._bits = new_bits
+        self._bits_version = result.version
+        return self._squash(result, {key: array_reader(arr) for key, arr in new_bits.items()})
+
+    def _squash(self, result: PublishResult, target: Mapping[str, Reader]) -> PublishResult:
+        """After the commit: the squashes into the new version that ``squash_strides`` ask for."""
+        if not self.config.squash_strides or result.kind == "unchanged":
+            return result
+        from .squash import squash_after_commit
+
+        return result.with_squashes(squash_after_commit(self, result.version, target))
+
+    def publish_dir(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        base_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        version: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> PublishResult:
+        """Commit a checkpoint directory of safetensors files (plus any other files).
+
+        The previous version's bits come from ``base_dir`` (a directory holding the latest
+        version, e.g. the previous checkpoint) or ``cache_dir`` (a local copy deltasync keeps
+        current: it is brought to the latest version if stale, and refreshed after the
+        commit). Every base chunk read is checked against the parent manifest's digest.
+        Without either, the version is a snapshot.
+        """
+        ckpt = scan_checkpoint(path)
+        self.repo.create()
+        parent = self.repo.latest()
+        base_root: Path | None = None
+        if parent is not None and base_dir is not None:
+            base_root = Path(base_dir)
+        elif parent is not None and cache_dir is not None:
+            base_root = self._refresh_cache(Path(cache_dir), parent)
+        with FileReader() as reader:
+            sources = [
+                SourceTensor(
+                    t.name, t.dtype, t.shape, t.nbytes, st.relpath, t.data_offset,
+                    file_reader(reader, st.path, st.data_start + t.data_offset),
+                )
+                for st in ckpt.safetensors.values()
+                for t in st.tensors
+            ]
+            bases: dict[str, BaseTensor] = {}
+            if base_root is not None and parent is not None:
+                bases = self._dir_bases(reader, base_root, self.repo.manifest(parent))
+            result = self._publish(
+                sources, self._dir_files(ckpt), bases, parent, version, metadata, blob_root=ckpt.root
+            )
+            if result.kind == "unchanged":
+                return result
+            result = self._squash(result, {s.key: s.read for s in sources})
+        if cache_dir is not None:
+            _replace_cache(Path(cache_dir), ckpt, self.repo.manifest(result.version))
+        return result
+
+    def _refresh_cache(self, cache: Path, latest: int) -> Path:
+        from ..pull.state import read_local_state
+        from ..pull.subscriber import Subscriber
+
+        state = read_local_state(cache)
+        if state is None or state.version != latest:
+            # The cache is deltasync's own: files found in it that are not the version's go aside.
+            Subscriber(self.repo, progress=self.config.progress).pull_to_dir(cache, latest, move_aside=True)
+        return cache
+
+    def _dir_bases(self, reader: FileReader, root: Path, parent: ManifestInfo) -> dict[str, BaseTensor]:
+        files = {f.path: f for f in parent.pb.files}
+        out: dict[str, BaseTensor] = {}
+        codec = self.config.codec
+        for t in parent.pb.tensors:
+            width = dtypes.element_width(t.dtype)
+            steps = (parent.codec.chunk_step(width), codec.chunk_step(width))
+            if steps[0] != steps[1] and t.nbytes > min(steps):
+                continue  # another chunk size: the parent's digests are of other byte ranges
+            if t.file:
+                header_len = len(files[t.file].header)
+                path = root / t.file
+            else:  # a library version pulled to a directory lands in model.safetensors
+                continue
+            if not path.is_file():
+                raise CheckpointError(str(path), f"base directory lacks {t.file} of version {parent.version}")
+            out[t.name] = BaseTensor(
+                dtypes.element_width(t.dtype), t.nbytes, [c.target_digest for c in t.chunks],
+                file_reader(reader, path, header_len + t.data_offset), verify=True,
+            )
+        return out
+
+    def _dir_files(self, ckpt: CheckpointDir) -> list[pb.File]:
+        files: list[pb.File] = []
+        for rel in ckpt.files:
+            st = ckpt.safetensors.get(rel)
+            if st is not None:
+                files.append(pb.File(path=rel, kind=pb.File.SAFETENSORS, size=st.size, header=st.header))
+            else:
+                files.append(pb.File(path=rel, kind=pb.File.BLOB))
+        return files
+
+    def _store_blobs(self, root: Path, files: list[pb.File]) -> int:
+        stored = 0
+        for f in files:
+            if f.kind != pb.File.BLOB:
+                continue
+            d = StreamDigest()
+            size = 0
+            with open(root / f.path, "rb") as fh:
+                while part := fh.read(BLOB_PART_BYTES):
+                    d.update(part)
+                    size += len(part)
+                    part_digest, written = self.repo.put_blob(part)
+                    f.blob_parts.append(part_digest)
+                    stored += written
+            f.size = size
+            f.digest = d.digest()
+        return stored
+
+    # -- the shared path -----------------------------------------------------------------------
+
+    def _publish(
+        self,
+        sources: list[SourceTensor],
+        files: list[pb.File],
+        bases: dict[str, BaseTensor],
+        parent: int | None,
+        version: int | None,
+        metadata: Mapping[str, str] | None,
+        *,
+        blob_root: Path | None = None,
+        keep: dict[str, Bits] | None = None,
+        base_arrays: dict[str, Bits] | None = None,
+    ) -> PublishResult:
+        start = time.monotonic()
+        self.repo.create()
+        latest = self.repo.latest()
+        if version is None:
+            version = (latest or 0) + 1
+        elif version < 1:
+            raise UsageError(f"version ids start at 1, got {version}")
+        elif latest is not None and version <= latest:
+            raise UsageError(f"version {version} is not newer than the latest version {latest}")
+        if parent is not None and parent != latest:
+            # Another publisher committed since our base: our bits are not the parent's.
+            bases, parent = {}, latest
+
+        limit: int | None = None
+        if parent is not None and bases:
+            chain = self.repo.chain(parent)
+            if len(chain) < self.config.snapshot_every:
+                limit = int(self.config.max_delta_fraction * chain[0].pb.stored_bytes)
+        blob_bytes = self._store_blobs(blob_root, files) if blob_root is not None else 0
+        if limit is not None:
+            try:
+                return self._attempt(sources, files, bases, parent, version, metadata, keep, base_arrays,
+                                     limit, blob_bytes, start)
+            except DeltaTooLarge:
+                pass  # store this version as a snapshot instead
+        return self._attempt(sources, files, {}, parent, version, metadata, keep, base_arrays,
+                             None, blob_bytes, start)
+
+    def _attempt(
+        self,
+        sources: list[SourceTensor],
+        files: list[pb.File],
+        bases: dict[str, BaseTensor],
+        parent: int | None,
+        version: int,
+        metadata: Mapping[str, str] | None,
+        keep: dict[str, Bits] | None,
+        base_arrays: dict[str, Bits] | None,
+        limit: int | None,
+        blob_bytes: int,
+        start: float,
+    ) -> PublishResult:
+        encoded = encode(self.repo.store, self.config, sources, files, bases, label=f"publish v{version}",
+                         limit=limit, keep=keep, base_arrays=base_arrays)
+        return commit(self.repo, self.config, version, parent, not bases, files, encoded,
+                      blob_bytes=blob_bytes, metadata=metadata, start=start)
+
+
+def _replace_cache(cache: Path, ckpt: CheckpointDir, info: ManifestInfo) -> None:
+    """Make ``cache`` a local copy of the version just published from ``ckpt``."""
+    from ..pull.state import install_staged, write_local_state
+
+    staging = cache / ".deltasync" / "incoming"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for rel in ckpt.files:
+        dest = staging / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ckpt.root / rel, dest)
+    install_staged(cache, staging, info)
+    write_local_state(cache, info)
+
+
