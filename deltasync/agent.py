@@ -6,16 +6,16 @@ publisher pinned (``deltasync pin``), else the latest. The agent notices a new o
 ``poll_interval`` (it reads ``refs/latest`` and ``refs/pin``, two tiny objects; a relay's
 push stream, when the store has one, wakes it sooner) and sleeps in between: no busy loop.
 
-How it moves (each verified chunk by chunk, staged, installed atomically per file, journaled
-in the copy's LMDB state, resumable after a kill at any point — see subscriber.py and
-pull/state.py):
+How it moves (each version verified chunk by chunk into the slot not served, then served by
+one atomic switch, journaled in the copy's LMDB state, resumable after a kill at any point —
+see pull/slotfill.py, pull/slots.py and pull/state.py):
 
 * forwards: a pull (the planner picks the delta chain or snapshot plus chain); the payloads
   of the deltas applied are kept in the copy (``keep_versions``, pull/cache.py);
 * backwards (a pin to an earlier version, ``rollback``): the deltas in between are reversed
   from the local bits, reading the kept payloads (nothing downloaded) or, when not kept,
   the repository's small delta payloads; chunks that cannot be reversed come from the
-  snapshot chain (pull/check.py);
+  snapshot chain (pull/slotfill.py);
 * forwards again to versions whose payloads it kept: walked locally, nothing downloaded.
 
 Upstream errors are retried with jittered exponential backoff, capped: a one-shot run gives

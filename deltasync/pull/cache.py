@@ -4,7 +4,7 @@ Manifests, blob parts and packs never change once committed, so a copy can keep 
 read and serve them to itself later. ``DIR/.deltasync/objects/`` holds them under their
 store keys: manifests and blob parts whole, packs as the pieces that were read
 (``packs/<name>/<offset>-<length>``). With the payloads of the deltas it applied at hand, a
-copy rolls back a few versions (reversing the deltas, see pull/check.py), or returns to a
+copy rolls back a few versions (reversing the deltas, see pull/slotfill.py), or returns to a
 version it held, without reading anything from the repository.
 
 Only packs named in :attr:`CachedStore.capture` are kept (the deltas an agent applies): a

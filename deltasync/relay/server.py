@@ -4,7 +4,7 @@ Subscribers in one cluster read the repository through the relay (``grpc://host:
 instead of from its origin, so every byte crosses the WAN once per cluster:
 
 - **Get** streams an object (or a byte range of it) in 1 MiB chunks under gRPC flow control.
-  Immutable objects (packs, blobs, manifests) are fetched from the upstream once, whole, into
+  Immutable objects (packs, blobs, manifests, squashes) are fetched from the upstream once, whole, into
   the cache (:mod:`deltasync.relay.cache`), however many subscribers ask at the same moment
   (single flight per key), and every range of them is then served from the file.
   ``refs/latest``, listings and other keys always go to the upstream.
