@@ -178,7 +178,8 @@ def publish(
     start = time.monotonic()
     pub = Publisher(repo, config, signing_key=signing_key)
     cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
-    first_use = cache is not None and cache_dir is None and not cache.exists()
+    # First use: this default cache was never recorded (`deltasync cache --clear` forgets it).
+    first_use = cache is not None and cache_dir is None and not _cache_owner(cache).exists()
     r = pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta))
     seconds = time.monotonic() - start  # all of it: the cache brought to the latest version included
     if cache is not None and cache_dir is None:
@@ -237,9 +238,13 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
+def _cache_owner(cache: Path) -> Path:
+    return cache.parent / f"{cache.name}.json"
+
+
 def _record_cache_owner(cache: Path, repo: str) -> None:
     """Beside a default publish cache, the repository it copies (for `deltasync cache`)."""
-    owner = cache.parent / f"{cache.name}.json"
+    owner = _cache_owner(cache)
     if not owner.exists() and cache.exists():
         owner.write_text(json.dumps({"repo": _repo_key(repo)}) + "\n")
 
@@ -902,7 +907,7 @@ def cache(repo: str | None, clear: bool, as_json: bool) -> None:
     for d in sorted(root.iterdir()) if root.is_dir() else []:
         if not d.is_dir() or (wanted is not None and d.name != wanted):
             continue
-        owner = d.parent / f"{d.name}.json"
+        owner = _cache_owner(d)
         try:
             url = str(json.loads(owner.read_text()).get("repo", ""))
         except (OSError, ValueError):
