@@ -48,7 +48,7 @@ class ProgressLine:
 
 #: Printed once above the progress lines: what their fields mean.
 PROGRESS_LEGEND = (
-    "each line: rl STEP/STEPS vVERSION; reward: mean of the step's training batches; eval: held-out score of the "
+    "legend: rl STEP/STEPS vVERSION; reward: mean of the step's training batches; eval: held-out score of the "
     "version served (warm: after the warm start); stale K:N: N of the batches trained on were sampled from weights K "
     "updates old; gap: largest log-prob difference between trainer and worker for the same tokens (0: the workers "
     "served exactly the trainer's weights); bytes stored per version and its compression; sync: publish to every "
