@@ -6,10 +6,9 @@ light entry points do not pay for numpy, zstd and friends.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _aliases
+from . import _aliases, _extras
 
 __version__ = "0.1.0"
 
@@ -43,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "ObjectNotFoundError": "errors",
     "ObjectExistsError": "errors",
     "StoreError": "errors",
+    "MissingDependencyError": "errors",
     "CopyInUseError": "errors",
     "PullStopped": "errors",
     "DistributedPublishError": "errors",
@@ -68,6 +68,7 @@ __all__ = [
     "EngineError",
     "FeedbackError",
     "GroupError",
+    "MissingDependencyError",
     "ObjectExistsError",
     "ObjectNotFoundError",
     "PlanesZstdCodec",
@@ -97,7 +98,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'deltasync' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"deltasync.{module}"), name)
+    value = getattr(_extras.import_needing_extras(f"deltasync.{module}", f"deltasync.{name}"), name)
     globals()[name] = value
     return value
 
@@ -123,6 +124,7 @@ if TYPE_CHECKING:
         EngineError,
         FeedbackError,
         GroupError,
+        MissingDependencyError,
         ObjectExistsError,
         ObjectNotFoundError,
         PullStopped,

@@ -110,6 +110,15 @@ class CheckpointError(DeltasyncError):
         self.detail = detail
 
 
+class MissingDependencyError(DeltasyncError, ImportError):
+    """An optional dependency is not installed; ``extra`` names what to install."""
+
+    def __init__(self, module: str, extra: str, what: str) -> None:
+        super().__init__(f"{what} needs {module}, which is not installed: pip install 'deltasync[{extra}]'")
+        self.module = module
+        self.extra = extra
+
+
 class StoreError(DeltasyncError):
     """A store backend failed (I/O error, permission, network)."""
 

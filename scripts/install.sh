@@ -56,8 +56,8 @@ fi
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-extra=""
-if [[ "$dev" == 1 ]]; then extra="[dev]"; fi
+extra="[all]"  # torch, boto3 and grpcio: every command works (a relay or agent host needs fewer: see pyproject)
+if [[ "$dev" == 1 ]]; then extra="[dev]"; fi  # dev includes all
 "$PY" -m pip install --quiet -e ".${extra}"
 
 if [[ -n "$venv" ]]; then

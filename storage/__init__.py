@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 from urllib.parse import urlparse
 
+from deltasync._extras import import_needing_extras
 from deltasync.errors import UsageError
 
 from ._base import Store, WrappingStore, check_key
@@ -42,11 +44,11 @@ def open_store(url: str) -> Store:
                 store = _memory_stores[name] = MemoryStore(url)
         return store
     if scheme == "s3":
-        from ._s3 import S3Store  # boto3 is imported only when an s3:// URL is opened
-
-        return S3Store(url)
+        # boto3 is imported only when an s3:// URL is opened
+        s3: Any = import_needing_extras("deltasync.storage._s3", "an s3:// repository")
+        return s3.S3Store(url)  # type: ignore[no-any-return]
     if scheme in ("grpc", "grpcs"):
-        from ._grpc import GrpcStore  # grpcio is imported only when a grpc:// URL is opened
-
-        return GrpcStore(url)
+        # grpcio is imported only when a grpc:// URL is opened
+        relay: Any = import_needing_extras("deltasync.storage._grpc", "a grpc:// repository")
+        return relay.GrpcStore(url)  # type: ignore[no-any-return]
     raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, memory://, s3://, grpc:// or grpcs://)")

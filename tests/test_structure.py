@@ -83,7 +83,7 @@ def test_publish_result_is_the_version_id_with_its_figures(tmp_path: Path) -> No
     assert second.raw_bytes > 0 and second.stored_bytes > 0 and second.ratio == second.raw_bytes / second.stored_bytes
     assert pickle.loads(pickle.dumps(second)).kind == "delta"
     with pytest.raises(AttributeError):
-        second.kind = "snapshot"  # type: ignore[misc]
+        second.kind = "snapshot"
 
 
 def test_pulls_from_threads_each_get_their_own_plan(tmp_path: Path) -> None:
@@ -111,3 +111,47 @@ def test_help_does_not_import_the_heavy_modules() -> None:
     code = f"import sys, deltasync; deltasync.__dir__(); print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def _without(modules: list[str], code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a Python where importing any of ``modules`` fails as if not installed."""
+    block = "".join(f"sys.modules[{m!r}] = None; " for m in modules)
+    return subprocess.run([sys.executable, "-c", f"import sys; {block}\n{code}"], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_a_missing_extra_is_named(tmp_path: Path) -> None:
+    cases = {
+        "torch": "from deltasync.format.tensors import bits_to_tensor; import numpy as np; "
+                 "bits_to_tensor(np.zeros(4, np.uint8), 'F32', (1,))",
+        "boto3": "from deltasync.storage import open_store; open_store('s3://bucket/prefix')",
+        "grpc": "import deltasync.relay",
+    }
+    extras = {"torch": "torch", "boto3": "s3", "grpc": "grpc"}
+    for module, code in cases.items():
+        r = _without([module], f"import deltasync\ntry:\n    {code}\nexcept deltasync.MissingDependencyError as e:\n"
+                               f"    print(e.extra, '|', e)", tmp_path)
+        assert r.returncode == 0, r.stderr
+        extra, message = r.stdout.split("|", 1)
+        assert extra.strip() == extras[module] and f"pip install 'deltasync[{extras[module]}]'" in message
+
+
+def test_a_directory_publish_pull_and_verify_need_no_torch(tmp_path: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    for step in (1, 2):
+        ckpt = tmp_path / f"step-{step}"
+        ckpt.mkdir()
+        save_file({"w": rng.standard_normal((128, 64)).astype(np.float32)}, str(ckpt / "model.safetensors"))
+        (ckpt / "config.json").write_text('{"layers": 1}')
+    cli = "from deltasync.cli.main import main; main()"
+    repo, out = str(tmp_path / "repo"), str(tmp_path / "out")
+    for args in (["publish", str(tmp_path / "step-1"), "--repo", repo, "--no-cache", "--quiet"],
+                 ["publish", str(tmp_path / "step-2"), "--repo", repo, "--no-cache", "--quiet"],
+                 ["pull", "--repo", repo, "--out", out, "--quiet"],
+                 ["verify", "--repo", repo]):
+        r = _without(["torch", "boto3", "grpc"], f"sys.argv = ['deltasync', *{args!r}]\n{cli}", tmp_path)
+        assert r.returncode == 0, f"{args}: {r.stderr}"
+    assert (Path(out) / "model.safetensors").read_bytes() == (tmp_path / "step-2" / "model.safetensors").read_bytes()

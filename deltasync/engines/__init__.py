@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .._extras import import_needing_extras
 from ..errors import UsageError
 from .base import Engine, EngineError, ServingLock, Staged, StaleUpdateError, SwapRecord
 
@@ -60,7 +61,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+    return getattr(import_needing_extras(f"{__name__}.{module}", f"the {name} engine"), name)
 
 
 SPECS = (

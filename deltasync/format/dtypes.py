@@ -97,6 +97,9 @@ def from_torch(dtype: torch.dtype) -> str:
 
 
 def to_torch(dtype: str) -> torch.dtype:
+    from .._extras import require
+
+    require("torch", "tensors")  # a missing torch is named as the extra to install
     import torch
 
     for tname, dname in _TORCH_NAMES.items():

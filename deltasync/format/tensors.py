@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from .._extras import require
 from . import dtypes
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ def tensor_bits(t: torch.Tensor) -> npt.NDArray[np.uint8]:
 
     The result may share memory with ``t`` when it is a contiguous CPU tensor.
     """
+    require("torch", "tensors")  # a missing torch is named as the extra to install
     import torch
 
     t = t.detach()
@@ -31,6 +33,7 @@ def tensor_bits(t: torch.Tensor) -> npt.NDArray[np.uint8]:
 
 def bits_to_tensor(bits: npt.NDArray[np.uint8], dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A CPU tensor of ``dtype`` and ``shape`` whose bytes are ``bits`` (taken over, not copied)."""
+    require("torch", "tensors")  # a missing torch is named as the extra to install
     import torch
 
     tdtype = dtypes.to_torch(dtype)

@@ -4,6 +4,10 @@ its LRU object cache; the client side is the ``grpc://`` store (:mod:`deltasync.
 
 from __future__ import annotations
 
-from .server import RelayConfig, RelayServer, build_server, parse_size, run_until_signalled
+from .._extras import require
+
+require("grpc", "the relay")  # before the server's own imports, to name the extra if it is missing
+
+from .server import RelayConfig, RelayServer, build_server, parse_size, run_until_signalled  # noqa: E402
 
 __all__ = ["RelayConfig", "RelayServer", "build_server", "parse_size", "run_until_signalled"]
