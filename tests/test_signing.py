@@ -243,3 +243,52 @@ def test_cli_publish_signed_and_pull_verify_log_inspect_trusted(tmp_path: Path, 
         assert r.returncode == 1
         assert r.stderr == f"deltasync: error: version 1: signed by unknown key {_kid(k1[1])}\n", (cmd, r.stderr)
     assert not (tmp_path / "out2").exists() or not any((tmp_path / "out2").glob("*.safetensors"))
+
+
+# -- starting a signed chain on a repository with unsigned versions ----------------------------------
+
+
+def test_the_first_signed_version_after_unsigned_ones_is_a_snapshot(
+    local_repo_url: str, k1: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    key, pub_key = k1
+    s1 = make_state(1, LAYOUT)
+    s2 = step_state(s1, seed=2)
+    s3 = step_state(s2, seed=3)
+    unsigned = Publisher(local_repo_url, CONFIG)
+    unsigned.publish(s1)
+    assert unsigned.publish(s2).kind == "delta"
+    signed = Publisher(local_repo_url, CONFIG, signing_key=key)
+    signed._bits, signed._bits_version = unsigned._bits, unsigned._bits_version  # the same base in memory
+    r3 = signed.publish(s3)
+    assert r3.kind == "snapshot"  # a delta here would sit on the unsigned chain 1-2
+    s4 = step_state(s3, seed=4)
+    assert signed.publish(s4).kind == "delta"
+    sub = Subscriber(local_repo_url, trusted_keys=[pub_key], workers=2)
+    assert _same(sub.pull(4), s4)
+    with pytest.raises(SignatureError, match="version 2: unsigned manifest"):
+        sub.pull(2)
+    # An unsigned publish after signed ones works, with a warning naming what trusting readers will do.
+    with caplog.at_level("WARNING", logger="deltasync"):
+        unsigned.publish(step_state(s4, seed=5))
+    assert "unsigned version after signed ones" in caplog.text
+
+
+def test_a_signed_delta_on_an_unsigned_chain_names_the_chain(
+    local_repo_url: str, k1: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repositories written before the rule above can hold one; the refusal says why."""
+    import deltasync.publish.publisher as publisher_module
+
+    key, pub_key = k1
+    s1 = make_state(1, LAYOUT)
+    s2 = step_state(s1, seed=2)
+    pub = Publisher(local_repo_url, CONFIG)
+    pub.publish(s1)
+    pub.publish(s2)
+    monkeypatch.setattr(publisher_module, "signing_policy", lambda repo, parent: True)
+    signed = Publisher(local_repo_url, CONFIG, signing_key=key)
+    signed._bits, signed._bits_version = pub._bits, pub._bits_version
+    assert signed.publish(step_state(s2, seed=3)).kind == "delta"
+    with pytest.raises(SignatureError, match=r"version 3: its delta chain goes through version 2: unsigned manifest"):
+        Subscriber(local_repo_url, trusted_keys=[pub_key]).pull(3)

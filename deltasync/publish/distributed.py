@@ -26,7 +26,7 @@ from ..repo.repository import Repository, open_repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
 from .config import PublisherConfig, PublishResult
-from .encode import Bits, Encoded, SourceTensor, abandon, commit, encode, memory_bases, state_sources
+from .encode import Bits, Encoded, SourceTensor, abandon, commit, encode, memory_bases, signing_policy, state_sources
 
 if TYPE_CHECKING:
     import torch
@@ -161,7 +161,7 @@ class DistributedPublisher:
                 for key in m["keys"]:
                     owners.setdefault(key, r)
             decision = _Decision(version=version, parent=latest, owners=owners)
-            if latest is not None and all(m["base"] == latest for m in metas):
+            if latest is not None and all(m["base"] == latest for m in metas) and signing_policy(repo, latest):
                 chain = repo.chain(latest)
                 if len(chain) < self.config.snapshot_every:
                     decision.delta = True

@@ -17,6 +17,7 @@ tensors, rank 0 commits) and squashes (:mod:`~deltasync.publish.squash`):
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
 Bits = npt.NDArray[np.uint8]
+log = logging.getLogger("deltasync.publish")
 #: Reads ``length`` bytes at ``offset`` of one tensor's data.
 Reader = Callable[[int, int], Bits]
 
@@ -395,6 +397,29 @@ def commit(
     repo.commit(manifest)
     return PublishResult(version, kind="snapshot" if is_snapshot else "delta", parent=parent, raw_bytes=encoded.raw,
                          stored_bytes=manifest.stored_bytes, seconds=time.monotonic() - start)
+
+
+def signing_policy(repo: Repository, parent: int | None) -> bool:
+    """Whether the next version may be a delta against ``parent`` as far as signatures go.
+
+    A repository that signs must not extend an unsigned chain: a subscriber with trusted keys
+    refuses a delta whose chain back to its snapshot has an unsigned version, so the first
+    signed version after unsigned ones is a snapshot (False). Publishing unsigned after signed
+    versions is allowed but warned about: trusting subscribers will refuse it and every delta
+    on top of it until the next signed snapshot."""
+    if parent is None:
+        return True
+    if repo.signing_key is None:
+        if repo.manifest(parent).pb.signature:
+            log.warning("publishing an unsigned version after signed ones (version %d is signed): subscribers with "
+                        "--trusted-key refuse it and the deltas on top of it until a signed snapshot", parent)
+        return True
+    unsigned = [info.version for info in repo.chain(parent) if not info.pb.signature]
+    if unsigned:
+        log.info("this version is stored as a snapshot: it starts a signed chain (version %d, on the chain it would "
+                 "extend, is unsigned)", unsigned[-1])
+        return False
+    return True
 
 
 def memory_bases(repo: Repository, bits: Mapping[str, Bits], parent: int | None) -> dict[str, BaseTensor]:

@@ -36,6 +36,7 @@ from .encode import (
     encode,
     file_reader,
     memory_bases,
+    signing_policy,
     state_sources,
 )
 
@@ -230,6 +231,8 @@ class Publisher:
         if parent is not None and parent != latest:
             # Another publisher committed since our base: our bits are not the parent's.
             bases, parent = {}, latest
+        if not signing_policy(self.repo, parent):
+            bases = {}  # the first signed version after unsigned ones starts a signed chain
 
         limit: int | None = None
         if parent is not None and bases:

@@ -211,7 +211,15 @@ class Repository:
         out: list[ManifestInfo] = []
         v: int | None = version
         while v is not None:
-            info = self.manifest(v)
+            try:
+                info = self.manifest(v)
+            except SignatureError as e:
+                if v == version:
+                    raise
+                raise SignatureError(
+                    version, f"its delta chain goes through version {v}: {e.detail}; a signed chain starts at a signed "
+                    "snapshot (the first version published with a signing key after unsigned ones is one)"
+                ) from None
             out.append(info)
             if info.is_snapshot or v == stop_at:
                 break
