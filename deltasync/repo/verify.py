@@ -9,6 +9,7 @@ from ..publish.squash import verify_squash
 from ..pull.subscriber import Subscriber
 from ..v1 import manifest_pb2 as pb
 from .repository import Repository
+from .retention import temp_files as temp_files  # listed here too: verify reports them, gc removes them
 
 
 @dataclass
@@ -85,6 +86,13 @@ def verify_repository(
     report.packs = len(seen_packs)
     report.blobs = len(seen_blobs)
     if version is None:
+        leftovers = temp_files(repo.store)
+        if leftovers:
+            # Not a fault of the repository: a writer killed mid-write; gc removes them.
+            report.notes.append(
+                f"{len(leftovers)} temp file(s) of interrupted writes ({sum(t.size for t in leftovers)} bytes, "
+                f"e.g. {leftovers[0].path}; left by a killed publisher): gc removes them after its grace period"
+            )
         orphans = [k for k in repo.store.list("packs/") if k not in referenced]
         if orphans:
             report.notes.append(
