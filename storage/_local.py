@@ -8,12 +8,26 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, StoreError
 
 from ._base import Store
 
 _TMP_SUFFIX = ".tmp-deltasync"
+
+
+class TempFile(NamedTuple):
+    """A temp file of an interrupted write (a writer killed between its write and its rename)."""
+
+    path: str  # relative to the store's root, '/'-separated
+    size: int
+    mtime: float  # seconds since the epoch, from the file system
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether a file name is one of this store's temp files (never a key :meth:`list` shows)."""
+    return name.startswith(".") and name.endswith(_TMP_SUFFIX)
 
 
 class LocalStore(Store):
@@ -87,13 +101,45 @@ class LocalStore(Store):
         for dirpath, _dirnames, filenames in os.walk(start):
             rel = os.path.relpath(dirpath, self.root)
             for name in filenames:
-                if name.endswith(_TMP_SUFFIX):
+                if is_temp_name(name):
                     continue
                 key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
                 if key.startswith(prefix):
                     keys.append(key)
         keys.sort()
         return iter(keys)
+
+    def temp_files(self) -> list[TempFile]:
+        """Temp files left under the root by writers that died before their rename (a killed
+        publisher): invisible to :meth:`list`, so only ``verify`` and ``gc`` look for them."""
+        out: list[TempFile] = []
+        if not self.root.is_dir():
+            return out
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if not is_temp_name(name):
+                    continue
+                full = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(full)
+                except OSError:
+                    continue  # renamed or removed by its writer meanwhile
+                out.append(TempFile(os.path.relpath(full, self.root).replace(os.sep, "/"), st.st_size, st.st_mtime))
+        out.sort()
+        return out
+
+    def remove_temp_file(self, path: str) -> bool:
+        """Remove one temp file named by :meth:`temp_files`; False if it was gone already."""
+        full = self.root / path
+        if not is_temp_name(full.name) or ".." in path.split("/"):
+            raise StoreError(f"not a temp file of this store: {path}")
+        try:
+            full.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise StoreError(f"cannot delete {full}: {e.strerror}") from None
+        return True
 
     def _delete(self, key: str) -> None:
         try:

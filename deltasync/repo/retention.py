@@ -60,6 +60,7 @@ from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, Us
 from ..format.manifest import ManifestInfo, manifest_key, parse_manifest
 from ..progress import human_bytes
 from ..storage import Store
+from ..storage._local import LocalStore, TempFile, is_temp_name
 from ..v1 import manifest_pb2 as pb
 from .repository import Repository, blob_key, squash_key
 
@@ -84,6 +85,10 @@ class GcReport:
     bytes_freed: int = 0
     pending: list[str] = field(default_factory=list)
     """Unreferenced objects recorded (or still waiting) for a later run: maybe a publish in flight."""
+    temp_files_deleted: list[str] = field(default_factory=list)
+    """Temp files of interrupted writes (killed publishers) removed, by path in the store."""
+    temp_files_pending: list[str] = field(default_factory=list)
+    """Temp files seen, waiting out the grace period (maybe a write in progress)."""
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -98,6 +103,11 @@ class GcReport:
         )
         if self.pending:
             line += f"; {len(self.pending)} unreferenced object(s) wait for the grace period"
+        if self.temp_files_deleted:
+            line += f"; {'would remove' if self.dry_run else 'removed'} {len(self.temp_files_deleted)} temp file(s) " \
+                    "of interrupted writes"
+        if self.temp_files_pending:
+            line += f"; {len(self.temp_files_pending)} temp file(s) wait for the grace period"
         return line
 
 
@@ -221,6 +231,7 @@ class _Collector:
             else:
                 new_pending[key] = now if first_seen is None else first_seen
         report.pending = sorted(new_pending)
+        new_pending.update(self._temp_files(pending, now, grace))
 
         for key, size in _map(lambda item: self._delete_object(*item), sorted(to_delete.items())):
             if size is None:
@@ -295,8 +306,29 @@ class _Collector:
         return {
             k: float(t)
             for k, t in objects.items()
-            if isinstance(k, str) and _OBJECT_KEY.fullmatch(k) and isinstance(t, int | float) and math.isfinite(t)
+            if isinstance(k, str) and (_OBJECT_KEY.fullmatch(k) or _is_temp_path(k))
+            and isinstance(t, int | float) and math.isfinite(t)
         }
+
+    def _temp_files(self, pending: dict[str, float], now: float, grace: float) -> dict[str, float]:
+        """Remove temp files of interrupted writes (local stores) seen by an earlier run at
+        least ``grace`` ago and untouched that long; returns the others, to record."""
+        local = local_store(self.store)
+        if local is None:
+            return {}
+        waiting: dict[str, float] = {}
+        for t in local.temp_files():
+            first_seen = pending.get(t.path)
+            # Two runs, like objects; the mtime also guards a write slower than the grace.
+            if first_seen is None or now - first_seen < grace or now - t.mtime < grace:
+                waiting[t.path] = now if first_seen is None else first_seen
+                continue
+            if not self.report.dry_run and not local.remove_temp_file(t.path):
+                continue  # its writer finished or removed it meanwhile
+            self.report.temp_files_deleted.append(t.path)
+            self.report.bytes_freed += t.size
+        self.report.temp_files_pending = sorted(waiting)
+        return waiting
 
     def _save_pending(self, pending: dict[str, float]) -> None:
         if not pending:
@@ -304,6 +336,30 @@ class _Collector:
             return
         body = {"format": 1, "objects": dict(sorted(pending.items()))}
         self.store.put(PENDING, json.dumps(body, indent=0).encode())
+
+
+def local_store(store: Store) -> LocalStore | None:
+    """The local store under ``store`` (through wrappers such as a throttle), or None."""
+    while not isinstance(store, LocalStore):
+        inner = getattr(store, "inner", None)
+        if not isinstance(inner, Store):
+            return None
+        store = inner
+    return store
+
+
+def temp_files(store: Store) -> list[TempFile]:
+    """Temp files of interrupted writes in a local store: a publisher killed between writing a
+    temp file and renaming it leaves one, invisible to ``list``. Other stores have none to
+    list (an S3 multipart upload a killed writer leaves is not an object: a bucket
+    lifecycle rule aborts those)."""
+    local = local_store(store)
+    return local.temp_files() if local is not None else []
+
+
+def _is_temp_path(path: str) -> bool:
+    parts = path.split("/")
+    return is_temp_name(parts[-1]) and not any(p in ("", ".", "..") for p in parts)
 
 
 def _references(info: ManifestInfo) -> dict[str, int | None]:
