@@ -157,6 +157,9 @@ trusted_key_option = click.option(
               help="When S divides the new version id V, also store V as one delta from V-S (repeatable).")
 @click.option("--allow-empty", is_flag=True,
               help="Publish a new version even when nothing changed since the latest [default: publish none].")
+@click.option("--follow-symlinks", is_flag=True,
+              help="Publish files reached through symbolic links out of CHECKPOINT or into other directories (a Hugging "
+                   "Face cache snapshot) [default: such a link is an error naming it].")
 @workers_option
 @quiet_option
 @json_option
@@ -164,9 +167,12 @@ def publish(
     checkpoint: Path, repo: str, base_dir: Path | None, cache_dir: Path | None, no_cache: bool,
     version: int | None, snapshot_every: int, max_delta_fraction: float, chunk_mib: float,
     zstd_level: int, meta: tuple[str, ...], signing_key: Path | None, squash_strides: tuple[int, ...],
-    allow_empty: bool, workers: int, quiet: bool, as_json: bool,
+    allow_empty: bool, follow_symlinks: bool, workers: int, quiet: bool, as_json: bool,
 ) -> None:
-    """Publish a checkpoint directory (safetensors, single or sharded) as a new version."""
+    """Publish a checkpoint directory (safetensors, single or sharded) as a new version.
+
+    Once the version is committed the command succeeds: a later problem (the publish cache
+    cannot be refreshed, a squash cannot be written) is a warning on stderr."""
     from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
 
     chunk_bytes = int(chunk_mib * (1 << 20)) // 8 * 8
@@ -174,6 +180,7 @@ def publish(
         codec=PlanesZstdCodec(chunk_bytes=chunk_bytes, zstd_level=zstd_level),
         workers=workers, snapshot_every=snapshot_every, max_delta_fraction=max_delta_fraction,
         progress=_progress(quiet), squash_strides=squash_strides, skip_unchanged=not allow_empty,
+        follow_symlinks=follow_symlinks,
     )
     start = time.monotonic()
     pub = Publisher(repo, config, signing_key=signing_key)
@@ -183,13 +190,18 @@ def publish(
     r = pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta))
     seconds = time.monotonic() - start  # all of it: the cache brought to the latest version included
     if cache is not None and cache_dir is None:
-        _record_cache_owner(cache, repo)
+        try:
+            _record_cache_owner(cache, repo)
+        except OSError as e:  # committed already: a retry would publish it twice
+            click.echo(f"deltasync: warning: cannot record the publish cache {cache} ({e.strerror or e})", err=True)
+            first_use = False
     if as_json:
         _emit_json({
             "version": r.version, "kind": r.kind, "parent": r.parent if r.kind == "delta" else None,
             "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes,
             "ratio": round(r.ratio, 2) if r.stored_bytes else None, "seconds": round(seconds, 3),
             "published": r.kind != "unchanged", "squashes": [dataclasses.asdict(sq) for sq in r.squashes],
+            "warnings": list(r.warnings),
         })
     elif r.kind == "unchanged":
         click.echo(f"nothing changed since version {r.version} (tensors, files and metadata are equal): "
@@ -296,16 +308,17 @@ def log(repo: str, as_json: bool, trusted_keys: tuple[Path, ...]) -> None:
         for row in rows:
             click.echo(json.dumps(row))
         return
-    sig = f"  {'signature':24}" if trusted is not None else ""
+    for row in rows:
+        if trusted is not None and row["signature"] == "trusted" and not row["pull_accepts"]:
+            row["signature_shown"] = "trusted; chain untrusted"
+    width = max((len(row.get("signature_shown", row.get("signature", ""))) for row in rows), default=0)
+    sig = f"  {'signature':{width}}" if trusted is not None else ""
     click.echo(f"{'version':>8}  {'kind':8}  {'parent':>6}  {'raw':>10}  {'stored':>10}  {'ratio':>8}  {'time':19}{sig}  meta")
     for row in rows:
         parent = str(row["parent"]) if row["parent"] is not None else "-"
         signature = ""
         if trusted is not None:
-            shown = row["signature"]
-            if shown == "trusted" and not row["pull_accepts"]:
-                shown = "trusted, chain unsigned"
-            signature = f"  {shown:24}"
+            signature = f"  {row.pop('signature_shown', row['signature']):{width}}"
         click.echo(
             f"{row['version']:>8}  {row['kind']:8}  {parent:>6}  {_mib(row['raw_bytes']):>10}  "
             f"{_mib(row['stored_bytes']):>10}  {_ratio(row['raw_bytes'], row['stored_bytes']):>8}  {row['time']:19}"
@@ -558,6 +571,7 @@ def serve(
     from deltasync.relay.server import build_server, parse_size, run_until_signalled
     from deltasync.storage._grpc import read_token
 
+    logging.getLogger("deltasync").removeHandler(_WARNINGS)  # the relay logs every line its own way
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
     limit = parse_size(cache_max_bytes) if cache_max_bytes is not None else None
 
@@ -571,6 +585,19 @@ def serve(
 
     run_until_signalled(server, on_ready=ready)
     click.echo("relay stopped")
+
+
+class _WarningLines(logging.Handler):
+    """Warnings of the library's loggers as one `deltasync: warning: ...` line each on stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"deltasync: warning: {record.getMessage()}", err=True)
+
+
+_WARNINGS = _WarningLines()
 
 
 class _RetryLog(logging.Handler):
@@ -1007,6 +1034,7 @@ def main(argv: list[str] | None = None) -> None:
     # gRPC's C core logs to stderr on its own (TLS handshake failures, connection resets):
     # the command's one-line errors say what matters. GRPC_VERBOSITY=INFO brings them back.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    logging.getLogger("deltasync").addHandler(_WARNINGS)
     try:
         rc = cli.main(args=argv, prog_name="deltasync", standalone_mode=False)
     except click.exceptions.Abort:

@@ -489,17 +489,30 @@ def test_a_self_signed_relay_names_its_fix_in_one_line(cli: Env, steps: list[Pat
 
 def test_log_with_a_trusted_key_marks_unsigned_versions(cli: Env, steps: list[Path]) -> None:
     cli.run("keygen", "--out", "keys/pub")
+    cli.run("keygen", "--out", "keys/other")
     cli.run("publish", steps[0], "--repo", "repo")
-    cli.run("publish", steps[1], "--repo", "repo", "--signing-key", "keys/pub.key")
-    cli.run("publish", steps[2], "--repo", "repo", "--signing-key", "keys/pub.key", "--snapshot-every", "2")
-    r = cli.run("log", "--repo", "repo", "--trusted-key", "keys/pub.pub")
+    cli.run("publish", steps[1], "--repo", "repo", "--signing-key", "keys/pub.key")  # a signed chain starts
+    cli.run("publish", steps[2], "--repo", "repo", "--signing-key", "keys/other.key")  # the wrong key
+    state = step_state(make_state(0), seed=7)
+    write_checkpoint(cli.tmp / "step-4", state, shards=2)
+    cli.run("publish", "step-4", "--repo", "repo", "--signing-key", "keys/pub.key")
+    r = cli.run("log", "--repo", "repo", "--trusted-key", "keys/pub.pub")  # lists every version all the same
     lines = r.out.splitlines()
-    assert "signature" in lines[0]
-    assert "unsigned manifest" in lines[1] and "trusted, chain unsigned" in lines[2] and " trusted " in lines[3], r.out
-    assert "note: pull --trusted-key refuses version(s) 1-2" in r.out
+    assert "signature" in lines[0] and len(lines) == 6, r.out
+    assert "unsigned manifest" in lines[1] and "trusted " in lines[2] and "signed by unknown key" in lines[3], r.out
+    assert "trusted; chain untrusted" in lines[4], r.out
+    assert "note: pull --trusted-key refuses version(s) 1, 3-4" in lines[5], r.out
     entries = [json.loads(line) for line in cli.run("log", "--repo", "repo", "--trusted-key", "keys/pub.pub",
                                                     "--json").out.splitlines()]
-    assert [e["pull_accepts"] for e in entries] == [False, False, True]
+    assert [e["pull_accepts"] for e in entries] == [False, True, False, False]
+    assert [e["signature"] for e in entries][:2] == ["unsigned manifest", "trusted"]
+    # The library's warnings are one `deltasync: warning:` line each, like its errors.
+    state = make_state(seed=9)
+    write_checkpoint(cli.tmp / "unsigned", state)
+    r = cli.run("publish", "unsigned", "--repo", "repo", ok=False)
+    assert r.rc == 0 and "published version 5" in r.out, r.err
+    assert r.err.startswith("deltasync: warning: publishing an unsigned version after signed ones"), r.err
+    assert r.err.count("\n") == 1, r.err
 
 
 def test_inspect_says_what_it_leaves_out_and_speaks_json(cli: Env, steps: list[Path]) -> None:
