@@ -429,7 +429,11 @@ def inspect(repo: str, version: int | None, top: int, trusted_keys: tuple[Path, 
         return
     m = r.manifest(r.resolve(version)).pb
     shown = len(m.tensors) if top == 0 else min(top, len(m.tensors))
-    for line in describe_version(r, version, top=shown):
+    lines = describe_version(r, version, top=shown)
+    if m.kind == 1:  # a snapshot depends on no version (log shows no parent either): say which it followed
+        after = f" (published after version {m.parent})" if m.has_parent else ""
+        lines[0] = f"version {m.version}: snapshot{after}"
+    for line in lines:
         click.echo(line)
     if shown < len(m.tensors):
         click.echo(f"  ... {len(m.tensors) - shown} more tensor(s), each storing less (--top 0 lists every tensor, "
@@ -800,7 +804,9 @@ def status(directory: Path | None, out: Path | None, as_json: bool) -> None:
     ]
     last = s.get("last_update")
     if last:
-        rows.append(("last update", f"{opt(last.get('previous'))} -> {last['version']}: {last['how']}, "
+        moved = (f"{last['previous']} -> {last['version']}" if last.get("previous") is not None
+                 else f"to {last['version']} (none held before)")
+        rows.append(("last update", f"{moved}: {last['how']}, "
                                     f"{_mib(int(last['fetched_bytes']))} fetched, applied in {last['seconds']:.2f}s"))
     wip = s.get("wip")
     if wip:

@@ -147,7 +147,7 @@ def test_publish_log_pull_verify_inspect(cli: Env, steps: list[Path]) -> None:
     assert "file config.json (blob, 1 part(s)" in r.out
     assert "model.embed_tokens.weight" in r.out
     r = cli.run("inspect", "--repo", "repo", "--version", "1")
-    assert r.out.startswith("version 1: snapshot, parent -, nearest snapshot 1"), r.out
+    assert r.out.startswith("version 1: snapshot\n"), r.out
     assert "metadata run=abc, step=1" in r.out
 
 
@@ -428,10 +428,13 @@ def test_messages_newcomers_tripped_on(cli: Env, steps: list[Path]) -> None:
     assert [row[7] for row in rows] == [o.split(" stored, ")[1].split(",")[0] for o in out]
     entries = [json.loads(line) for line in cli.run("log", "--repo", "repo", "--json").out.splitlines()]
     assert [(e["parent"], e["previous"]) for e in entries] == [(None, None), (1, 1), (None, 2)]
+    assert cli.run("inspect", "--repo", "repo").out.startswith("version 3: snapshot (published after version 2)\n")
 
     # Moving a directory that held nothing: no "from version None".
     r = cli.run("rollback", "fresh", "--to", "2", "--repo", "repo")
     assert "None" not in r.out and "to version 2" in r.out, r.out
+    status = cli.run("status", "fresh").out
+    assert "to 2 (none held before)" in status and "None" not in status, status
 
     # A failed subscribe: one warning per retried attempt, the error once.
     r = cli.run("subscribe", "s", "--repo", "grpc://127.0.0.1:1?timeout=2", "--retries", "2", ok=False)
