@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -113,8 +114,17 @@ def _parse_entry(name: str, key: str, entry: Any) -> TensorLayout:
     return TensorLayout(key, dtype, tuple(shape), nbytes, begin)
 
 
-def scan_checkpoint(path: str | os.PathLike[str]) -> CheckpointDir:
-    """A checkpoint directory (or a single .safetensors file) ready to publish."""
+def scan_checkpoint(path: str | os.PathLike[str], *, follow_symlinks: bool = False) -> CheckpointDir:
+    """A checkpoint directory (or a single .safetensors file) ready to publish.
+
+    Every file published must be a regular file that resolves inside the directory: a
+    symbolic link whose target lies outside it, a symbolic link to a directory, a dangling
+    link and a special file (FIFO, socket, device) are each a :class:`CheckpointError` naming
+    the path, never silently published or dropped. ``follow_symlinks`` allows links out of
+    the directory and into other directories (a Hugging Face cache snapshot links into its
+    ``blobs/``); dangling links and special files stay errors. Entries named ``.deltasync*``
+    (a local copy's state) are skipped.
+    """
     root = Path(path)
     if root.is_file():
         if root.suffix != ".safetensors":
@@ -125,15 +135,7 @@ def scan_checkpoint(path: str | os.PathLike[str]) -> CheckpointDir:
         raise CheckpointError(str(root), "no such checkpoint directory")
     if not root.is_dir():
         raise CheckpointError(str(root), "not a directory")
-    files: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".deltasync"))
-        for fname in filenames:
-            full = Path(dirpath) / fname
-            if fname.startswith(".deltasync") or not full.is_file():
-                continue
-            files.append(full.relative_to(root).as_posix())
-    files.sort()
+    files = _walk_checkpoint(root, follow_symlinks)
     st_files = {rel: read_safetensors(root / rel, rel) for rel in files if rel.endswith(".safetensors")}
     if not st_files:
         raise CheckpointError(str(root), "no .safetensors files in this directory")
@@ -145,6 +147,70 @@ def scan_checkpoint(path: str | os.PathLike[str]) -> CheckpointDir:
                 raise CheckpointError(str(root), f"tensor {t.name!r} is in both {seen[t.name]} and {rel}")
             seen[t.name] = rel
     return CheckpointDir(root, tuple(files), st_files)
+
+
+_FOLLOW_HINT = "publish --follow-symlinks (PublisherConfig(follow_symlinks=True)) publishes it anyway"
+
+
+def _walk_checkpoint(root: Path, follow_symlinks: bool) -> list[str]:
+    """Relative paths of the files to publish, sorted; raises on anything that is not one."""
+    real_root = os.path.realpath(root)
+    files: list[str] = []
+    visited: set[str] = {real_root}  # real paths of directories walked: a link loop ends here
+    pending: list[tuple[Path, str]] = [(root, "")]
+    while pending:
+        here, rel_dir = pending.pop()
+        try:
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError as e:
+            raise CheckpointError(str(here), f"cannot list ({e.strerror})") from None
+        for entry in entries:
+            if entry.name.startswith(".deltasync"):
+                continue
+            full = Path(entry.path)
+            rel = f"{rel_dir}{entry.name}"
+            try:
+                lst = os.lstat(full)
+            except OSError as e:
+                raise CheckpointError(str(full), f"cannot stat ({e.strerror})") from None
+            is_link = stat.S_ISLNK(lst.st_mode)
+            try:
+                st = os.stat(full) if is_link else lst
+            except OSError:
+                raise CheckpointError(
+                    str(full), f"is a dangling symbolic link (to {os.readlink(full)!r}); remove it or fix its target"
+                ) from None
+            if is_link and not follow_symlinks:
+                target = os.path.realpath(full)
+                if stat.S_ISDIR(st.st_mode):
+                    raise CheckpointError(str(full), f"is a symbolic link to a directory ({target}); {_FOLLOW_HINT}")
+                if os.path.commonpath([real_root, target]) != real_root:
+                    raise CheckpointError(
+                        str(full), f"is a symbolic link to {target}, outside the checkpoint directory; {_FOLLOW_HINT}"
+                    )
+            if stat.S_ISDIR(st.st_mode):
+                real = os.path.realpath(full)
+                if real in visited:
+                    raise CheckpointError(str(full), f"is a symbolic link loop (to {real}, already published)")
+                visited.add(real)
+                pending.append((full, f"{rel}/"))
+            elif stat.S_ISREG(st.st_mode):
+                files.append(rel)
+            else:
+                raise CheckpointError(str(full), f"is a {_kind(st.st_mode)}, not a regular file; only regular "
+                                      "files can be published (move it out of the checkpoint directory)")
+    files.sort()
+    return files
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device file"
+    return "special file"
 
 
 def _check_index(root: Path, files: list[str]) -> None:

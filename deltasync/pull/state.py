@@ -158,7 +158,7 @@ class StateDB:
         directory was replaced underneath (another inode).
         """
         root = Path(root)
-        path = root / STATE_DIR / STATE_DB
+        path = state_dir(root) / STATE_DB
         if not create and not (path / "data.mdb").exists():
             return None
         try:
@@ -393,6 +393,19 @@ def _legacy_state(root: Path) -> LocalState | None:
 # -- the library functions the publisher's cache and the subscriber use -------------------------
 
 
+def state_dir(root: str | os.PathLike[str]) -> Path:
+    """``root/.deltasync``, refusing a symbolic link there: the copy's state, slots and lock
+    would be written wherever it points (another copy, a system directory). A real directory
+    or nothing yet is fine."""
+    path = Path(root) / STATE_DIR
+    if path.is_symlink():
+        raise CheckpointError(
+            str(path), f"is a symbolic link (to {os.readlink(path)!r}); a copy's state directory must be a real "
+            "directory, deltasync does not write through links: remove the link"
+        )
+    return path
+
+
 def read_local_state(out: str | os.PathLike[str]) -> LocalState | None:
     """The version the copy at ``out`` holds, or None."""
     db = StateDB.open(out, create=False)
@@ -431,12 +444,13 @@ _locks_guard = threading.Lock()
 def copy_lock(root: str | os.PathLike[str]) -> Iterator[None]:
     """Hold the copy at ``root`` for changing it: other processes get CopyInUseError at once;
     other threads of this process wait; the same thread may nest."""
-    state_dir = Path(root) / STATE_DIR
+    sdir = state_dir(root)
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        sdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(str(state_dir), f"cannot create ({e.strerror})") from None
-    key = os.path.realpath(state_dir)
+        raise CheckpointError(str(sdir), f"cannot create ({e.strerror})") from None
+    state_dir(root)  # a link put there between the check and the mkdir
+    key = os.path.realpath(sdir)
     with _locks_guard:
         held = _locks.get(key)
         if held is None:
@@ -579,5 +593,6 @@ __all__ = [
     "install_staged",
     "output_files",
     "read_local_state",
+    "state_dir",
     "write_local_state",
 ]
