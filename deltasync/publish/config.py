@@ -33,6 +33,11 @@ class PublisherConfig:
     skip_unchanged: bool = False
     """When the tensors, files and metadata equal the latest version's, commit nothing and
     return a result of kind ``unchanged`` naming that version (the command line's default)."""
+    follow_symlinks: bool = False
+    """``publish_dir``: publish files reached through symbolic links that lead out of the
+    checkpoint directory or into other directories (a Hugging Face cache snapshot links into
+    its ``blobs/``). Off: such a link is an error naming it. Dangling links and special files
+    (FIFOs, sockets, devices) are errors either way."""
     squash_strides: tuple[int, ...] = ()
     """After committing version C, also store C as one delta from C - s for each stride s
     dividing C (a squash, see squash.py), when that is smaller than what a subscriber at
@@ -62,9 +67,11 @@ class PublishResult(int):
     It *is* the id (an ``int``: ``v = pub.publish(state)`` and ``repo.manifest(v)`` work as
     they always did), and carries the details: ``kind`` is ``"snapshot"``, ``"delta"`` or
     ``"unchanged"`` (nothing committed: the id is the latest version's), ``parent``,
-    ``raw_bytes`` and ``stored_bytes`` of the version, ``seconds`` from start to commit, and
-    the ``squashes`` written after the commit. Returned per call, so one publisher shared by
-    threads never mixes up whose figures are whose.
+    ``raw_bytes`` and ``stored_bytes`` of the version, ``seconds`` from start to commit, the
+    ``squashes`` written after the commit, and ``warnings``: problems after the commit that
+    did not undo it (the publish cache could not be refreshed, say), each also logged.
+    Returned per call, so one publisher shared by threads never mixes up whose figures are
+    whose.
     """
 
     kind: str
@@ -73,6 +80,7 @@ class PublishResult(int):
     stored_bytes: int
     seconds: float
     squashes: tuple[SquashResult, ...]
+    warnings: tuple[str, ...]
 
     def __new__(
         cls,
@@ -84,12 +92,13 @@ class PublishResult(int):
         stored_bytes: int,
         seconds: float,
         squashes: Sequence[SquashResult] = (),
+        warnings: Sequence[str] = (),
     ) -> PublishResult:
         if kind not in ("snapshot", "delta", "unchanged"):
             raise ValueError(f"unknown publish kind {kind!r}")
         self = super().__new__(cls, version)
         fields = {"kind": kind, "parent": parent, "raw_bytes": raw_bytes, "stored_bytes": stored_bytes,
-                  "seconds": seconds, "squashes": tuple(squashes)}
+                  "seconds": seconds, "squashes": tuple(squashes), "warnings": tuple(warnings)}
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         return self
@@ -108,7 +117,13 @@ class PublishResult(int):
 
     def with_squashes(self, squashes: Sequence[SquashResult]) -> PublishResult:
         return PublishResult(self.version, kind=self.kind, parent=self.parent, raw_bytes=self.raw_bytes,
-                             stored_bytes=self.stored_bytes, seconds=self.seconds, squashes=squashes)
+                             stored_bytes=self.stored_bytes, seconds=self.seconds, squashes=squashes,
+                             warnings=self.warnings)
+
+    def with_warning(self, warning: str) -> PublishResult:
+        return PublishResult(self.version, kind=self.kind, parent=self.parent, raw_bytes=self.raw_bytes,
+                             stored_bytes=self.stored_bytes, seconds=self.seconds, squashes=self.squashes,
+                             warnings=(*self.warnings, warning))
 
     def __str__(self) -> str:  # int's own text: f"version {result}" reads as before
         return str(int(self))
@@ -118,10 +133,11 @@ class PublishResult(int):
                 f"raw_bytes={self.raw_bytes}, stored_bytes={self.stored_bytes}, seconds={self.seconds:.3f})")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (int(self), self.kind, self.parent, self.raw_bytes, self.stored_bytes, self.seconds, self.squashes))
+        return (_rebuild, (int(self), self.kind, self.parent, self.raw_bytes, self.stored_bytes, self.seconds,
+                           self.squashes, self.warnings))
 
 
 def _rebuild(version: int, kind: str, parent: int | None, raw: int, stored: int, seconds: float,
-             squashes: tuple[SquashResult, ...]) -> PublishResult:
+             squashes: tuple[SquashResult, ...], warnings: tuple[str, ...] = ()) -> PublishResult:
     return PublishResult(version, kind=kind, parent=parent, raw_bytes=raw, stored_bytes=stored, seconds=seconds,
-                         squashes=squashes)
+                         squashes=squashes, warnings=warnings)

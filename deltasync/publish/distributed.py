@@ -26,7 +26,21 @@ from ..repo.repository import Repository, open_repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
 from .config import PublisherConfig, PublishResult
-from .encode import Bits, Encoded, SourceTensor, abandon, commit, encode, memory_bases, signing_policy, state_sources
+from .encode import (
+    COMMIT_ATTEMPTS,
+    Bits,
+    Encoded,
+    SourceTensor,
+    abandon,
+    commit,
+    encode,
+    log,
+    memory_bases,
+    missing_objects,
+    restore_packs,
+    signing_policy,
+    state_sources,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -127,16 +141,31 @@ class DistributedPublisher:
 
         self._bits_version = None  # the in-memory base is rewritten in place below
         delta = decision.delta
+        restores = 0
+        new_bits: dict[str, Bits] = {}
+        encoded, error = self._encode_mine(mine, decision, delta, new_bits)
         while True:
-            new_bits: dict[str, Bits] = {}
-            encoded, error = self._encode_mine(mine, decision, delta, new_bits)
             results = self._all_gather(_wire(encoded, error))
-            outcome = self._finish(results, decision, delta, metadata, start) if self.rank == 0 else None
+            outcome = self._finish(results, decision, delta, metadata, start, restores) if self.rank == 0 else None
             outcome = self._broadcast(outcome)
             if outcome == "snapshot":
                 if encoded is not None:
                     abandon(self.repo.store, encoded)
                 delta = False  # the delta came out larger than a snapshot's worth: store a snapshot
+                new_bits = {}
+                encoded, error = self._encode_mine(mine, decision, delta, new_bits)
+                continue
+            if isinstance(outcome, list):
+                # Packs a concurrent gc deleted before the commit: each rank stores again
+                # those of its own chunks (encode.py docstring), then rank 0 checks again.
+                restores += 1
+                if encoded is not None:
+                    try:
+                        encoded = restore_packs(self.repo.store, self.config, encoded, mine, set(outcome))
+                    except Exception as e:
+                        error = str(e) if isinstance(e, DeltasyncError) else f"{type(e).__name__}: {e}"
+                        abandon(self.repo.store, encoded)
+                        encoded = None
                 continue
             if isinstance(outcome, PublishResult):
                 self._bits = new_bits
@@ -188,7 +217,8 @@ class DistributedPublisher:
         delta: bool,
         metadata: Mapping[str, str] | None,
         start: float,
-    ) -> PublishResult | str | dict[int, str]:
+        restores: int,
+    ) -> PublishResult | str | list[str] | dict[int, str]:
         failures = {r: res["error"] for r, res in enumerate(results) if res["error"]}
         if failures:
             return failures
@@ -208,6 +238,12 @@ class DistributedPublisher:
                 tensors.append(t)
         merged = Encoded(tensors, packs, stored, sum(res["raw"] for res in results), set())
         try:
+            missing = missing_objects(self.repo.store, [], merged)
+            if missing and restores < COMMIT_ATTEMPTS - 1:
+                log.warning("version %d: %d pack(s) deleted before the commit (a gc with a --grace shorter than this "
+                            "publish?); storing them again (attempt %d of %d)", decision.version, len(missing),
+                            restores + 2, COMMIT_ATTEMPTS)
+                return missing
             return commit(self.repo, self.config, decision.version, decision.parent, not delta, [], merged,
                           blob_bytes=0, metadata=metadata, start=start)
         except DeltasyncError as e:

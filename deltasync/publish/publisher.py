@@ -14,14 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, DeltasyncError, UsageError
 from ..format import dtypes
 from ..format.checkpoint import CheckpointDir, FileReader, scan_checkpoint
-from ..format.digest import StreamDigest
+from ..format.digest import StreamDigest, digest
 from ..format.manifest import ManifestInfo
 from ..format.signing import PrivateKeyLike
 from ..format.slices import Slice
-from ..repo.repository import BLOB_PART_BYTES, Repository, open_repository
+from ..repo.repository import BLOB_PART_BYTES, Repository, blob_key, open_repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
 from .config import PublisherConfig, PublishResult
@@ -29,13 +29,16 @@ from .encode import (
     BaseTensor,
     Bits,
     DeltaTooLarge,
+    Encoded,
     Reader,
     SourceTensor,
     array_reader,
     commit,
     encode,
     file_reader,
+    log,
     memory_bases,
+    restore_packs,
     signing_policy,
     state_sources,
 )
@@ -114,7 +117,7 @@ class Publisher:
         commit). Every base chunk read is checked against the parent manifest's digest.
         Without either, the version is a snapshot.
         """
-        ckpt = scan_checkpoint(path)
+        ckpt = scan_checkpoint(path, follow_symlinks=self.config.follow_symlinks)
         self.repo.create()
         parent = self.repo.latest()
         base_root: Path | None = None
@@ -141,7 +144,17 @@ class Publisher:
                 return result
             result = self._squash(result, {s.key: s.read for s in sources})
         if cache_dir is not None:
-            _replace_cache(Path(cache_dir), ckpt, self.repo.manifest(result.version))
+            # The version is committed: from here on nothing may turn the publish into a
+            # failure, or a retry would publish it a second time. A cache left stale is
+            # brought to the latest version by the next publish (_refresh_cache).
+            try:
+                _replace_cache(Path(cache_dir), ckpt, self.repo.manifest(result.version))
+            except (OSError, DeltasyncError) as e:
+                detail = e.strerror or str(e) if isinstance(e, OSError) else str(e)
+                warning = (f"version {result.version} is published, but the publish cache {cache_dir} could not be "
+                           f"refreshed ({detail}); the next publish brings it up to date")
+                log.warning("%s", warning)
+                result = result.with_warning(warning)
         return result
 
     def _refresh_cache(self, cache: Path, latest: int) -> Path:
@@ -243,11 +256,11 @@ class Publisher:
         if limit is not None:
             try:
                 return self._attempt(sources, files, bases, parent, version, metadata, keep, base_arrays,
-                                     limit, blob_bytes, start)
+                                     limit, blob_bytes, start, blob_root)
             except DeltaTooLarge:
                 pass  # store this version as a snapshot instead
         return self._attempt(sources, files, {}, parent, version, metadata, keep, base_arrays,
-                             None, blob_bytes, start)
+                             None, blob_bytes, start, blob_root)
 
     def _attempt(
         self,
@@ -262,24 +275,49 @@ class Publisher:
         limit: int | None,
         blob_bytes: int,
         start: float,
+        blob_root: Path | None,
     ) -> PublishResult:
         encoded = encode(self.repo.store, self.config, sources, files, bases, label=f"publish v{version}",
                          limit=limit, keep=keep, base_arrays=base_arrays)
+
+        def restore(current: Encoded, missing: set[str]) -> Encoded:
+            # Objects a concurrent gc deleted before the commit (encode.py docstring).
+            if blob_root is not None:
+                self._restore_blobs(blob_root, files, missing)
+            return restore_packs(self.repo.store, self.config, current, sources, missing)
+
         return commit(self.repo, self.config, version, parent, not bases, files, encoded,
-                      blob_bytes=blob_bytes, metadata=metadata, start=start)
+                      blob_bytes=blob_bytes, metadata=metadata, start=start, restore=restore)
+
+    def _restore_blobs(self, root: Path, files: list[pb.File], missing: set[str]) -> None:
+        """Upload again the parts in ``missing`` of the blob ``files`` under ``root``."""
+        for f in files:
+            if f.kind != pb.File.BLOB or not any(blob_key(part) in missing for part in f.blob_parts):
+                continue
+            with open(root / f.path, "rb") as fh:
+                for want in f.blob_parts:
+                    part = fh.read(BLOB_PART_BYTES)
+                    if digest(part) != want:
+                        raise CheckpointError(str(root / f.path), "changed while publishing; publish again")
+                    if blob_key(want) in missing:
+                        self.repo.put_blob(part)
 
 
 def _replace_cache(cache: Path, ckpt: CheckpointDir, info: ManifestInfo) -> None:
     """Make ``cache`` a local copy of the version just published from ``ckpt``."""
-    from ..pull.state import install_staged, write_local_state
+    from ..pull.state import install_staged, state_dir, write_local_state
 
-    staging = cache / ".deltasync" / "incoming"
+    staging = state_dir(cache) / "incoming"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for rel in ckpt.files:
-        dest = staging / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ckpt.root / rel, dest)
+    try:
+        staging.mkdir(parents=True)
+        for rel in ckpt.files:
+            dest = staging / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ckpt.root / rel, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a partial copy only takes space (a full disk, say)
+        raise
     install_staged(cache, staging, info)
     write_local_state(cache, info)
 

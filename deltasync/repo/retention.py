@@ -6,8 +6,9 @@ retained ones plus every ancestor on each retained version's chain back to its n
 snapshot (:meth:`Repository.chain`), so every retained version stays pullable. Everything
 else is deleted. A squash (see squash.py) is kept exactly while both versions it connects
 are kept, and its packs count as referenced. gc only ever deletes under ``manifests/``,
-``squashes/``, ``packs/`` and ``blobs/`` (plus its own ``gc/pending.json``); ``refs/latest``,
-the marker and any other prefix are left alone.
+``squashes/``, ``packs/`` and ``blobs/`` (plus its own ``gc/pending.json`` and, in a local
+store, temp files of interrupted writes); ``refs/latest``, the marker and any other prefix
+are left alone.
 
 **Order.** Readers must never see a broken committed version, so:
 
@@ -31,12 +32,24 @@ to go, even with a grace of 0. Objects that only versions deleted in this very r
 referenced were committed, not in flight, and go at once. The grace must be longer than
 the slowest publish (and than clock skew between the hosts running gc).
 
-Limit: packs and blobs are content-addressed and a publisher skips uploading an object that
-already exists. A publisher that reuses an object gc is deleting at that moment (one only
-deleted versions or a crashed publish referenced, e.g. a retried step reproducing the very
-packs of its crashed attempt) can commit a version that names a missing object, which
-``verify`` reports. Run gc when no publisher is retrying a crashed step, or keep the grace
-well above the time a retry takes.
+**A publish slower than the grace.** With a grace shorter than a publish, gc can delete
+packs and blobs a publisher uploaded and has not committed yet (or ones a publisher reuses
+because they exist: content-addressed objects are uploaded once). The publisher is the one
+that notices: right before its commit it checks that every object its version names still
+exists, stores the missing ones again and checks again, a bounded number of times
+(``publish/encode.py``, "Objects deleted before the commit"), else it fails with nothing
+committed. gc, for its part, re-lists the manifests before each batch of
+``_DELETE_BATCH`` deletions and keeps what a version committed meanwhile names. What is
+left is an instant: gc deleting an object after the publisher's check and before its
+manifest write (and after gc's last re-list); the publisher checks once more after the
+commit and fails naming the object, and ``verify`` reports it. A grace longer than the
+slowest publish (the default, an hour) avoids all of this.
+
+**Temp files.** A local store writes each object to a temp file (``.<name>.<uuid>.tmp-deltasync``
+beside it) and renames it; a publisher killed in between leaves the temp file, which
+``list`` never shows. gc records them in ``gc/pending.json`` like orphans and removes one
+once an earlier run saw it at least ``grace_seconds`` ago and its modification time is that
+old too (a write still in progress keeps touching it). ``verify`` reports them.
 
 **Concurrent pulls.** A pull of a retained version reads only that version's chain (a plan
 from a locally held version walks back from the target and stops at the held version or
@@ -69,6 +82,8 @@ DEFAULT_GRACE_SECONDS = 3600.0
 _COLLECTED = ("packs/", "blobs/")
 _OBJECT_KEY = re.compile(r"(packs/[0-9a-f]{32}\.pack|blobs/[0-9a-f]{32})")
 _DELETE_THREADS = 16
+#: Objects deleted between two re-reads of the manifest list (module docstring, "Orphans").
+_DELETE_BATCH = 256
 
 
 @dataclass
@@ -233,11 +248,18 @@ class _Collector:
         report.pending = sorted(new_pending)
         new_pending.update(self._temp_files(pending, now, grace))
 
-        for key, size in _map(lambda item: self._delete_object(*item), sorted(to_delete.items())):
-            if size is None:
-                continue  # already gone (another gc, or an abandoned publish cleaning up)
-            report.bytes_freed += size
-            (report.packs_deleted if key.startswith("packs/") else report.blobs_deleted).append(key)
+        items = sorted(to_delete.items())
+        known, late = set(remaining) | deleted, set[str]()
+        for begin in range(0, len(items), _DELETE_BATCH):
+            # A version committed since the manifests were read keeps what it names: its
+            # publisher checked that these objects exist just before committing (encode.py).
+            late |= self._late_references(known)
+            batch = [item for item in items[begin : begin + _DELETE_BATCH] if item[0] not in late]
+            for key, size in _map(lambda item: self._delete_object(*item), batch):
+                if size is None:
+                    continue  # already gone (another gc, or an abandoned publish cleaning up)
+                report.bytes_freed += size
+                (report.packs_deleted if key.startswith("packs/") else report.blobs_deleted).append(key)
         if not report.dry_run and (new_pending or pending):
             self._save_pending(new_pending)
         return report
@@ -261,6 +283,19 @@ class _Collector:
                     # version gc deleted): nothing left to protect but its own objects.
                     self.required.add(v)
         return versions
+
+    def _late_references(self, known: set[int]) -> set[str]:
+        """Objects named by versions committed since ``known`` was listed (added to it)."""
+        out: set[str] = set()
+        for v in self.repo.versions():
+            if v in known:
+                continue
+            known.add(v)
+            try:
+                out.update(_references(self.repo.manifest(v)))
+            except DeltasyncError:
+                continue  # deleted meanwhile, or unreadable: it protects nothing
+        return out
 
     def _manifest_bytes(self, version: int) -> int:
         return self._object_bytes(manifest_key(version))
