@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,6 +53,7 @@ from benchmarks.rl_stream import (
     synthetic_stream,
     transformer_layout,
 )
+from deltasync.testing import spawn_ranks
 
 GIB = 2**30
 
@@ -178,12 +177,6 @@ def bench_torch(layout: Layout, stats: ChangeStats, fractions: Sequence[float], 
 # -- fan-out ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def tp_slice(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(offsets, shape) of rank's tensor-parallel slice; None: replicated whole."""
     if len(shape) != 2:
@@ -258,27 +251,13 @@ def bench_fanout(layout: Layout, stats: ChangeStats, versions: int, args: argpar
     pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(workers=args.workers))
     ids = [pub.publish(as_state(m)) for m in synthetic_stream(layout, stats, versions, seed=args.seed + 99)]
     del pub
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_fanout_worker,
-                         args=(r, args.ranks, port, str(repo), layout, ids, args.repeats, args.fanout_device, queue))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
+    def args_of(rank: int, port: int, queue: Any) -> tuple[Any, ...]:
+        return (rank, args.ranks, port, str(repo), layout, ids, args.repeats, args.fanout_device, queue)
+
     try:
-        for _ in procs:
-            rank, res, err = queue.get(timeout=1800)
-            if err is not None:
-                raise SystemExit(f"fan-out rank {rank} failed:\n{err}")
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return results
+        return spawn_ranks(_fanout_worker, args.ranks, args_of, timeout=1800, join_timeout=60)
+    except AssertionError as e:
+        raise SystemExit(f"fan-out {e}") from None
 
 
 # -- report ------------------------------------------------------------------------------------------

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Any
 
@@ -14,17 +12,12 @@ import torch
 import deltasync
 from deltasync.format.slices import Region
 from deltasync.repo.verify import verify_repository
+from deltasync.testing import spawn_ranks
 
 pytest_plugins = ["s3server"]
 
 WORLD = 3
 ROWS, COLS = 96, 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _full_state(step: int) -> dict[str, torch.Tensor]:
@@ -99,24 +92,7 @@ def _worker(rank: int, port: int, url: str, scenario: str, queue: Any) -> None:
 
 
 def _run(url: str, scenario: str) -> dict[int, list[Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, url, scenario, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict[int, list[Any]] = {}
-    try:
-        for _ in range(WORLD):
-            rank, out, err = queue.get(timeout=120)
-            assert err is None, f"rank {rank} crashed:\n{err}"
-            results[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return spawn_ranks(_worker, WORLD, lambda r, port, queue: (r, port, url, scenario, queue), timeout=120)
 
 
 def _bits(t: torch.Tensor) -> bytes:

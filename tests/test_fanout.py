@@ -3,9 +3,7 @@ swaps, rollback, and dead ranks that surface as errors (never hangs)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -16,14 +14,9 @@ import torch
 
 import deltasync
 from deltasync.format.codec import PlanesZstdCodec
+from deltasync.testing import spawn_ranks
 
 ROWS, COLS = 64, 48
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _states() -> list[dict[str, torch.Tensor]]:
@@ -198,24 +191,8 @@ def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: A
 
 
 def _run(repo: str, scenario: str, world: int, expect: int, backend: str = "auto") -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, repo, scenario, queue, backend)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        for _ in range(expect):
-            rank, out, err = queue.get(timeout=180)
-            assert err is None, f"rank {rank} crashed:\n{err}"
-            results[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return spawn_ranks(_worker, world, lambda r, port, queue: (r, world, port, repo, scenario, queue, backend),
+                       expect=expect, timeout=180)
 
 
 @pytest.mark.slow
