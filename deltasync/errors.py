@@ -86,6 +86,16 @@ class CorruptObjectError(DeltasyncError):
         self.detail = detail
 
 
+class ObjectTooLargeError(CorruptObjectError):
+    """A stored object is larger than any valid object of its kind; it was not read."""
+
+    def __init__(self, key: str, size: int | None, limit: int) -> None:
+        found = f"{size} bytes" if size is not None else "more bytes"
+        super().__init__(key, f"{found} is more than the {limit} a valid one can hold; not read")
+        self.size = size
+        self.limit = limit
+
+
 class ChecksumMismatchError(DeltasyncError):
     """Decoded bits do not match the digest recorded in the manifest."""
 

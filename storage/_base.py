@@ -10,10 +10,31 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextvars import ContextVar
 
-from deltasync.errors import UsageError
+from deltasync.errors import ObjectTooLargeError, UsageError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+
+#: Offsets and lengths of ranged reads stay below 2**63: what pread, HTTP and protobuf can carry.
+MAX_OFFSET = (1 << 63) - 1
+
+#: The byte limit of the whole-object read in progress on this thread (see ``Store.get``).
+#: A context variable rather than an argument of ``_get``: wrappers written against the
+#: two-argument hook (caches, throttles, counters) pass it on to the store they wrap
+#: without knowing of it, and the backend at the bottom enforces it before reading.
+_READ_LIMIT: ContextVar[int | None] = ContextVar("deltasync_read_limit", default=None)
+
+
+def read_limit() -> int | None:
+    """For backends' ``_get``: the most bytes the whole-object read in progress may return
+    (None: no limit). A backend refuses a larger object with :func:`too_large` before
+    reading it, or at the latest once it has read one byte more than the limit."""
+    return _READ_LIMIT.get()
+
+
+def too_large(key: str, size: int | None, limit: int) -> ObjectTooLargeError:
+    return ObjectTooLargeError(key, size, limit)
 
 
 def check_key(key: str) -> str:
@@ -33,17 +54,37 @@ class Store(ABC):
     #: Requests worth keeping in flight at once (readers size their I/O threads by it).
     io_concurrency: int = 4
 
-    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
+    def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.
+
+        ``max_bytes`` bounds a whole-object read: a larger object raises ObjectTooLargeError
+        (a CorruptObjectError naming the key) without being read, so what a hostile store
+        holds cannot exhaust memory. A range is its own bound (``max_bytes`` caps its length).
 
         Raises ObjectNotFoundError if absent, CorruptObjectError if the range runs past the end.
         """
         check_key(key)
+        if max_bytes is not None and max_bytes < 0:
+            raise UsageError(f"max_bytes must not be negative, got {max_bytes}")
         if byte_range is not None:
             offset, length = byte_range
-            if offset < 0 or length < 0:
+            if offset < 0 or length < 0 or offset > MAX_OFFSET or length > MAX_OFFSET:
                 raise UsageError(f"invalid byte range {byte_range} for {key}")
-        return self._get(key, byte_range)
+            if max_bytes is not None and length > max_bytes:
+                raise too_large(key, length, max_bytes)
+            return self._get(key, byte_range)
+        outer = _READ_LIMIT.get()
+        limit = max_bytes if outer is None else outer if max_bytes is None else min(outer, max_bytes)
+        if limit is None:
+            return self._get(key, None)
+        token = _READ_LIMIT.set(limit)
+        try:
+            data = self._get(key, None)
+        finally:
+            _READ_LIMIT.reset(token)
+        if len(data) > limit:  # a backend that does not look at read_limit(): refuse all the same
+            raise too_large(key, len(data), limit)
+        return data
 
     def put(self, key: str, data: bytes | bytearray | memoryview, *, if_absent: bool = False) -> None:
         """Write ``key`` atomically: readers see the old object, nothing, or all of ``data``.

@@ -26,7 +26,7 @@ import grpc
 from deltasync.errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, StoreError, UsageError
 from deltasync.v1 import relay_pb2 as pb
 
-from ._base import Store
+from ._base import Store, read_limit, too_large
 
 T = TypeVar("T")
 
@@ -226,11 +226,15 @@ class GrpcStore(Store):
     # -- reads ---------------------------------------------------------------------------------
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
-        download = _Download(key, byte_range)
+        download = _Download(key, byte_range, read_limit())
 
         def attempt(relay: _Relay) -> bytes:
-            for chunk in relay.get(download.request(), timeout=self.timeout):
-                download.feed(chunk)
+            call = relay.get(download.request(), timeout=self.timeout)
+            try:
+                for chunk in call:
+                    download.feed(chunk)
+            finally:
+                call.cancel()  # a refused stream (too large, too long) is not read to its end
             return download.result()
 
         return self._failover("read", key, attempt)
@@ -313,8 +317,9 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
 class _Download:
     """One Get, possibly spread over several relays: each resumes where the last one stopped."""
 
-    def __init__(self, key: str, byte_range: tuple[int, int] | None) -> None:
+    def __init__(self, key: str, byte_range: tuple[int, int] | None, limit: int | None = None) -> None:
         self.key = key
+        self.limit = limit  # most bytes a whole-object read may take (see Store.get)
         self.offset = byte_range[0] if byte_range is not None else 0
         self.length: int | None = byte_range[1] if byte_range is not None else None
         self.parts: list[bytes] = []
@@ -331,6 +336,9 @@ class _Download:
         if not self.started:
             self.started = True
             if self.length is None:
+                # The relay announces the size first: a larger object is refused unread.
+                if self.limit is not None and chunk.total_bytes > self.limit:
+                    raise too_large(self.key, chunk.total_bytes, self.limit)
                 self.length = chunk.total_bytes  # from here on a resumable range
             elif chunk.total_bytes != self.length - self.received:
                 expected = self.length - self.received

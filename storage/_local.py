@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import NamedTuple
 
 from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, StoreError
 
-from ._base import Store
+from ._base import Store, read_limit, too_large
 
 _TMP_SUFFIX = ".tmp-deltasync"
 
@@ -39,15 +40,53 @@ class LocalStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+    def _open(self, key: str) -> int:
+        """A descriptor of ``key``'s regular file, reached without following a symbolic link
+        anywhere below the root: a link would let the store (and a relay serving it) hand out
+        files from outside its root. Links, directories and special files are not objects."""
+        dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            with open(self._path(key), "rb") as f:
-                if byte_range is None:
-                    return f.read()
-                offset, length = byte_range
-                data = os.pread(f.fileno(), length, offset)
+            *dirs, name = key.split("/")
+            for seg in dirs:
+                inner = os.open(seg, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                os.close(dir_fd)
+                dir_fd = inner
+            # O_NONBLOCK: opening a FIFO planted in the store must not hang the reader.
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FileNotFoundError(errno.ENOENT, "not a regular file")
+        return fd
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        limit = read_limit()
+        try:
+            fd = self._open(key)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(key) from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symbolic link: not an object of this store
+                raise ObjectNotFoundError(key) from None
+            raise StoreError(f"cannot read {self._path(key)}: {e.strerror}") from None
+        try:
+            with open(fd, "rb", closefd=True) as f:
+                size = os.fstat(fd).st_size
+                if byte_range is None:
+                    if limit is None:
+                        return f.read()
+                    if size > limit:
+                        raise too_large(key, size, limit)
+                    data = f.read(limit + 1)  # the file may grow after the fstat
+                    if len(data) > limit:
+                        raise too_large(key, None, limit)
+                    return data
+                offset, length = byte_range
+                # Checked before reading: a hostile length must not become a huge buffer.
+                if offset + length > size:
+                    raise CorruptObjectError(key, f"range {offset}+{length} past end of {size}-byte object")
+                data = os.pread(fd, length, offset)
         except OSError as e:
             raise StoreError(f"cannot read {self._path(key)}: {e.strerror}") from None
         if len(data) != length:
@@ -101,8 +140,8 @@ class LocalStore(Store):
         for dirpath, _dirnames, filenames in os.walk(start):
             rel = os.path.relpath(dirpath, self.root)
             for name in filenames:
-                if is_temp_name(name):
-                    continue
+                if is_temp_name(name) or os.path.islink(os.path.join(dirpath, name)):
+                    continue  # a link is no object of this store (see _open)
                 key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
                 if key.startswith(prefix):
                     keys.append(key)
@@ -149,9 +188,14 @@ class LocalStore(Store):
 
     def _size(self, key: str) -> int:
         try:
-            st = self._path(key).stat()
-        except (FileNotFoundError, NotADirectoryError):
+            fd = self._open(key)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(key) from None
-        if not os.path.isfile(self._path(key)):
-            raise ObjectNotFoundError(key)
-        return st.st_size
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ObjectNotFoundError(key) from None
+            raise StoreError(f"cannot stat {self._path(key)}: {e.strerror}") from None
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError
 
-from ._base import Store
+from ._base import Store, read_limit, too_large
 
 
 class MemoryStore(Store):
@@ -22,6 +22,9 @@ class MemoryStore(Store):
         if data is None:
             raise ObjectNotFoundError(key)
         if byte_range is None:
+            limit = read_limit()
+            if limit is not None and len(data) > limit:
+                raise too_large(key, len(data), limit)
             return data
         offset, length = byte_range
         if offset + length > len(data):

@@ -44,7 +44,7 @@ from deltasync.errors import (
 )
 
 from ..retry import Backoff
-from ._base import Store, check_key
+from ._base import Store, check_key, read_limit, too_large
 
 MiB = 1024 * 1024
 _MIN_PART = 5 * MiB  # S3's minimum for every part but the last
@@ -225,12 +225,29 @@ class S3Store(Store):
                     raise CorruptObjectError(key, f"range {offset}+0 past end of {size}-byte object")
                 return b""
             request["Range"] = f"bytes={offset}-{offset + length - 1}"
+        limit = read_limit() if byte_range is None else None
         backoff = _backoff()
         for attempt in range(_READ_ATTEMPTS):
             response = self._call("read", key, self._client.get_object, **request)
             body = response["Body"]
+            data: bytes
             try:
-                data: bytes = body.read()
+                if byte_range is not None:
+                    # At most the range (the prefix up to it from an endpoint that ignores
+                    # Range): never the rest of an object a hostile endpoint sends.
+                    ranged = "ContentRange" in response
+                    data = body.read(byte_range[1] + 1 if ranged else byte_range[0] + byte_range[1])
+                    break
+                if limit is None:
+                    data = body.read()
+                    break
+                # The size is known before the body is read: a larger object is never read.
+                announced = response.get("ContentLength")
+                if announced is not None and int(announced) > limit:
+                    raise too_large(key, int(announced), limit)
+                data = body.read(limit + 1)  # an endpoint may send more than it announced
+                if len(data) > limit:
+                    raise too_large(key, None, limit)
                 break
             except _STREAM_ERRORS as e:
                 if attempt == _READ_ATTEMPTS - 1:

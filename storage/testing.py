@@ -17,9 +17,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, UsageError
+from deltasync.errors import (
+    CorruptObjectError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    UsageError,
+)
 
-from ._base import Store
+from ._base import Store, WrappingStore
 
 
 class StoreConformance:
@@ -56,6 +62,39 @@ class StoreConformance:
         store.put("r", b"0123")
         with pytest.raises(UsageError):
             store.get("r", (-1, 2))
+
+    def test_max_bytes_refuses_larger_objects(self, store: Store) -> None:
+        store.put("capped/obj", b"x" * 1000)
+        assert store.get("capped/obj", max_bytes=1000) == b"x" * 1000
+        with pytest.raises(ObjectTooLargeError) as info:
+            store.get("capped/obj", max_bytes=999)
+        assert "capped/obj" in str(info.value) and info.value.limit == 999
+        assert store.get("capped/obj", (10, 5), max_bytes=5) == b"xxxxx"
+        with pytest.raises(ObjectTooLargeError):
+            store.get("capped/obj", (10, 6), max_bytes=5)
+        with pytest.raises(ObjectNotFoundError):
+            store.get("capped/missing", max_bytes=10)
+
+    def test_max_bytes_reaches_through_wrappers(self, store: Store) -> None:
+        """A wrapper that knows nothing of limits (its own ``_get``) still passes them on."""
+
+        class Plain(WrappingStore):
+            def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+                return self.inner.get(key, byte_range)
+
+        store.put("capped/wrapped", b"y" * 64)
+        wrapped = Plain(store)
+        assert wrapped.get("capped/wrapped", max_bytes=64) == b"y" * 64
+        with pytest.raises(ObjectTooLargeError):
+            wrapped.get("capped/wrapped", max_bytes=63)
+
+    def test_huge_ranges_are_refused_without_reading(self, store: Store) -> None:
+        store.put("r", b"0123456789")
+        for byte_range in [(0, 1 << 40), (1 << 62, 1), (5, (1 << 63) - 1)]:
+            with pytest.raises(CorruptObjectError):
+                store.get("r", byte_range)
+        with pytest.raises(UsageError):
+            store.get("r", (1 << 63, 1))
 
     def test_missing(self, store: Store) -> None:
         with pytest.raises(ObjectNotFoundError) as info:
@@ -167,30 +206,43 @@ class ReadOnlyStoreConformance(StoreConformance):
                 ...  # serve backend; yield a store reading it
     """
 
+    #: Where the suite's objects live in ``backend``. A relay serves only a repository's
+    #: layout, and ``refs/`` is the part of it that is mutable and never cached, as the
+    #: suite's overwrites need.
+    root = "refs/conformance/"
+
     @pytest.fixture
     def store(self, backend: Store, reader: Store) -> Iterator[Store]:
-        yield WriteThrough(backend, reader)
+        yield WriteThrough(backend, reader, self.root)
 
 
 class WriteThrough(Store):
-    """Writes to ``backend``, reads through ``reader`` (which serves ``backend``)."""
+    """Writes to ``backend``, reads through ``reader`` (which serves ``backend``); every key
+    is ``root`` + the key the suite names."""
 
-    def __init__(self, backend: Store, reader: Store) -> None:
+    def __init__(self, backend: Store, reader: Store, root: str = "") -> None:
         self.backend = backend
         self.reader = reader
+        self.root = root
         self.url = reader.url
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
-        return self.reader.get(key, byte_range)
+        try:
+            return self.reader.get(self.root + key, byte_range)
+        except ObjectNotFoundError:
+            raise ObjectNotFoundError(key) from None  # the key the suite named
 
     def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self.backend.put(key, data, if_absent=if_absent)
+        self.backend.put(self.root + key, data, if_absent=if_absent)
 
     def _list(self, prefix: str) -> Iterator[str]:
-        return self.reader.list(prefix)
+        return iter([key[len(self.root) :] for key in self.reader.list(self.root + prefix)])
 
     def _delete(self, key: str) -> None:
-        self.backend.delete(key)
+        self.backend.delete(self.root + key)
 
     def _size(self, key: str) -> int:
-        return self.reader.size(key)
+        try:
+            return self.reader.size(self.root + key)
+        except ObjectNotFoundError:
+            raise ObjectNotFoundError(key) from None

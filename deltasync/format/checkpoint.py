@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from ..errors import CheckpointError
 from . import dtypes
-from .manifest import MAX_HEADER_BYTES
+from .manifest import MAX_DIMS, MAX_HEADER_BYTES
 
 INDEX_NAME = "model.safetensors.index.json"
 _U64 = struct.Struct("<Q")
@@ -76,6 +76,8 @@ def read_safetensors(path: Path, relpath: str) -> SafetensorsFile:
         meta: Any = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
         raise CheckpointError(name, "corrupt safetensors header (not JSON)") from None
+    except RecursionError:  # JSON nested thousands deep: no header is
+        raise CheckpointError(name, "corrupt safetensors header (JSON nested too deeply)") from None
     if not isinstance(meta, dict):
         raise CheckpointError(name, "corrupt safetensors header (not a JSON object)")
     tensors: list[TensorLayout] = []
@@ -103,9 +105,10 @@ def _parse_entry(name: str, key: str, entry: Any) -> TensorLayout:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in dtypes.ITEMSIZE:
         raise CheckpointError(name, f"unsupported dtype {dtype!r} for tensor {key!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    # ``type(...) is int``: JSON true/false are Python bools, which isinstance takes for ints.
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape)):
         raise bad
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
         raise bad
     begin, stop = offsets
     nbytes = math.prod(shape) * dtypes.itemsize(dtype)
@@ -217,8 +220,14 @@ def _check_index(root: Path, files: list[str]) -> None:
     if INDEX_NAME not in files:
         return
     try:
-        index = json.loads((root / INDEX_NAME).read_text())
+        with open(root / INDEX_NAME, "rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)  # an index is far smaller than this; never read more
+        if len(raw) > MAX_HEADER_BYTES:
+            raise CheckpointError(str(root / INDEX_NAME), f"corrupt index (larger than {MAX_HEADER_BYTES} bytes)")
+        index = json.loads(raw)
         shards = set(index["weight_map"].values())
+    except RecursionError:
+        raise CheckpointError(str(root / INDEX_NAME), "corrupt index (JSON nested too deeply)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(str(root / INDEX_NAME), "corrupt index (no weight_map)") from None
     missing = sorted(s for s in shards if not isinstance(s, str) or s not in files)

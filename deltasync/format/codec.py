@@ -85,6 +85,8 @@ _SPARSE_MAX_DENSITY = 0.9
 _RICE_MAX_DENSITY = 0.5
 _BITMAP_MIN_DENSITY = 1 / 8
 _MAX_SPARSE_ELEMENTS = 0xFFFFFFFF  # positions are u32
+MAX_CHUNK_BYTES = 64 << 20
+"""Largest ``chunk_bytes`` a codec accepts, for writing and for reading a manifest."""
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -225,8 +227,10 @@ class PlanesZstdCodec:
             level = getattr(self, name)
             if not 1 <= level <= 22:
                 raise UsageError(f"{name} must be in 1..22, got {level}")
-        if not 64 <= self.chunk_bytes <= 1 << 30:
-            raise UsageError(f"chunk_bytes must be in 64..1 GiB, got {self.chunk_bytes}")
+        # Bounded because a reader holds a few chunks per thread in memory: a manifest from
+        # a hostile store naming 1 GiB chunks must not make a pull allocate gigabytes.
+        if not 64 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise UsageError(f"chunk_bytes must be in 64..{MAX_CHUNK_BYTES >> 20} MiB, got {self.chunk_bytes}")
         if self.chunk_bytes % 8:
             raise UsageError(f"chunk_bytes must be a multiple of 8, got {self.chunk_bytes}")
 
@@ -235,6 +239,14 @@ class PlanesZstdCodec:
     def chunk_step(self, width: int) -> int:
         """Bytes per chunk for elements of ``width`` bytes (whole elements)."""
         return max(width, self.chunk_bytes - self.chunk_bytes % width)
+
+    @staticmethod
+    def max_payload(nbytes: int) -> int:
+        """The most bytes an encoded chunk of ``nbytes`` raw bytes can take. Encoders write
+        at most about ``nbytes`` plus zstd's framing (the smallest candidate wins, and even
+        a sparse payload of escapes stays under twice the raw size); a manifest naming a
+        longer payload is hostile, and its length is refused before anything is read."""
+        return 2 * nbytes + (64 << 10)
 
     def chunk_count(self, nbytes: int, width: int) -> int:
         return -(-nbytes // self.chunk_step(width))

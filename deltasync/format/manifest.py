@@ -25,14 +25,24 @@ from .slices import entry_key, intersect
 FORMAT = 1
 
 #: Upper bounds that a valid manifest stays under; anything larger is refused as hostile.
-MAX_MANIFEST_BYTES = 1 << 30
-MAX_TENSORS = 2_000_000
+#: Together they bound what reading and validating one manifest costs (time and memory in
+#: proportion to its bytes, which are read only up to MAX_MANIFEST_BYTES) and what pulling it
+#: may allocate, read and write (chunk and payload sizes, pack ranges, file sizes).
+MAX_MANIFEST_BYTES = 64 << 20  # about 900k chunks: 3.5 TiB of weights in 4 MiB chunks
+MAX_TENSORS = 1_000_000
+MAX_CHUNKS = 2_000_000
+MAX_PACKS = 1_000_000
+MAX_PACK_BYTES = 1 << 36  # 64 GiB; packs close at pack_bytes (64 MiB by default)
 MAX_TENSOR_BYTES = 1 << 44  # 16 TiB
+MAX_VERSION_BYTES = 1 << 46  # 64 TiB: all tensors, and all files, of one version
 MAX_DIMS = 64
 MAX_HEADER_BYTES = 100 << 20
-MAX_FILES = 1_000_000
+MAX_FILES = 100_000
+BLOB_PART_SIZE = 64 << 20
+"""Most bytes of one blob part of a non-tensor file (the publisher's split)."""
 
 _SEGMENT = re.compile(r"^[^/\\\x00]+$")
+_PACK_KEY = re.compile(r"packs/[0-9a-f]{32}\.pack")
 
 
 def manifest_key(version: int) -> str:
@@ -139,12 +149,18 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
         raise _fail("bad signature or signing key id length")
     c = m.codec
     codec = codec_from_spec(c.name, c.codec_version, c.zstd_level, c.chunk_bytes, c.full_zstd_level)
-    if len(m.tensors) > MAX_TENSORS or len(m.files) > MAX_FILES:
-        raise _fail("too many tensors or files")
+    if len(m.tensors) > MAX_TENSORS or len(m.files) > MAX_FILES or len(m.packs) > MAX_PACKS:
+        raise _fail(
+            f"{len(m.tensors)} tensors, {len(m.files)} files and {len(m.packs)} packs: more than a manifest may hold "
+            f"({MAX_TENSORS}, {MAX_FILES}, {MAX_PACKS})"
+        )
     pack_sizes = [p.size for p in m.packs]
     for p in m.packs:
-        if not re.fullmatch(r"packs/[0-9a-f]{32}\.pack", p.key):
+        if not _PACK_KEY.fullmatch(p.key):
             raise _fail(f"bad pack key {p.key!r}")
+        if p.size > MAX_PACK_BYTES:
+            raise _fail(f"pack {p.key} claims {p.size} bytes, more than any pack holds ({MAX_PACK_BYTES})")
+    file_bytes = 0
     files: dict[str, v1pb.File] = {}
     for f in m.files:
         check_relpath(f.path)
@@ -157,15 +173,25 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
             if not 8 <= len(f.header) <= MAX_HEADER_BYTES or int.from_bytes(f.header[:8], "little") != len(f.header) - 8:
                 raise _fail(f"file {f.path!r} has a bad header size")
         elif f.kind == v1pb.File.BLOB:
+            # Parts hold 1 to BLOB_PART_SIZE bytes each, so the size bounds how many there can
+            # be; a pull checks each part against what is left of the size before writing it.
+            if not -(-f.size // BLOB_PART_SIZE) <= len(f.blob_parts) <= f.size:
+                raise _fail(f"file {f.path!r} of {f.size} bytes lists {len(f.blob_parts)} blob parts")
             if any(len(d) != DIGEST_SIZE for d in f.blob_parts):
                 raise _fail(f"file {f.path!r} has a bad blob digest")
         else:
             raise _fail(f"file {f.path!r} has unknown kind {f.kind}")
+        file_bytes += f.size
+        if file_bytes > MAX_VERSION_BYTES:
+            raise _fail(f"files of more than {MAX_VERSION_BYTES} bytes in all")
     raw = 0
+    chunks = 0
     names: set[str] = set()
     for t in m.tensors:
-        _validate_tensor(t, codec, files, pack_sizes, names, is_snapshot=m.kind == v1pb.SNAPSHOT)
+        chunks += _validate_tensor(t, codec, files, pack_sizes, names, is_snapshot=m.kind == v1pb.SNAPSHOT)
         raw += t.nbytes
+        if chunks > MAX_CHUNKS or raw > MAX_VERSION_BYTES:
+            raise _fail(f"more than {MAX_CHUNKS} chunks or {MAX_VERSION_BYTES} bytes of tensors")
     if raw != m.raw_bytes:
         raise _fail(f"raw_bytes {m.raw_bytes} does not match the tensors ({raw})")
     _validate_layout(m, files)
@@ -238,42 +264,65 @@ def _validate_tensor(
     names: set[str],
     *,
     is_snapshot: bool,
-) -> None:
-    where = f"tensor {t.name!r}"
-    if not t.name or len(t.name) > 4096 or "\x00" in t.name:
-        raise _fail(f"bad tensor name {t.name!r}")
-    key = key_of(t)
+) -> int:
+    """Checks one tensor entry; returns its number of chunks. Runs once per tensor of
+    manifests of up to a million tensors, so each field is read once (protobuf attribute
+    access is what costs here)."""
+    name = t.name
+    if not name or len(name) > 4096 or "\x00" in name:
+        raise _fail(f"bad tensor name {name!r}")
+    offsets = t.slice_offsets
+    key = entry_key(name, offsets)
     if key in names:
-        raise _fail(f"{where} listed twice")
+        raise _fail(f"tensor {name!r} listed twice")
     names.add(key)
-    if t.full_shape or t.slice_offsets:
-        _validate_slice(t, where, names)
-    elif f"{t.name}@" in names:
-        raise _fail(f"{where} is both whole and sliced")
-    if t.dtype not in dtypes.ITEMSIZE:
-        raise _fail(f"{where} has unknown dtype {t.dtype!r}")
-    if len(t.shape) > MAX_DIMS or any(d > MAX_TENSOR_BYTES for d in t.shape):
-        raise _fail(f"{where} has a bad shape")
-    nbytes = math.prod(t.shape) * dtypes.itemsize(t.dtype)
-    if nbytes != t.nbytes or nbytes > MAX_TENSOR_BYTES:
-        raise _fail(f"{where}: shape {list(t.shape)} of {t.dtype} is not {t.nbytes} bytes")
-    if t.file and (t.file not in files or files[t.file].kind != v1pb.File.SAFETENSORS):
-        raise _fail(f"{where} is in unknown file {t.file!r}")
-    expected_chunks = codec.chunk_count(t.nbytes, dtypes.element_width(t.dtype))
-    if len(t.chunks) != expected_chunks:
-        raise _fail(f"{where} has {len(t.chunks)} chunks, expected {expected_chunks}")
-    for i, c in enumerate(t.chunks):
-        if len(c.target_digest) != DIGEST_SIZE:
-            raise _fail(f"{where} chunk {i} has a bad target digest")
-        if c.encoding == SAME:
-            if c.length or len(c.base_digest) != DIGEST_SIZE or c.base_digest != c.target_digest:
-                raise _fail(f"{where} chunk {i}: bad same chunk")
-        elif c.encoding in (SPARSE, DENSE, FULL):
-            if c.encoding != FULL and len(c.base_digest) != DIGEST_SIZE:
-                raise _fail(f"{where} chunk {i} has a bad base digest")
-            if c.pack >= len(pack_sizes) or c.offset + c.length > pack_sizes[c.pack]:
-                raise _fail(f"{where} chunk {i} points outside its pack")
+    if offsets or t.full_shape:
+        _validate_slice(t, f"tensor {name!r}", names)
+    elif f"{name}@" in names:
+        raise _fail(f"tensor {name!r} is both whole and sliced")
+    dtype = t.dtype
+    size = dtypes.ITEMSIZE.get(dtype)
+    if size is None:
+        raise _fail(f"tensor {name!r} has unknown dtype {dtype!r}")
+    shape = t.shape
+    if len(shape) > MAX_DIMS or any(d > MAX_TENSOR_BYTES for d in shape):
+        raise _fail(f"tensor {name!r} has a bad shape")
+    nbytes = math.prod(shape) * size
+    declared = t.nbytes
+    if nbytes != declared or nbytes > MAX_TENSOR_BYTES:
+        raise _fail(f"tensor {name!r}: shape {list(shape)} of {dtype} is not {declared} bytes")
+    file = t.file
+    if file and (file not in files or files[file].kind != v1pb.File.SAFETENSORS):
+        raise _fail(f"tensor {name!r} is in unknown file {file!r}")
+    chunks = t.chunks
+    if not nbytes:
+        if chunks:
+            raise _fail(f"tensor {name!r} has {len(chunks)} chunks, expected 0")
+        return 0
+    step = codec.chunk_step(min(size, 8))
+    expected_chunks = -(-nbytes // step)
+    if len(chunks) != expected_chunks:
+        raise _fail(f"tensor {name!r} has {len(chunks)} chunks, expected {expected_chunks}")
+    # Longest payload an encoder writes for a full-size chunk (the last may be shorter: its
+    # own bound is checked only when a payload passes the common one).
+    longest = PlanesZstdCodec.max_payload(step)
+    for i, c in enumerate(chunks):
+        encoding, target = c.encoding, c.target_digest
+        if len(target) != DIGEST_SIZE:
+            raise _fail(f"tensor {name!r} chunk {i} has a bad target digest")
+        if encoding == SAME:
+            if c.length or len(c.base_digest) != DIGEST_SIZE or c.base_digest != target:
+                raise _fail(f"tensor {name!r} chunk {i}: bad same chunk")
+        elif encoding in (SPARSE, DENSE, FULL):
+            if encoding != FULL and len(c.base_digest) != DIGEST_SIZE:
+                raise _fail(f"tensor {name!r} chunk {i} has a bad base digest")
+            pack, offset, length = c.pack, c.offset, c.length
+            if pack >= len(pack_sizes) or offset + length > pack_sizes[pack]:
+                raise _fail(f"tensor {name!r} chunk {i} points outside its pack")
+            if length > longest or (i == expected_chunks - 1 and length > PlanesZstdCodec.max_payload(nbytes - i * step)):
+                raise _fail(f"tensor {name!r} chunk {i}: a {length}-byte payload is longer than any encoding of the chunk")
         else:
-            raise _fail(f"{where} chunk {i} has unknown encoding {c.encoding}")
-        if is_snapshot and c.encoding != FULL:
-            raise _fail(f"{where} chunk {i}: a snapshot holds only full chunks")
+            raise _fail(f"tensor {name!r} chunk {i} has unknown encoding {encoding}")
+        if is_snapshot and encoding != FULL:
+            raise _fail(f"tensor {name!r} chunk {i}: a snapshot holds only full chunks")
+    return expected_chunks

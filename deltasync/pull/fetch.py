@@ -3,7 +3,9 @@
 A pull knows up front which byte ranges of which packs it will read. A pack that the pull
 reads mostly (by bytes) is fetched whole, once, and sliced; scattered small reads stay
 ranged reads. Whole packs are held only until their last expected reader took its slice,
-and never more than ``max_cached`` bytes of them at once.
+and never more than ``max_cached`` bytes of them at once. Every read stays within what the
+verified manifest declares: chunk ranges inside their pack's declared size, whole packs no
+larger than it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class _Usage:
 class PackFetcher:
     """Thread-safe payload reads for one pull."""
 
-    def __init__(self, store: Store, *, whole_fraction: float = 0.5, max_cached: int = 512 << 20) -> None:
+    def __init__(self, store: Store, *, whole_fraction: float = 0.5, max_cached: int = 256 << 20) -> None:
         self.store = store
         self.whole_fraction = whole_fraction
         self.max_cached = max_cached
@@ -62,7 +64,9 @@ class PackFetcher:
                 if data is not None:
                     self._cache.move_to_end(key)
             if data is None:
-                data = self._read(key, None)
+                # Whole, but never beyond the size the verified manifest declares: a pack
+                # that grew on the store is refused before it is read.
+                data = self._read(key, None, max_bytes=self._usage[key].size)
                 with self._lock:
                     self._cache[key] = data
                     self._cached_bytes += len(data)
@@ -79,8 +83,8 @@ class PackFetcher:
             return self._read(key, (offset, length))
         return data[offset : offset + length]
 
-    def _read(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
-        data = self.store.get(key, byte_range)
+    def _read(self, key: str, byte_range: tuple[int, int] | None, *, max_bytes: int | None = None) -> bytes:
+        data = self.store.get(key, byte_range, max_bytes=max_bytes)
         with self._lock:
             self.requests += 1
             self.bytes_read += len(data)

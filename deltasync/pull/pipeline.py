@@ -29,7 +29,7 @@ from ..errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError, 
 from ..format import dtypes
 from ..format.codec import SAME, EncodedChunk
 from ..format.digest import StreamDigest, digest
-from ..format.manifest import ManifestInfo, key_of
+from ..format.manifest import BLOB_PART_SIZE, ManifestInfo, key_of
 from ..progress import Progress
 from ..repo.repository import Repository
 from ..v1 import manifest_pb2 as pb
@@ -38,6 +38,9 @@ from .plan import Chain, Plan, Planner, Want, wanted
 
 Bits = npt.NDArray[np.uint8]
 log = logging.getLogger("deltasync.pull")
+
+#: Bytes the chunks in flight of one pull may hold (results, decode buffers, payloads).
+IN_FLIGHT_BYTES = 192 << 20
 
 
 class LocalBits:
@@ -150,31 +153,39 @@ class ChunkPipeline:
             base, steps = route(plain_from_local(), local_version, key, idx, held, held_digest)
             return self.apply_steps(t, idx, length, width, base, steps, fetcher, cpu)
 
-        def jobs() -> Iterator[tuple[pb.Tensor, int, Callable[[], Bits]]]:
+        def jobs() -> Iterator[tuple[pb.Tensor, int, int, Callable[[], Bits]]]:
             for t in info.pb.tensors:
                 width = dtypes.element_width(t.dtype)
                 ranges = codec.chunk_ranges(t.nbytes, width)
                 for idx in wanted(want, key_of(t), len(ranges)):
                     off, length = ranges[idx]
-                    yield t, off, bind(job, t, idx, off, length)
+                    # What the job holds at its peak: its result, a decode buffer, its payload.
+                    cost = 2 * length + t.chunks[idx].length
+                    yield t, off, cost, bind(job, t, idx, off, length)
 
-        window: deque[tuple[pb.Tensor, int, Future[Bits]]] = deque()
+        window: deque[tuple[pb.Tensor, int, int, Future[Bits]]] = deque()
+        in_flight = 0  # cost of the jobs in the window
 
         def drain_one() -> None:  # results reach the sink in chunk order
-            wt, woff, fut = window.popleft()
+            nonlocal in_flight
+            wt, woff, cost, fut = window.popleft()
             data = fut.result()
+            in_flight -= cost
             sink(wt, woff, data)
             progress.advance(len(data))
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deltasync-pull") as pool:
             try:
-                for t, off, fn in jobs():
-                    window.append((t, off, pool.submit(fn)))
-                    if len(window) >= 2 * threads:
+                for t, off, cost, fn in jobs():
+                    window.append((t, off, cost, pool.submit(fn)))
+                    in_flight += cost
+                    # A count bound for small chunks, a byte bound for big ones (up to 64 MiB
+                    # each): memory stays bounded whatever chunk size a manifest names.
+                    while len(window) >= 2 * threads or (in_flight > IN_FLIGHT_BYTES and len(window) > 1):
                         drain_one()
                 while window:
                     drain_one()
             except BaseException:
-                for _, _, fut in window:
+                for _, _, _, fut in window:
                     fut.cancel()
                 raise
         progress.finish()
@@ -249,13 +260,35 @@ def bind(fn: Callable[[pb.Tensor, int, int, int], Bits], t: pb.Tensor, idx: int,
     return lambda: fn(t, idx, off, length)
 
 
+def blob_parts(repo: Repository, f: pb.File) -> Iterator[bytes]:
+    """The parts of non-tensor file ``f`` in order, checked against their digests, none
+    larger than what is left of the declared size (nor than BLOB_PART_SIZE): what is written
+    from them never exceeds ``f.size``, whatever the store holds or the manifest lists."""
+    left = f.size
+    for part in f.blob_parts:
+        if not left:
+            raise CorruptObjectError(f"file {f.path}", f"lists more blob parts than its {f.size} bytes need")
+        data = repo.get_blob(part, max_size=min(BLOB_PART_SIZE, left))
+        if not data:
+            raise CorruptObjectError(f"file {f.path}", "an empty blob part (no publisher writes one)")
+        left -= len(data)
+        yield data
+    if left:
+        raise CorruptObjectError(f"file {f.path}", f"its blob parts hold {f.size - left} bytes, the manifest says {f.size}")
+
+
 def write_blob(repo: Repository, f: pb.File, path: Path) -> None:
-    """Download non-tensor file ``f`` to ``path``, checked against its digest."""
+    """Download non-tensor file ``f`` to ``path``, checked against its digest; on any failure
+    ``path`` is removed: bytes that did not verify are never left behind."""
     d = StreamDigest()
-    with open(path, "wb") as fh:
-        for part in f.blob_parts:
-            data = repo.get_blob(part)
-            d.update(data)
-            fh.write(data)
-    if d.digest() != f.digest:
-        raise CorruptObjectError(f"file {f.path}", "rebuilt bytes do not match the manifest digest")
+    try:
+        with open(path, "wb") as fh:
+            for data in blob_parts(repo, f):
+                d.update(data)
+                fh.write(data)
+        if d.digest() != f.digest:
+            raise CorruptObjectError(f"file {f.path}", "rebuilt bytes do not match the manifest digest")
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        raise

@@ -307,11 +307,12 @@ class _Fill:
                 self.result.bytes_written += f.size
                 return
 
+        from .pipeline import blob_parts  # imported here as LocalBits is, below
+
         def download(tmp: Path) -> None:
             d = StreamDigest()
             with open(tmp, "wb") as fh:
-                for part in f.blob_parts:
-                    data = self.sub.repo.get_blob(part)
+                for data in blob_parts(self.sub.repo, f):  # never more than f.size bytes in all
                     d.update(data)
                     fh.write(data)
             if d.digest() != f.digest:

@@ -34,10 +34,15 @@ from typing import IO
 
 import lmdb
 
-from ..errors import CorruptObjectError, UsageError
+from ..errors import CorruptObjectError, ObjectTooLargeError, UsageError
+from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES
 from ..storage import Store
 
 CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/", "squashes/")
+#: What a relay serves: the keys of a repository's layout (repo/repository.py), nothing else
+#: of its upstream (no gc state, no stray files). Refs and the marker are mutable, never cached.
+SERVED_PREFIXES = (*CACHEABLE_PREFIXES, "refs/")
+SERVED_KEYS = ("deltasync.json",)
 MARKER = "deltasync-relay-cache"  # marks a directory as a relay cache
 _VALUE = struct.Struct("<Qd")  # size, last access (unix seconds); the relative path follows
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the limit, so it runs in bursts
@@ -46,6 +51,23 @@ _MAP_SIZE = 1 << 30  # LMDB address space for the index (~10M entries); the file
 
 def cacheable(key: str) -> bool:
     return key.startswith(CACHEABLE_PREFIXES)
+
+
+def served(key: str) -> bool:
+    """Whether ``key`` belongs to a repository's layout (what a relay serves)."""
+    return key in SERVED_KEYS or key.startswith(SERVED_PREFIXES)
+
+
+def size_limit(key: str) -> int | None:
+    """The most bytes a valid object under ``key`` can have (None: no bound known), so a
+    hostile upstream cannot fill the cache's disk with one object."""
+    if key.startswith(("manifests/", "squashes/")):
+        return MAX_MANIFEST_BYTES
+    if key.startswith("blobs/"):
+        return BLOB_PART_SIZE + (BLOB_PART_SIZE >> 7) + (64 << 10)  # zstd's bound for one part
+    if key.startswith("packs/"):
+        return MAX_PACK_BYTES
+    return None
 
 
 @dataclass
@@ -133,10 +155,13 @@ class ObjectCache:
 
     # -- fetch ---------------------------------------------------------------------------------
 
-    def fetch(self, key: str, upstream: Store) -> Entry:
+    def fetch(self, key: str, upstream: Store, *, max_size: int | None = None) -> Entry:
         """Download ``key`` from ``upstream`` into the cache (one read for objects up to
-        ``piece_bytes``, ranged reads beyond) and index it."""
+        ``piece_bytes``, ranged reads beyond) and index it; an object larger than
+        ``max_size`` is refused (ObjectTooLargeError) before anything is downloaded."""
         size = upstream.size(key)
+        if max_size is not None and size > max_size:
+            raise ObjectTooLargeError(key, size, max_size)
         tmp = self.root / "tmp" / uuid.uuid4().hex
         path = self._path(key)
         try:
@@ -166,7 +191,7 @@ class ObjectCache:
 
     def _download(self, key: str, size: int, upstream: Store, f: IO[bytes]) -> None:
         if size <= self.piece_bytes:
-            data = upstream.get(key)
+            data = upstream.get(key, max_bytes=size)  # the object may have been replaced meanwhile
             if len(data) != size:
                 raise CorruptObjectError(key, f"upstream sent {len(data)} bytes of a {size}-byte object")
             f.write(data)

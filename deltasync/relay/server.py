@@ -47,12 +47,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import grpc.aio
 
-from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError
+from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError, UsageError
 from ..repo.repository import LATEST, Repository
 from ..storage import Store, check_key, open_store
+from ..storage._base import MAX_OFFSET
 from ..storage._grpc import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE, GrpcStore, VersionWatch
 from ..v1 import relay_pb2 as pb
-from .cache import Entry, ObjectCache, cacheable
+from .cache import SERVED_KEYS, SERVED_PREFIXES, Entry, ObjectCache, cacheable, served, size_limit
 
 log = logging.getLogger("deltasync.relay")
 
@@ -286,6 +287,29 @@ def _check_bindable(listen: str) -> None:
         raise UsageError(f"cannot listen on {listen}: {reason}") from None
 
 
+def _check_served(key: str) -> None:
+    """UsageError (INVALID_ARGUMENT) for a malformed key or one outside the repository layout."""
+    check_key(key)
+    if not served(key):
+        layout = ", ".join((*SERVED_KEYS, *SERVED_PREFIXES))
+        raise UsageError(f"{key} is not a repository key; a relay serves only {layout}")
+
+
+def _layout_keys(upstream: Store, prefix: str) -> list[str]:
+    """(Thread) Keys under ``prefix`` within the repository layout only: the upstream is
+    listed under the layout's prefixes, so nothing else of it is shown (or walked)."""
+    keys: list[str] = []
+    for top in sorted((*SERVED_PREFIXES, *SERVED_KEYS)):
+        if top.startswith(prefix):
+            listed = upstream.list(top)
+        elif top.endswith("/") and prefix.startswith(top):
+            listed = upstream.list(prefix)
+        else:
+            continue
+        keys.extend(k for k in listed if served(k) and k.startswith(prefix))
+    return sorted(keys)
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -367,6 +391,8 @@ class _RelayService:
         """End the call with the status code that tells the client what happened."""
         if isinstance(e, ObjectNotFoundError):
             code, message = grpc.StatusCode.NOT_FOUND, f"object not found: {key}"
+        elif isinstance(e, ObjectTooLargeError):  # damage upstream, not a bad request
+            code, message = grpc.StatusCode.DATA_LOSS, e.detail
         elif isinstance(e, CorruptObjectError):
             code, message = grpc.StatusCode.OUT_OF_RANGE, e.detail
         elif isinstance(e, UsageError):
@@ -391,24 +417,28 @@ class _RelayService:
         byte_range = (request.offset, request.length) if request.has_range else None
         fd = -1
         try:
-            check_key(key)
+            _check_served(key)
+            if byte_range is not None and (byte_range[0] > MAX_OFFSET or byte_range[1] > MAX_OFFSET):
+                raise CorruptObjectError(key, f"range {byte_range[0]}+{byte_range[1]} is past the end of any object")
             if cacheable(key):
                 fd, entry = await self._open_cached(key)
                 size = entry.size
                 offset, length = byte_range if byte_range is not None else (0, size)
                 if offset + length > size:
                     raise CorruptObjectError(key, f"range {offset}+{length} past end of {size}-byte object")
-            else:
-                data = await self._in_thread(self.upstream.get, key, byte_range)
         except Exception as e:
             if fd >= 0:
                 os.close(fd)
             await self._abort(context, e, key)
         if fd < 0:
-            for start in range(0, max(len(data), 1), CHUNK_BYTES):
-                piece = data[start : start + CHUNK_BYTES]
-                self.counters["served_bytes"] += len(piece)
-                yield pb.GetChunk(data=piece, total_bytes=len(data) if start == 0 else 0)
+            # Refs and the marker: never cached, never held whole (a hostile upstream's 2 GiB
+            # refs/latest passes through in 1 MiB pieces).
+            try:
+                async for chunk in self._from_upstream(key, byte_range):
+                    self.counters["served_bytes"] += len(chunk.data)
+                    yield chunk
+            except Exception as e:
+                await self._abort(context, e, key)
             return
         try:
             position, end = offset, offset + length
@@ -425,6 +455,26 @@ class _RelayService:
                     break
         finally:
             os.close(fd)
+
+    async def _from_upstream(self, key: str, byte_range: tuple[int, int] | None) -> AsyncIterator[pb.GetChunk]:
+        """An uncached object (or a range of it) read from the upstream a piece at a time."""
+        if byte_range is None:
+            try:  # small, as refs are: one read, so the object cannot change between pieces
+                data = await self._in_thread(functools.partial(self.upstream.get, key, max_bytes=CHUNK_BYTES))
+            except ObjectTooLargeError:
+                byte_range = (0, await self._in_thread(self.upstream.size, key))
+            else:
+                yield pb.GetChunk(data=data, total_bytes=len(data))
+                return
+        offset, length = byte_range
+        position, end = offset, offset + length
+        while True:
+            n = min(CHUNK_BYTES, end - position)
+            piece = await self._in_thread(self.upstream.get, key, (position, n))
+            yield pb.GetChunk(data=piece, total_bytes=length if position == offset else 0)
+            position += n
+            if position >= end:
+                return
 
     async def _open_cached(self, key: str) -> tuple[int, Entry]:
         """An open file descriptor of the cached object and its entry, fetching it first if needed."""
@@ -445,7 +495,8 @@ class _RelayService:
         carries on into the cache even if the client that started it goes away."""
         task = self._inflight.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._in_thread(self.cache.fetch, key, self.upstream))
+            fetch = functools.partial(self.cache.fetch, key, self.upstream, max_size=size_limit(key))
+            task = asyncio.get_running_loop().create_task(self._in_thread(fetch))
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._landed, key))
         else:
@@ -464,7 +515,7 @@ class _RelayService:
         self.counters["requests"] += 1
         key = request.key
         try:
-            check_key(key)
+            _check_served(key)
             entry = self.cache.lookup(key, touch=False) if cacheable(key) else None
             size = entry.size if entry is not None else await self._in_thread(self.upstream.size, key)
         except Exception as e:
@@ -475,7 +526,9 @@ class _RelayService:
         self.counters["requests"] += 1
         prefix = request.prefix
         try:
-            keys = await self._in_thread(lambda: [*self.upstream.list(prefix)])
+            if prefix:
+                check_key(prefix.rstrip("/"))
+            keys = await self._in_thread(_layout_keys, self.upstream, prefix)
         except Exception as e:
             await self._abort(context, e, prefix or None)
         for start in range(0, len(keys), LIST_BATCH):

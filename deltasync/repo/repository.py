@@ -37,7 +37,16 @@ from ..errors import (
 )
 from ..format.codec import FULL
 from ..format.digest import digest
-from ..format.manifest import ManifestInfo, key_of, manifest_key, parse_manifest, serialize, version_from_key
+from ..format.manifest import (
+    BLOB_PART_SIZE,
+    MAX_MANIFEST_BYTES,
+    ManifestInfo,
+    key_of,
+    manifest_key,
+    parse_manifest,
+    serialize,
+    version_from_key,
+)
 from ..format.signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_signing_key, sign_manifest
 from ..storage import Store, open_store
 from ..v1 import manifest_pb2 as pb
@@ -46,7 +55,8 @@ REPO_FORMAT = 1
 MARKER = "deltasync.json"
 LATEST = "refs/latest"
 PIN = "refs/pin"
-BLOB_PART_BYTES = 64 << 20
+BLOB_PART_BYTES = BLOB_PART_SIZE  # bytes of every part of a non-tensor file but its last
+MAX_MARKER_BYTES = 4096  # deltasync.json is '{"format": 1}': anything much larger is not one
 
 
 def blob_key(d: bytes) -> str:
@@ -111,12 +121,12 @@ class Repository:
     def ensure_exists(self) -> None:
         """Raise RepositoryNotFoundError / RepositoryFormatError unless this is a repository."""
         try:
-            raw = self.store.get(MARKER)
+            raw = self.store.get(MARKER, max_bytes=MAX_MARKER_BYTES)
         except ObjectNotFoundError:
             raise RepositoryNotFoundError(self.url) from None
         try:
             fmt = json.loads(raw)["format"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise CorruptObjectError(MARKER, "not a deltasync repository marker") from None
         if fmt != REPO_FORMAT:
             raise RepositoryFormatError(f"repository {self.url} has format {fmt}; this deltasync reads {REPO_FORMAT}")
@@ -179,7 +189,7 @@ class Repository:
         if cached is not None:
             return cached
         try:
-            raw = self.store.get(manifest_key(version))
+            raw = self.store.get(manifest_key(version), max_bytes=MAX_MANIFEST_BYTES)
         except ObjectNotFoundError:
             if not self.exists():
                 raise RepositoryNotFoundError(self.url) from None
@@ -269,7 +279,7 @@ class Repository:
             return cached
         key = squash_key(a, c)
         try:
-            raw = self.store.get(key)
+            raw = self.store.get(key, max_bytes=MAX_MANIFEST_BYTES)
         except ObjectNotFoundError:
             raise CorruptObjectError(f"squash {a}->{c}", f"{key} is missing") from None
         try:
@@ -312,17 +322,24 @@ class Repository:
 
     def get_blob(self, d: bytes, *, max_size: int = BLOB_PART_BYTES) -> bytes:
         key = blob_key(d)
-        packed = self.store.get(key)
+        # Read no more than a part of max_size bytes compresses to at worst.
+        packed = self.store.get(key, max_bytes=_zstd_bound(max_size))
         try:
             size = zstandard.frame_content_size(packed)
             if size < 0 or size > max_size:
-                raise CorruptObjectError(key, f"blob claims {size} bytes")
+                raise CorruptObjectError(key, f"blob claims {size} bytes (at most {max_size} expected)")
             data = zstandard.ZstdDecompressor().decompress(packed, max_output_size=max_size)
         except zstandard.ZstdError as e:
             raise CorruptObjectError(key, f"cannot decompress ({e})") from None
         if digest(data) != d:
             raise CorruptObjectError(key, "blob content does not match its digest")
         return data
+
+
+def _zstd_bound(size: int) -> int:
+    """The most bytes a zstd frame of ``size`` content bytes takes (ZSTD_COMPRESSBOUND plus
+    the frame header), so a stored blob part is never read beyond what it can hold."""
+    return size + (size >> 7) + (64 << 10)
 
 
 def _check_squash(info: ManifestInfo, base: ManifestInfo, target: ManifestInfo) -> None:
