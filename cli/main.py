@@ -366,12 +366,16 @@ def pull(
     """
     from deltasync import Repository, Subscriber
     from deltasync.pull.cache import CachedStore
+    from deltasync.pull.state import StateDB
 
     out = _local_dir(directory, out, "pull")
 
     upstream = Repository(repo, trusted_keys=trusted_keys)
     counting = CachedStore(upstream.store)
-    sub = Subscriber(Repository(counting, trusted_keys=trusted_keys), workers=workers, progress=_progress(quiet))
+    # With trusted keys, the newest signed refs accepted are remembered in the copy: an older one is a replay.
+    memory = StateDB.open(out) if trusted_keys and version is None else None
+    sub = Subscriber(Repository(counting, trusted_keys=trusted_keys, ref_memory=memory), workers=workers,
+                     progress=_progress(quiet))
     start = time.monotonic()
     result = sub.update_dir(out, version, move_aside=move_aside, fsync=fsync)
     seconds = time.monotonic() - start
@@ -669,13 +673,16 @@ class _RetryLog(logging.Handler):
 @move_aside_option
 @fsync_option
 @trusted_key_option
+@click.option("--ref-grace", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
+              help="With --trusted-key: keep following a signed ref this long past its expiry, with a warning "
+                   "(a quiet publisher late with `deltasync refresh-refs`); beyond it the ref is refused.")
 @workers_option
 @quiet_option
 def subscribe(
     directory: Path | None, repo: str, out: Path | None, follow: bool, poll_interval: float, metrics_port: int | None,
     metrics_host: str,
     keep_versions: int, retries: int, engine_spec: str | None, pause_mode: str, move_aside: bool, fsync: bool,
-    trusted_keys: tuple[Path, ...], workers: int, quiet: bool,
+    trusted_keys: tuple[Path, ...], ref_grace: float, workers: int, quiet: bool,
 ) -> None:
     """Bring a directory to the version to serve (the pinned one, else the latest); with --follow, keep it there.
 
@@ -691,7 +698,7 @@ def subscribe(
     config = AgentConfig(
         poll_interval=poll_interval, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_versions=keep_versions, retries=retries, workers=workers, progress=_progress(quiet),
-        move_aside=move_aside, fsync=fsync,
+        move_aside=move_aside, fsync=fsync, ref_grace=ref_grace,
     )
 
     engine = None
@@ -900,11 +907,17 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
 @repo_option
 @click.argument("version", type=click.IntRange(min=1), required=False)
 @click.option("--clear", is_flag=True, help="Remove the pin: subscribers follow the latest again.")
-def pin(repo: str, version: int | None, clear: bool) -> None:
+@click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Sign the pin (or its clearing) with this ed25519 key: subscribers with --trusted-key refuse "
+                   "unsigned pins.")
+@click.option("--ref-ttl", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="With --signing-key: how long the signed pin stays valid [default: 7 days].")
+def pin(repo: str, version: int | None, clear: bool, signing_key: Path | None, ref_ttl: float | None) -> None:
     """Pin the version following subscribers serve, forward or back (e.g. after an evaluation gate fails); no VERSION: show it."""
     from deltasync import Repository
+    from deltasync.repo.repository import DEFAULT_REF_TTL
 
-    r = Repository(repo)
+    r = Repository(repo, signing_key=signing_key, ref_ttl=ref_ttl or DEFAULT_REF_TTL)
     r.ensure_exists()
     if clear and version is not None:
         raise UsageError("give a VERSION to pin or --clear, not both")
@@ -918,6 +931,25 @@ def pin(repo: str, version: int | None, clear: bool) -> None:
         pinned = r.pinned()
         latest = r.latest()
         click.echo(f"pinned version {pinned}" if pinned is not None else f"not pinned: subscribers follow the latest ({latest})")
+
+
+@cli.command("refresh-refs")
+@repo_option
+@click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), required=True, metavar="FILE",
+              help="The publisher's ed25519 key (the one its versions are signed with).")
+@click.option("--ref-ttl", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="How long the re-signed refs stay valid [default: 7 days].")
+def refresh_refs(repo: str, signing_key: Path, ref_ttl: float | None) -> None:
+    """Re-sign refs/latest and refs/pin with a new counter and expiry. Subscribers with --trusted-key refuse
+    expired refs: a publisher with nothing new to publish runs this (cron) well within --ref-ttl."""
+    from deltasync import Repository
+    from deltasync.repo.repository import DEFAULT_REF_TTL
+
+    r = Repository(repo, signing_key=signing_key, ref_ttl=ref_ttl or DEFAULT_REF_TTL)
+    latest, pinned = r.refresh_refs()
+    pin_text = f"pin: version {pinned}" if pinned is not None else "no pin"
+    expires = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(time.time() + r.ref_ttl))
+    click.echo(f"signed refs/latest (version {latest}) and {pin_text}, valid until {expires}")
 
 
 @cli.command()

@@ -45,6 +45,7 @@ from .errors import (
     DeltasyncError,
     EmptyRepositoryError,
     ObjectNotFoundError,
+    RefError,
     RepositoryFormatError,
     RepositoryNotFoundError,
     SignatureError,
@@ -56,14 +57,14 @@ from .pull.cache import CachedStore, LocalCache
 from .pull.slotfill import update_copy
 from .pull.state import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock, finish_install
 from .pull.subscriber import Subscriber, state_url
-from .repo.repository import LATEST, Repository
+from .repo.repository import LATEST, Repository, ref_hint
 from .retry import Backoff as Backoff  # the agent's retries; importable here too
 from .storage import Store, open_store
 
 log = logging.getLogger(__name__)
 
 #: Errors no retry can fix: a one-shot run fails at once (a following agent still waits them out).
-PERMANENT = (UsageError, CopyInUseError, SignatureError, RepositoryFormatError, CheckpointError)
+PERMANENT = (UsageError, CopyInUseError, SignatureError, RefError, RepositoryFormatError, CheckpointError)
 FINAL = (*PERMANENT, EmptyRepositoryError, RepositoryNotFoundError)
 
 
@@ -99,6 +100,10 @@ class AgentConfig:
     fsync: bool = False
     """Flush each version's slot to disk before switching to it (default: check the copy
     after a power loss instead; see slots.py)."""
+    ref_grace: float = 0.0
+    """With trusted keys: seconds past a signed ref's expiry during which it is still
+    followed, with a warning (a quiet publisher late with ``deltasync refresh-refs``);
+    beyond that the agent refuses it and stays on its version, recording the error."""
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.poll_interval <= 3600:
@@ -109,6 +114,8 @@ class AgentConfig:
             raise UsageError("backoff_initial must be positive and at most backoff_max")
         if self.keep_versions < 0:
             raise UsageError(f"keep_versions must not be negative, got {self.keep_versions}")
+        if not self.ref_grace >= 0:
+            raise UsageError(f"ref_grace must not be negative, got {self.ref_grace}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise UsageError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 
@@ -274,7 +281,10 @@ class Agent:
     def _repository(self) -> Repository:
         # A fresh Repository per use: its manifest cache would otherwise grow with every
         # version a long-running agent sees (the copy's object cache keeps the recent ones).
-        return Repository(self.store, trusted_keys=self.trusted_keys)
+        # The newest signed refs accepted live in the copy's state: a replayed (older) ref is
+        # refused across restarts too.
+        return Repository(self.store, trusted_keys=self.trusted_keys, ref_grace=self.config.ref_grace,
+                          ref_memory=self._state_db())
 
     def _observe(self) -> int | None:
         """Read the pin and the latest version; returns the target (None: nothing to serve yet)."""
@@ -307,8 +317,13 @@ class Agent:
             except EmptyRepositoryError:
                 return None
         hint = known
-        with contextlib.suppress(ObjectNotFoundError, ValueError, UnicodeDecodeError):
-            hint = int(self.store.get(LATEST).decode().strip())
+        if repo.trusted_keys is not None:
+            # Signed, unexpired, no older than seen, naming its manifest (RefError: recorded,
+            # and the copy stays where it is).
+            hint = repo.latest_ref() or known
+        else:
+            with contextlib.suppress(ObjectNotFoundError):
+                hint = ref_hint(self.store.get(LATEST)) or known
         if self._watched_latest is not None:
             hint = max(hint, self._watched_latest)
         if hint > known:

@@ -142,6 +142,16 @@ class SignatureError(DeltasyncError):
         self.detail = detail
 
 
+class RefError(DeltasyncError):
+    """``refs/latest`` or ``refs/pin`` cannot be trusted by a reader with trusted keys: unsigned,
+    wrongly signed, expired, older than one already seen, or naming a missing manifest."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        super().__init__(f"{key}: {detail}")
+        self.key = key
+        self.detail = detail
+
+
 # -- local copies and pulls --------------------------------------------------------------------
 
 

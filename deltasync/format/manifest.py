@@ -3,15 +3,26 @@
 A manifest from a store or the network is untrusted: :func:`parse_manifest` checks sizes,
 counts, shapes, dtypes, chunk layout, digests and file names before anything uses it, so a
 hostile manifest cannot exhaust memory or name a path outside the output directory.
+
+Every byte of a stored manifest is covered by its ``manifest_digest`` (xxh3-128 of the
+manifest serialized deterministically with that field cleared, set by :func:`seal` last,
+after signing). A reader re-serializes what it parsed and requires exactly the stored bytes
+(a changed byte that would parse to the same message is still a changed byte) and the
+digest, before validating, so a flipped byte cannot rename a file or a tensor unnoticed.
+Manifests written before the digest existed have none: they are read (:func:`has_whole_digest`
+says which, for ``verify``) when canonical and free of fields this reader does not know (a
+flipped tag could otherwise turn the digest field itself into an unknown one).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -19,7 +30,7 @@ from ..errors import CorruptObjectError
 from ..v1 import manifest_pb2 as v1pb
 from . import dtypes
 from .codec import DENSE, FULL, SAME, SPARSE, PlanesZstdCodec, codec_from_spec
-from .digest import DIGEST_SIZE, version_digest
+from .digest import DIGEST_SIZE, digest, version_digest
 from .slices import entry_key, intersect
 
 FORMAT = 1
@@ -99,6 +110,48 @@ def serialize(manifest: v1pb.Manifest) -> bytes:
     return manifest.SerializeToString(deterministic=True)
 
 
+def _digest_payload(manifest: v1pb.Manifest) -> bytes:
+    """The bytes ``manifest_digest`` covers: the deterministic serialization without it."""
+    whole = manifest.manifest_digest
+    manifest.ClearField("manifest_digest")
+    try:
+        return serialize(manifest)
+    finally:
+        if whole:
+            manifest.manifest_digest = whole
+
+
+def seal(manifest: v1pb.Manifest) -> bytes:
+    """Set ``manifest_digest`` (after any signature: it covers the signature too) and return
+    the bytes to store. Anything that changes the manifest afterwards must seal it again."""
+    manifest.manifest_digest = digest(_digest_payload(manifest))
+    return serialize(manifest)
+
+
+def has_whole_digest(info: ManifestInfo) -> bool:
+    """Whether the manifest carries a whole-manifest digest (those written before it existed do not)."""
+    return bool(info.pb.manifest_digest)
+
+
+def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
+    """Every stored byte is what the digest covers (see the module doc)."""
+    if m.manifest_digest:
+        if len(m.manifest_digest) != DIGEST_SIZE:
+            raise _fail("bad whole-manifest digest length")
+        if serialize(m) != data:
+            raise _fail("stored bytes are not the manifest's canonical serialization (altered)")
+        if digest(_digest_payload(m)) != m.manifest_digest:
+            raise _fail("whole-manifest digest does not match its bytes (altered)")
+        return
+    # Written before the digest existed: nothing covers the bytes, so accept only what that
+    # writer could have produced (canonical bytes, known fields only).
+    known = v1pb.Manifest()
+    known.CopyFrom(m)
+    known.DiscardUnknownFields()
+    if serialize(known) != data:
+        raise _fail("stored bytes are not the manifest's canonical serialization and it has no whole-manifest digest")
+
+
 def parse_manifest(
     data: bytes,
     *,
@@ -109,6 +162,8 @@ def parse_manifest(
 
     ``authenticate`` (a signature check) sees the parsed message before any validation, so
     with a trusted key configured only manifests from that key are ever looked at further.
+    Then the stored bytes are checked against the whole-manifest digest (module doc), then
+    everything else.
     """
     what = f"manifest {expect_version}" if expect_version is not None else "manifest"
     if len(data) > MAX_MANIFEST_BYTES:
@@ -121,6 +176,7 @@ def parse_manifest(
     if authenticate is not None:
         authenticate(m)
     try:
+        _check_whole(m, data)
         return _validate(m, expect_version)
     except CorruptObjectError as e:
         raise CorruptObjectError(what, e.detail) from None
@@ -195,6 +251,7 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
     if raw != m.raw_bytes:
         raise _fail(f"raw_bytes {m.raw_bytes} does not match the tensors ({raw})")
     _validate_layout(m, files)
+    _validate_headers(m)
     _validate_slice_sets(m)
     info = ManifestInfo(m, codec)
     if version_digest(info.chunk_digests()) != m.version_digest:
@@ -222,6 +279,53 @@ def _validate_layout(m: v1pb.Manifest, files: dict[str, v1pb.File]) -> None:
     for f in m.files:
         if f.kind == v1pb.File.SAFETENSORS and f.size != len(f.header) + ends.get(f.path, 0):
             raise _fail(f"file {f.path!r} has size {f.size}, its header and tensors make {len(f.header) + ends.get(f.path, 0)}")
+
+
+def _validate_headers(m: v1pb.Manifest) -> None:
+    by_file: dict[str, list[v1pb.Tensor]] = {}
+    for t in m.tensors:
+        if t.file:
+            by_file.setdefault(t.file, []).append(t)
+    for f in m.files:
+        if f.kind == v1pb.File.SAFETENSORS:
+            check_header(f, by_file.get(f.path, ()))
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key is listed twice")  # loaders disagree on which one wins
+    return out
+
+
+def check_header(f: v1pb.File, tensors: Iterable[v1pb.Tensor]) -> None:
+    """Raise CorruptObjectError unless safetensors file ``f``'s verbatim header describes
+    exactly ``tensors`` (its manifest entries): same names, dtypes, shapes and data offsets.
+    A pull writes the header as stored, so a header at odds with the chunk layout would
+    make a loader read other tensors than the ones verified."""
+    where = f"file {f.path!r}"
+    try:
+        meta = json.loads(f.header[8:], object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _fail(f"{where}: its safetensors header is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise _fail(f"{where}: its safetensors header is not a JSON object")
+    entries = {k: v for k, v in meta.items() if k != "__metadata__"}
+    mine = {t.name: t for t in tensors}
+    if entries.keys() != mine.keys():
+        odd = sorted(entries.keys() ^ mine.keys())[0]
+        raise _fail(f"{where}: its safetensors header and the manifest disagree on tensor {odd!r}")
+    for name, t in mine.items():
+        e = entries[name]
+        shape, offsets = (e.get("shape"), e.get("data_offsets")) if isinstance(e, dict) else (None, None)
+        if (
+            not isinstance(e, dict)
+            or e.get("dtype") != t.dtype
+            or not isinstance(shape, list) or any(type(d) is not int for d in shape) or shape != list(t.shape)
+            or not isinstance(offsets, list) or any(type(o) is not int for o in offsets)
+            or offsets != [t.data_offset, t.data_offset + t.nbytes]
+        ):
+            raise _fail(f"{where}: its safetensors header disagrees with the manifest on tensor {name!r}")
 
 
 def _validate_slice_sets(m: v1pb.Manifest) -> None:

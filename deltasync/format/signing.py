@@ -1,8 +1,9 @@
 """Signed manifests: ed25519 keys on disk, signing on commit, verification on read.
 
-The signature covers the manifest serialized deterministically with its ``signature``
-field cleared (``signing_key_id`` included), so it binds every field a reader uses:
-files, tensors, chunk digests, packs, parent and version id. A signed manifest moved to
+The signature covers the manifest serialized deterministically with its ``signature`` and
+``manifest_digest`` fields cleared (``signing_key_id`` included): every byte of it but its two
+seals, the same bytes the whole-manifest digest covers (format/manifest.py), so it binds every
+field a reader uses: files, tensors, chunk digests, packs, parent and version id. A signed manifest moved to
 another version's key is still refused, because its own ``version`` field disagrees.
 
 Keys are PEM files: PKCS8 for the private key (unencrypted, mode 0600), SubjectPublicKeyInfo
@@ -15,21 +16,25 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ..errors import SignatureError, UsageError
+from ..errors import RefError, SignatureError, UsageError
 from ..v1 import manifest_pb2 as pb
 
 KEY_ID_BYTES = 8
 SIGNATURE_BYTES = 64
+#: Prefixed to what a ref signature covers, so no signed ref can pass for a signed manifest
+#: (a protobuf) or the other way round.
+REF_CONTEXT = b"deltasync signed ref v1\n"
 
 #: A private key, or the path of its PEM file.
 PrivateKeyLike: TypeAlias = "Ed25519PrivateKey | str | os.PathLike[str]"
@@ -131,21 +136,52 @@ def load_public_key(key: PublicKeyLike) -> Ed25519PublicKey:
 
 
 def signed_payload(manifest: pb.Manifest) -> bytes:
-    """The bytes a signature covers: the deterministic serialization without ``signature``."""
-    signature = manifest.signature
+    """The bytes a signature covers: the deterministic serialization without ``signature``
+    and ``manifest_digest`` (the digest is computed after signing, over the signature too,
+    so it cannot be inside what is signed). For manifests written before the digest existed
+    this is what they were signed over, so their signatures still verify."""
+    signature, whole = manifest.signature, manifest.manifest_digest
     manifest.ClearField("signature")
+    manifest.ClearField("manifest_digest")
     try:
         return manifest.SerializeToString(deterministic=True)
     finally:
         if signature:
             manifest.signature = signature
+        if whole:
+            manifest.manifest_digest = whole
 
 
 def sign_manifest(manifest: pb.Manifest, key: Ed25519PrivateKey) -> None:
     """Set ``signing_key_id`` and ``signature`` of ``manifest`` in place."""
     manifest.signing_key_id = key_id(key.public_key())
     manifest.ClearField("signature")
+    manifest.ClearField("manifest_digest")  # stale once anything changed; format.manifest.seal sets it after
     manifest.signature = key.sign(signed_payload(manifest))
+
+
+def ref_payload(body: Mapping[str, Any]) -> bytes:
+    """The bytes a ref signature covers: the context, then the ref's fields (all but
+    ``signature``) as canonical JSON (sorted keys, no spaces, ASCII)."""
+    return REF_CONTEXT + json.dumps(dict(body), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sign_ref(body: Mapping[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
+    """``body`` with ``key_id`` and ``signature`` (hex) added: a signed ref (repo/repository.py)."""
+    signed = {k: v for k, v in body.items() if k not in ("key_id", "signature")}
+    signed["key_id"] = key_id(key.public_key()).hex()
+    signed["signature"] = key.sign(ref_payload(signed)).hex()
+    return signed
+
+
+def ref_signed_by(body: Mapping[str, Any], public: Ed25519PublicKey) -> bool:
+    """Whether ``body`` (a parsed signed ref) carries a valid signature by ``public``."""
+    try:
+        signature = bytes.fromhex(str(body.get("signature", "")))
+        public.verify(signature, ref_payload({k: v for k, v in body.items() if k != "signature"}))
+    except (ValueError, InvalidSignature):
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -178,3 +214,15 @@ class TrustedKeys:
             public.verify(manifest.signature, signed_payload(manifest))
         except InvalidSignature:
             raise SignatureError(version, "signature does not verify") from None
+
+    def verify_ref(self, key: str, body: Mapping[str, Any]) -> None:
+        """Raise RefError unless the signed ref ``body`` (read from ``key``) is signed by one of these keys."""
+        try:
+            kid = bytes.fromhex(str(body.get("key_id", "")))
+        except ValueError:
+            kid = b""
+        public = self.keys.get(kid)
+        if public is None:
+            raise RefError(key, f"signed by unknown key {kid[:32].hex() or '(none)'}")
+        if not ref_signed_by(body, public):
+            raise RefError(key, "signature does not verify (altered, or not written by the publisher)")

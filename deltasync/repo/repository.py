@@ -12,14 +12,32 @@ Layout (all keys relative to the store root)::
 
 Commit order (DESIGN.md invariant 2): packs and blobs, then the manifest with a conditional
 put, then ``refs/latest``. A reader only trusts versions whose manifest exists.
+
+Refs come in two forms. An unsigned repository writes ``"<id>\n"``, as always. A publisher
+with a signing key writes a signed ref instead: one line of JSON naming the ref, the version
+(``null``: a cleared pin), a counter that only grows, when it was issued and when it expires,
+and the xxh3-128 of the named manifest's bytes, signed with ed25519 (format/signing.py). A
+reader with trusted keys (TUF's timestamp and snapshot roles, in small) refuses a ref that is
+unsigned, wrongly signed, expired (beyond ``ref_grace``), older than one it has seen
+(``ref_memory``: an agent keeps the highest counter per ref in its copy's state), or naming a
+manifest that is missing or other than the one signed; and a missing pin where it has seen one.
+So a store writer can neither roll a trusting subscriber back with an old or unsigned pin, nor
+freeze it unnoticed by withholding the newest manifest or replaying an old ``refs/latest``:
+at worst it stops updates, and that is an error on the subscriber, not silence. A quiet
+publisher keeps its refs fresh with :meth:`Repository.refresh_refs` (``deltasync refresh-refs``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import zstandard
 
@@ -28,6 +46,7 @@ from ..errors import (
     EmptyRepositoryError,
     ObjectExistsError,
     ObjectNotFoundError,
+    RefError,
     RepositoryFormatError,
     RepositoryNotFoundError,
     SignatureError,
@@ -44,10 +63,19 @@ from ..format.manifest import (
     key_of,
     manifest_key,
     parse_manifest,
+    seal,
     serialize,
     version_from_key,
 )
-from ..format.signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_signing_key, sign_manifest
+from ..format.signing import (
+    PrivateKeyLike,
+    PublicKeyLike,
+    TrustedKeys,
+    load_signing_key,
+    ref_signed_by,
+    sign_manifest,
+    sign_ref,
+)
 from ..storage import Store, open_store
 from ..v1 import manifest_pb2 as pb
 
@@ -57,6 +85,16 @@ LATEST = "refs/latest"
 PIN = "refs/pin"
 BLOB_PART_BYTES = BLOB_PART_SIZE  # bytes of every part of a non-tensor file but its last
 MAX_MARKER_BYTES = 4096  # deltasync.json is '{"format": 1}': anything much larger is not one
+REF_KEYS = {"latest": LATEST, "pin": PIN}
+#: A ref is a few hundred bytes; a larger object is not one (and is refused before parsing).
+MAX_REF_BYTES = 4096
+#: How long a signed ref stays valid (seconds) unless the publisher chooses otherwise.
+DEFAULT_REF_TTL = 7 * 24 * 3600.0
+#: Counters stay far below where JSON readers lose integer precision.
+_MAX_COUNTER = (1 << 53) - 1
+
+log = logging.getLogger(__name__)
+_warned: set[tuple[str, str, int]] = set()  # expired refs accepted within the grace, already warned of
 
 
 def blob_key(d: bytes) -> str:
@@ -75,6 +113,121 @@ def squash_from_key(key: str) -> tuple[int, int] | None:
     """(a, c) of a squash key, or None for any other key."""
     m = re.fullmatch(r"squashes/(\d{20})-(\d{20})\.pb", key)
     return (int(m.group(2)), int(m.group(1))) if m else None
+
+
+@dataclass(frozen=True)
+class Ref:
+    """What ``refs/latest`` or ``refs/pin`` says (see the module doc for the two forms)."""
+
+    name: str  # "latest" or "pin"
+    version: int | None  # None: a cleared pin
+    signed: bool = False
+    counter: int = 0
+    issued_unix: int = 0
+    expires_unix: int = 0
+    manifest_digest: bytes = b""  # xxh3-128 of the named manifest's stored bytes
+    body: Mapping[str, Any] | None = None  # the parsed signed ref, for signature checks
+
+    @property
+    def key(self) -> str:
+        return REF_KEYS[self.name]
+
+    def describe(self) -> str:
+        what = f"version {self.version}" if self.version is not None else "no version (cleared)"
+        return f"{what}, counter {self.counter}" if self.signed else f"{what} (unsigned)"
+
+
+def parse_ref(name: str, raw: bytes) -> Ref:
+    """Either form of a ref; CorruptObjectError when it is neither. Checks nothing else: a
+    signed ref's signature, expiry and counter are the reader's to check (Repository.read_ref)."""
+    key = REF_KEYS[name]
+    if len(raw) > MAX_REF_BYTES:
+        raise CorruptObjectError(key, f"{len(raw)} bytes is larger than any ref")
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CorruptObjectError(key, f"not a ref: {raw[:40]!r}") from None
+    if not text.startswith("{"):
+        if not text:
+            return Ref(name, None)
+        if not text.isdigit() or len(text) > 19:
+            raise CorruptObjectError(key, f"not a version id: {raw[:40]!r}")
+        return Ref(name, int(text) or None)
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CorruptObjectError(key, "not a ref: unreadable JSON") from None
+
+    def number(field: str, *, nullable: bool = False) -> int | None:
+        value = body.get(field)
+        if value is None and nullable:
+            return None
+        if type(value) is not int or not 0 <= value <= _MAX_COUNTER:  # bools are ints: refused
+            raise CorruptObjectError(key, f"signed ref has a bad {field!r}")
+        return value
+
+    if not isinstance(body, dict) or body.get("format") != 1 or body.get("name") != name:
+        raise CorruptObjectError(key, f"not a signed {name} ref (format 1)")
+    version = number("version", nullable=True)
+    if version == 0 or (version is None and name == "latest"):
+        raise CorruptObjectError(key, "signed ref names no valid version")
+    try:
+        whole = bytes.fromhex(str(body.get("manifest") or ""))
+    except ValueError:
+        raise CorruptObjectError(key, "signed ref has a bad 'manifest' digest") from None
+    if len(whole) not in ((0,) if version is None else (16,)):
+        raise CorruptObjectError(key, "signed ref has a bad 'manifest' digest")
+    counter, issued, expires = number("counter"), number("issued_unix"), number("expires_unix")
+    assert counter is not None and issued is not None and expires is not None
+    return Ref(name, version, True, counter, issued, expires, whole, body)
+
+
+def _is_signed(store: Store) -> bool:
+    """Whether the repository's ``refs/latest`` is a signed ref (its publisher signs)."""
+    try:
+        return parse_ref("latest", store.get(LATEST)).signed
+    except (ObjectNotFoundError, CorruptObjectError):
+        return False
+
+
+def ref_hint(raw: bytes) -> int | None:
+    """The version a ref names, unchecked (a hint for readers without keys, and relays);
+    None when it names none or cannot be read."""
+    try:
+        return parse_ref("latest", raw).version
+    except CorruptObjectError:
+        try:
+            return parse_ref("pin", raw).version
+        except CorruptObjectError:
+            return None
+
+
+class RefMemory(Protocol):
+    """Where a reader keeps the newest signed refs it has accepted, per ref name."""
+
+    def seen_ref(self, name: str) -> tuple[int, int | None] | None:
+        """(counter, version) of the newest accepted ``name`` ref, or None."""
+
+    def saw_ref(self, name: str, counter: int, version: int | None) -> None:
+        """Record an accepted ref (kept only if its counter is the highest so far)."""
+
+
+class MemoryRefs:
+    """A :class:`RefMemory` for one process (an agent keeps its own in the copy's state)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, int | None]] = {}
+        self._lock = threading.Lock()
+
+    def seen_ref(self, name: str) -> tuple[int, int | None] | None:
+        with self._lock:
+            return self._seen.get(name)
+
+    def saw_ref(self, name: str, counter: int, version: int | None) -> None:
+        with self._lock:
+            held = self._seen.get(name)
+            if held is None or counter > held[0]:
+                self._seen[name] = (counter, version)
 
 
 def open_repository(
@@ -100,15 +253,26 @@ class Repository:
         *,
         signing_key: PrivateKeyLike | None = None,
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+        ref_ttl: float = DEFAULT_REF_TTL,
+        ref_grace: float = 0.0,
+        ref_memory: RefMemory | None = None,
     ) -> None:
-        """``signing_key`` (an ed25519 key or its PEM file) signs every manifest committed here.
-        With ``trusted_keys`` (one or several: key rotation; none or empty: no check) a manifest
-        is refused with SignatureError unless one of them signed it, before it is used."""
+        """``signing_key`` (an ed25519 key or its PEM file) signs every manifest committed here,
+        and the refs (valid ``ref_ttl`` seconds). With ``trusted_keys`` (one or several: key
+        rotation; none or empty: no check) a manifest is refused with SignatureError unless one
+        of them signed it, before it is used; and refs with RefError unless signed, unexpired
+        (``ref_grace`` seconds past their expiry are accepted with a warning) and no older than
+        the newest in ``ref_memory`` (default: this object's own)."""
+        if not ref_ttl > 0 or not ref_grace >= 0:
+            raise UsageError(f"ref_ttl must be positive and ref_grace not negative, got {ref_ttl}, {ref_grace}")
         self.store = open_store(store) if isinstance(store, str) else store
         self.url = self.store.url
         self.signing_key = load_signing_key(signing_key) if signing_key is not None else None
         trusted = TrustedKeys.of(trusted_keys) if trusted_keys is not None else None
         self.trusted_keys = trusted or None
+        self.ref_ttl = ref_ttl
+        self.ref_grace = ref_grace
+        self.ref_memory: RefMemory = ref_memory if ref_memory is not None else MemoryRefs()
         self._manifests: dict[int, ManifestInfo] = {}
         self._squashes: dict[tuple[int, int], ManifestInfo] = {}
         self._lock = threading.Lock()
@@ -146,10 +310,16 @@ class Repository:
         return sorted(out)
 
     def latest(self) -> int | None:
-        """The newest committed version, or None for an empty repository."""
+        """The newest committed version, or None for an empty repository. With trusted keys,
+        ``refs/latest`` must be a valid signed ref (RefError otherwise, see the module doc)."""
+        if self.trusted_keys is not None:
+            return self._trusted_latest()
+        return self._listed_latest()
+
+    def _listed_latest(self) -> int | None:
         try:
-            hint = int(self.store.get(LATEST).decode().strip())
-        except (ObjectNotFoundError, ValueError, UnicodeDecodeError):
+            hint = ref_hint(self.store.get(LATEST)) or 0
+        except ObjectNotFoundError:
             hint = 0
         # The ref is a hint: a publisher may die between manifest and ref. Manifests rule.
         versions = self.versions()
@@ -158,29 +328,190 @@ class Repository:
             return None
         return max(newest, hint) if hint in versions else newest
 
+    def _trusted_latest(self) -> int | None:
+        ref = self.read_ref("latest")  # before listing: a ref is written after its manifest
+        versions = self.versions()
+        if ref is None:
+            if versions:
+                raise RefError(LATEST, "is missing, and a trusted key is configured: the newest version cannot "
+                               "be told apart from a withheld one (the publisher writes it on every commit)")
+            return None
+        assert ref.version is not None  # parse_ref: a latest ref names a version
+        if ref.version not in versions:
+            raise RefError(LATEST, f"names {ref.describe()}, whose manifest is missing: the newest version is "
+                           "withheld or deleted from the store")
+        self.accept_ref(ref)
+        newest = versions[-1]
+        if newest > ref.version:
+            # A publisher died between its manifest and its ref: the newer manifest is signed
+            # (checked here), so serving it moves forward, never back.
+            self.manifest(newest)
+            return newest
+        return ref.version
+
+    def latest_ref(self) -> int | None:
+        """The version ``refs/latest`` names, checked as :meth:`latest` checks it but without
+        listing the manifests (cheap enough to poll); None when there is no ref. Without
+        trusted keys, the unchecked hint."""
+        if self.trusted_keys is None:
+            try:
+                return ref_hint(self.store.get(LATEST))
+            except ObjectNotFoundError:
+                return None
+        ref = self.read_ref("latest")
+        if ref is None:
+            return None
+        self.accept_ref(ref)
+        return ref.version
+
+    # -- refs: reading, checking, writing ----------------------------------------------------
+
+    def read_ref(self, name: str) -> Ref | None:
+        """``refs/<name>`` parsed (None when absent); with trusted keys, checked: signed by one
+        of them, unexpired (a warning within ``ref_grace``), no older than the newest seen."""
+        key = REF_KEYS[name]
+        try:
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            return None
+        ref = parse_ref(name, raw)
+        trusted = self.trusted_keys
+        if trusted is None:
+            return ref
+        try:
+            if not ref.signed or ref.body is None:
+                raise RefError(key, f"is unsigned (it names {ref.describe().removesuffix(' (unsigned)')}) and a trusted "
+                               "key is configured: refusing it "
+                               "(a publisher with a signing key signs its refs; `deltasync refresh-refs` signs old ones)")
+            trusted.verify_ref(key, ref.body)
+        except RefError:
+            if ref.version is not None:
+                # A repository not signed by our keys says so best through its manifest's refusal.
+                with contextlib.suppress(VersionNotFoundError, CorruptObjectError):
+                    self.manifest(ref.version)
+            raise
+        now = time.time()
+        if now > ref.expires_unix:
+            late = now - ref.expires_unix
+            expired = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ref.expires_unix))
+            if late > self.ref_grace:
+                raise RefError(key, f"expired at {expired} ({late:.0f}s ago; {ref.describe()}): the publisher "
+                               "re-signs it on every publish and pin, and with `deltasync refresh-refs`")
+            if (self.url, key, ref.counter) not in _warned:  # once per ref, not once per poll
+                _warned.add((self.url, key, ref.counter))
+                log.warning("%s expired at %s (%.0fs ago); accepted within the %.0fs grace: run `deltasync "
+                            "refresh-refs` on the publisher", key, expired, late, self.ref_grace)
+        seen = self.ref_memory.seen_ref(name)
+        if seen is not None:
+            counter, version = seen
+            if ref.counter < counter:
+                shown = f"version {version}" if version is not None else "no version"
+                raise RefError(key, f"is older than one already seen ({ref.describe()}; seen counter {counter}, "
+                               f"{shown}): a replayed ref, refused")
+            if ref.counter == counter and ref.version != version:
+                raise RefError(key, f"names {ref.describe()}, but counter {counter} named version {version}")
+        return ref
+
+    def accept_ref(self, ref: Ref) -> None:
+        """Check that a signed ref's version is committed with the manifest it signed, then
+        remember it (later refs must be at least as new). Without trusted keys: nothing."""
+        if self.trusted_keys is None or not ref.signed:
+            return
+        if ref.version is not None:
+            try:
+                info = self.manifest(ref.version)
+            except VersionNotFoundError:
+                raise RefError(ref.key, f"names {ref.describe()}, whose manifest is missing: withheld or deleted "
+                               "from the store") from None
+            if digest(serialize(info.pb)) != ref.manifest_digest:
+                raise RefError(ref.key, f"names {ref.describe()} with another manifest than the one stored")
+        self.ref_memory.saw_ref(ref.name, ref.counter, ref.version)
+
+    def _own_ref(self, name: str) -> Ref | None:
+        """Our signing key's own ref ``name`` as stored, None when absent, unsigned or not ours."""
+        assert self.signing_key is not None
+        try:
+            ref = parse_ref(name, self.store.get(REF_KEYS[name]))
+        except (ObjectNotFoundError, CorruptObjectError):
+            return None
+        if not ref.signed or ref.body is None or not ref_signed_by(ref.body, self.signing_key.public_key()):
+            return None
+        return ref
+
+    def _write_ref(self, name: str, version: int | None) -> None:
+        """Write ``refs/<name>``: plain without a signing key (None: delete it), else signed."""
+        key = REF_KEYS[name]
+        if self.signing_key is None:
+            if name == "pin" and _is_signed(self.store):
+                raise UsageError("this repository's refs are signed: sign the pin with the publisher's key "
+                                 "(--signing-key); subscribers with trusted keys refuse an unsigned one")
+            if version is None:
+                self.store.delete(key)
+            else:
+                self.store.put(key, f"{version}\n".encode())
+            return
+        # Higher than any counter of ours in the store, and at least the time in milliseconds,
+        # so a store rolled back under the publisher does not make it reuse counters.
+        own = [r.counter + 1 for r in (self._own_ref("latest"), self._own_ref("pin")) if r is not None]
+        counter = min(max([time.time_ns() // 1_000_000, *own]), _MAX_COUNTER)
+        now = int(time.time())
+        whole = digest(serialize(self.manifest(version).pb)).hex() if version is not None else ""
+        body = {"format": 1, "name": name, "version": version, "counter": counter, "issued_unix": now,
+                "expires_unix": now + max(1, round(self.ref_ttl)), "manifest": whole}
+        signed = sign_ref(body, self.signing_key)
+        self.store.put(key, (json.dumps(signed, sort_keys=True, separators=(",", ":")) + "\n").encode())
+
+    def refresh_refs(self) -> tuple[int | None, int | None]:
+        """Re-sign ``refs/latest`` (and ``refs/pin``, if one of ours) with a new counter and
+        expiry: what a publisher that has nothing new to publish runs within every ``ref_ttl``.
+        Returns (latest, pinned)."""
+        if self.signing_key is None:
+            raise UsageError("refreshing refs needs the publisher's signing key")
+        self.ensure_exists()
+        own_latest = self._own_ref("latest")
+        listed = self._listed_latest()
+        if own_latest is not None and own_latest.version is not None and own_latest.version not in self.versions():
+            raise RefError(LATEST, f"names {own_latest.describe()}, whose manifest is missing: refusing to sign an "
+                           "older latest (that would hide it); restore the manifest or publish again")
+        latest = max((v for v in (listed, own_latest.version if own_latest else None) if v is not None), default=None)
+        if latest is not None:
+            self._write_ref("latest", latest)
+        try:
+            pin = parse_ref("pin", self.store.get(PIN))
+        except ObjectNotFoundError:
+            return latest, None
+        if self._own_ref("pin") is None and pin.version is not None:
+            raise RefError(PIN, f"names {pin.describe()} but is not signed by this key: pin it again with the "
+                           "signing key (`deltasync pin --signing-key`) or clear it")
+        self._write_ref("pin", pin.version)
+        return latest, pin.version
+
     # -- the pin: which version following subscribers serve ---------------------------------
 
     def pinned(self) -> int | None:
-        """The pinned version, or None when subscribers follow the latest."""
-        try:
-            raw = self.store.get(PIN)
-        except ObjectNotFoundError:
+        """The pinned version, or None when subscribers follow the latest. With trusted keys,
+        ``refs/pin`` must be a valid signed ref (RefError otherwise), and a pin seen before
+        may not vanish (the publisher clears a pin by signing an empty one)."""
+        ref = self.read_ref("pin")
+        if ref is None:
+            seen = self.ref_memory.seen_ref("pin") if self.trusted_keys is not None else None
+            if seen is not None and seen[1] is not None:
+                raise RefError(PIN, f"is missing, but a signed pin to version {seen[1]} was seen (counter "
+                               f"{seen[0]}): deleted from the store? (a publisher clears a pin by signing an empty one)")
             return None
-        try:
-            text = raw.decode().strip()
-            return int(text) if text else None
-        except (UnicodeDecodeError, ValueError):
-            raise CorruptObjectError(PIN, f"not a version id: {raw[:40]!r}") from None
+        self.accept_ref(ref)
+        return ref.version
 
     def pin(self, version: int | None) -> None:
         """Make following subscribers serve ``version`` (a committed one), forward or back,
-        e.g. after an evaluation gate failed; None clears the pin: they follow the latest again."""
+        e.g. after an evaluation gate failed; None clears the pin: they follow the latest again.
+        With a signing key the pin is signed (and a cleared pin is a signed empty one)."""
         if version is None:
-            self.store.delete(PIN)
+            self._write_ref("pin", None)
             return
         self.ensure_exists()
         self.manifest(version)  # only a committed version can be pinned
-        self.store.put(PIN, f"{version}\n".encode())
+        self._write_ref("pin", version)
 
     def manifest(self, version: int) -> ManifestInfo:
         """The validated manifest of ``version`` (cached: versions are immutable)."""
@@ -247,7 +578,7 @@ class Repository:
         """
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
-        data = serialize(manifest)
+        data = seal(manifest)  # last: the whole-manifest digest covers the signature too
         # Never commit what we can't read (a signer not among our own trusted keys included).
         info = parse_manifest(data, expect_version=manifest.version, authenticate=self._authenticator(manifest.version))
         try:
@@ -256,9 +587,9 @@ class Repository:
             raise VersionConflictError(manifest.version) from None
         with self._lock:
             self._manifests[manifest.version] = info
-        latest = self.latest()
+        latest = self._listed_latest()
         if latest is None or manifest.version >= latest:
-            self.store.put(LATEST, f"{manifest.version}\n".encode())
+            self._write_ref("latest", manifest.version)
         return info
 
     # -- squashes: extra edges A -> C of the version graph, never commits ---------------------
@@ -300,7 +631,7 @@ class Repository:
         a, c = manifest.parent, manifest.version
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
-        data = serialize(manifest)
+        data = seal(manifest)
         info = parse_manifest(data, expect_version=c, authenticate=self._authenticator(c))
         _check_squash(info, self.manifest(a), self.manifest(c))
         self.store.put(squash_key(a, c), data, if_absent=True)
