@@ -385,35 +385,6 @@ class StateDB:
 
         self._write(fn)
 
-    # -- refs: the newest signed refs this copy accepted (repo/repository.py RefMemory) ---------
-
-    def seen_ref(self, name: str) -> tuple[int, int | None] | None:
-        """(counter, version) of the newest signed ``refs/<name>`` accepted for this copy:
-        a ref older than that is a replay (kept here so it survives restarts)."""
-        entry = (self._json("refs") or {}).get(name)
-        if not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int:
-            return None
-        version = entry[1] if type(entry[1]) is int else None
-        return entry[0], version
-
-    def saw_ref(self, name: str, counter: int, version: int | None) -> None:
-        """Record an accepted signed ref, if newer than the one recorded (one transaction)."""
-
-        def fn(txn: lmdb.Transaction) -> None:
-            raw = txn.get(b"refs")
-            current: dict[str, Any] = {}
-            if raw is not None:
-                with contextlib.suppress(ValueError):
-                    loaded = json.loads(bytes(raw))
-                    current = loaded if isinstance(loaded, dict) else {}
-            held = current.get(name)
-            if isinstance(held, list) and held and type(held[0]) is int and held[0] >= counter:
-                return
-            current[name] = [counter, version]
-            txn.put(b"refs", json.dumps(current).encode())
-
-        self._write(fn)
-
     def stats(self) -> dict[str, Any]:
         return self._json("stats") or {}
 
