@@ -266,8 +266,7 @@ def test_a_blob_file_that_would_not_pull_does_not_verify(local_repo_url: str, tm
     else:
         _rewrite(local_repo_url, 1, edit)
         # A part of another size than the file's share is refused as it is read (pipeline.blob_parts).
-        expected = (r"^corrupt version 1: (file config\.json: rebuilt bytes do not match the manifest digest|"
-                    r"blobs/[0-9a-f]{32}: blob claims \d+ bytes; the manifest implies \d+)$")
+        expected = r"^corrupt version 1: (file config\.json|blobs/[0-9a-f]{32}): "
     with pytest.raises(CorruptObjectError, match=expected):
         verify_repository(local_repo_url)
     with pytest.raises(DeltasyncError):
