@@ -1,20 +1,24 @@
 """What a vLLM worker loads for a version, and where it reads it from (no vLLM import here).
 
 The deltasync weight-transfer backend (:mod:`deltasync.engines.vllm_backend`) runs inside
-every vLLM worker. For a target version it loads, through the model's own weight loader,
-only the checkpoint tensors of the *modules* that change:
+every vLLM worker. For a target version it applies, through the model's own weight loader,
+only what changes:
 
 * A checkpoint tensor changes when any of its chunk digests (or its shape or dtype) differs
   between the version the worker holds and the target. Manifests say so; no weight is read.
-* vLLM fuses checkpoint tensors into one runtime parameter (``q_proj``/``k_proj``/``v_proj``
-  into ``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``, as the model's
-  ``packed_modules_mapping`` says), and its layerwise reload rebuilds a module from *all* of
-  its checkpoint tensors (on CPU the runtime weight is a packed copy for the GEMM kernels, so
-  the old values cannot be patched in place). So a changed tensor brings in every checkpoint
-  tensor of its module: a *group*.
-* Tensors are read from the agent's directory copy when it serves the target (the agent
-  fetched and decoded the version once; the worker reads only the groups it loads, and checks
-  every chunk against its digest), else pulled from the repository (only those tensors' chunks).
+* A changed tensor whose runtime parameter takes sparse patches (the backend probes that:
+  :mod:`deltasync.engines.vllm_sparse`) and whose new values a sparse patch carries exactly
+  (:data:`SPARSE_DTYPES`, no NaN) is patched in place: only the elements whose bits differ,
+  found by reading it in both versions (:func:`read_changes`, :func:`diff_tensor`).
+* Any other changed tensor is *dense*: vLLM fuses checkpoint tensors into one runtime
+  parameter (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``, ``gate_proj``/``up_proj``
+  into ``gate_up_proj``, as the model's ``packed_modules_mapping`` says), and its layerwise
+  reload rebuilds a module from *all* of its checkpoint tensors (on CPU the runtime weight is
+  a packed copy for the GEMM kernels, so the old values cannot be patched in place). So it
+  brings in every checkpoint tensor of its module: a *group* (:func:`plan_update`).
+* Tensors are read from the agent's directory copy when it holds the version (the agent
+  fetched and decoded it once; the worker reads only what it needs, and checks every chunk
+  against its digest), else pulled from the repository (only those tensors' chunks).
 """
 
 from __future__ import annotations
