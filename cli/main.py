@@ -45,11 +45,12 @@ def _emit_json(obj: object) -> None:
 
 
 def _json_default(o: object) -> object:
+    """JSON for what results hold besides plain values: dataclasses, sets, paths."""
     if dataclasses.is_dataclass(o) and not isinstance(o, type):
         return dataclasses.asdict(o)
-    if isinstance(o, (Path, tuple, set, frozenset)):
-        return sorted(o) if isinstance(o, (set, frozenset)) else (str(o) if isinstance(o, Path) else list(o))
-    return str(o)
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    return str(o)  # Path and anything else: its text
 
 
 def _local_dir(positional: Path | None, out: Path | None, command: str) -> Path:
