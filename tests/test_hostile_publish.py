@@ -39,7 +39,6 @@ import deltasync.publish.encode as encode_mod
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
 from deltasync.errors import CheckpointError, CorruptObjectError, StoreError
 from deltasync.format.manifest import manifest_key
-from deltasync.publish import publisher as publisher_mod
 from deltasync.pull.state import read_local_state
 from deltasync.repo.retention import collect, temp_files
 from deltasync.repo.verify import verify_repository
@@ -133,7 +132,7 @@ def _full_disk(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         copied.append(str(dst))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
 
-    monkeypatch.setattr(publisher_mod.shutil, "copyfile", no_space)
+    monkeypatch.setattr("deltasync.publish.publisher.shutil.copyfile", no_space)
     return copied
 
 
@@ -343,6 +342,103 @@ def test_cli_gc_on_every_attempt_is_one_error_line(tmp_path: Path) -> None:
     assert lines[-1].startswith("deltasync: error: version 2 not committed: "), r.err
     assert all(line.startswith("deltasync: warning: ") or "storing it again" in line for line in lines[:-1]), r.err
     assert Repository(str(tmp_path / "repo")).versions() == [1]
+
+
+WORLD = 2
+
+
+def _rank_state(step: int, rank: int) -> dict[str, Any]:
+    import deltasync
+
+    g = torch.Generator().manual_seed(99)
+    full = torch.randn(64, 256, generator=g).bfloat16()
+    for k in range(step):
+        full.view(-1)[(k * 131) % full.numel()] += 1.0
+    rows = 64 // WORLD
+    return {"w": deltasync.Slice(full[rank * rows : (rank + 1) * rows].clone(), (rank * rows, 0), (64, 256))}
+
+
+def _distributed_worker(rank: int, port: int, url: str, times: int, queue: Any) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    from deltasync import DistributedPublisher, DistributedPublishError
+    from deltasync.publish.distributed import DistributedPublisher as cls
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        pub = DistributedPublisher(url, config(), timeout=60)
+        out: list[Any] = [int(pub.publish(_rank_state(0, rank)))]
+        original = cls._finish
+        runs: list[list[str]] = []  # what each gc deleted
+
+        def finish(self: Any, *a: Any, **kw: Any) -> Any:
+            # Rank 0, after every rank's packs are durable and before the commit: a gc with no grace.
+            if len(runs) < times:
+                collect(url, keep_last=1000, grace_seconds=0)
+                runs.append(collect(url, keep_last=1000, grace_seconds=0).packs_deleted)
+            return original(self, *a, **kw)
+
+        cls._finish = finish  # type: ignore[method-assign]
+        try:
+            out.append(int(pub.publish(_rank_state(1, rank))))
+        except DistributedPublishError as e:
+            out.append(f"error: {e}")
+        cls._finish = original  # type: ignore[method-assign]
+        out.append(int(pub.publish(_rank_state(2, rank))))
+        out.append([len(r) for r in runs])
+        queue.put((rank, out, None))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("times", [1, 100])
+def test_distributed_publish_racing_gc_stores_packs_again_or_fails_on_every_rank(s3_url: str, times: int) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    procs = [ctx.Process(target=_distributed_worker, args=(r, port, s3_url, times, queue)) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, list[Any]] = {}
+    try:
+        for _ in range(WORLD):
+            rank, out, err = queue.get(timeout=240)
+            assert err is None, f"rank {rank} crashed:\n{err}"
+            results[rank] = out
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    deleted = results[0][3]
+    assert deleted and deleted[0] > 0, "gc deleted nothing: no race"
+    if times == 1:
+        assert results[0][:3] == results[1][:3] == [1, 2, 3]
+    else:
+        # One gc per check; a restored delta (its lost chunks stored in full) may also pass
+        # max_delta_fraction and be encoded again as a snapshot, which gc races once more.
+        assert len(deleted) >= encode_mod.COMMIT_ATTEMPTS, results
+        for rank in range(WORLD):
+            first, failed, retried = results[rank][:3]
+            assert first == 1 and retried == 2
+            assert isinstance(failed, str), results
+            assert "version 2 not committed" in failed and "again after 3 attempts" in failed, failed
+            assert "nothing was committed" in failed
+    sub = Subscriber(s3_url, progress=False)
+    for v in Repository(s3_url).versions():
+        got = sub.pull(v)["w"]
+        step = v - 1 if times == 1 else {1: 0, 2: 2}[v]
+        want = torch.cat([_rank_state(step, r)["w"].tensor for r in range(WORLD)])
+        assert bits(got) == bits(want), v
+    assert verify_repository(s3_url, progress=False).versions == Repository(s3_url).versions()
 
 
 # == 7a. checkpoint directories ===================================================================

@@ -33,6 +33,7 @@ from .encode import (
     SourceTensor,
     abandon,
     commit,
+    deleted_error,
     encode,
     log,
     memory_bases,
@@ -239,7 +240,9 @@ class DistributedPublisher:
         merged = Encoded(tensors, packs, stored, sum(res["raw"] for res in results), set())
         try:
             missing = missing_objects(self.repo.store, [], merged)
-            if missing and restores < COMMIT_ATTEMPTS - 1:
+            if missing and restores >= COMMIT_ATTEMPTS - 1:
+                raise deleted_error(decision.version, missing, restores + 1)
+            if missing:
                 log.warning("version %d: %d pack(s) deleted before the commit (a gc with a --grace shorter than this "
                             "publish?); storing them again (attempt %d of %d)", decision.version, len(missing),
                             restores + 2, COMMIT_ATTEMPTS)

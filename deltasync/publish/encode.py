@@ -420,11 +420,7 @@ def commit(
         if not missing:
             break
         if restore is None or attempt == COMMIT_ATTEMPTS:
-            raise StoreError(
-                f"version {version} not committed: {_some(missing)} deleted while publishing"
-                f"{f', again after {attempt} attempts to store it' if attempt > 1 else ''} (a gc with a --grace shorter "
-                "than a publish?); nothing of it is visible, publish again"
-            )
+            raise deleted_error(version, missing, attempt)
         log.warning("version %d: %s deleted before the commit (a gc with a --grace shorter than this publish?); "
                     "storing it again (attempt %d of %d)", version, _some(missing), attempt + 1, COMMIT_ATTEMPTS)
         encoded = restore(encoded, set(missing))
@@ -441,6 +437,15 @@ def commit(
                          "published as a snapshot (--no-cache)")
     return PublishResult(version, kind="snapshot" if is_snapshot else "delta", parent=parent, raw_bytes=encoded.raw,
                          stored_bytes=manifest.stored_bytes, seconds=time.monotonic() - start)
+
+
+def deleted_error(version: int, missing: Sequence[str], attempts: int) -> StoreError:
+    """The publish of ``version`` gives up: ``missing`` objects are gone after ``attempts`` checks."""
+    return StoreError(
+        f"version {version} not committed: {_some(missing)} deleted while publishing"
+        f"{f', again after {attempts} attempts to store it' if attempts > 1 else ''} (a gc with a --grace shorter "
+        "than a publish?); nothing of it is visible, publish again"
+    )
 
 
 def _some(keys: Sequence[str]) -> str:
