@@ -140,8 +140,8 @@ class LocalStore(Store):
         for dirpath, _dirnames, filenames in os.walk(start):
             rel = os.path.relpath(dirpath, self.root)
             for name in filenames:
-                if is_temp_name(name) or os.path.islink(os.path.join(dirpath, name)):
-                    continue  # a link is no object of this store (see _open)
+                if is_temp_name(name) or not _regular(os.path.join(dirpath, name)):
+                    continue  # links and special files are no objects of this store (see _open)
                 key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
                 if key.startswith(prefix):
                     keys.append(key)
@@ -199,3 +199,11 @@ class LocalStore(Store):
             return os.fstat(fd).st_size
         finally:
             os.close(fd)
+
+
+def _regular(path: str) -> bool:
+    """A regular file, not a link to one (lstat: one call per listed name)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False  # removed meanwhile

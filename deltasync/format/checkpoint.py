@@ -13,6 +13,7 @@ import os
 import stat
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,16 +236,23 @@ def _check_index(root: Path, files: list[str]) -> None:
         raise CheckpointError(str(root / INDEX_NAME), f"names missing shard(s): {', '.join(map(str, missing))}")
 
 
-def build_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[int]]:
+def build_header(tensors: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[int]]:
     """A safetensors header for (name, dtype, shape, nbytes) in order; returns header and offsets."""
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    # Written entry by entry, byte for byte what json.dumps(separators=(",", ":")) makes of
+    # the dict of entries: a version of a million tensors (a hostile manifest's, say) must
+    # not become a million dicts first. Names are unique here (as in a dict).
+    parts = ['{"__metadata__":{"format":"pt"}']
     offsets: list[int] = []
     pos = 0
     for name, dtype, shape, nbytes in tensors:
-        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        dims = ",".join(map(str, shape))
+        fields = f'"dtype":{json.dumps(dtype)},"shape":[{dims}],"data_offsets":[{pos},{pos + nbytes}]'
+        parts.append(f",{json.dumps(name)}:{{{fields}}}")
         offsets.append(pos)
         pos += nbytes
-    body = json.dumps(entries, separators=(",", ":")).encode()
+    parts.append("}")
+    body = "".join(parts).encode()
+    del parts
     body += b" " * (-len(body) % 8)  # safetensors pads the header to 8-byte alignment
     return _U64.pack(len(body)) + body, offsets
 

@@ -40,7 +40,7 @@ FORMAT = 1
 #: proportion to its bytes, which are read only up to MAX_MANIFEST_BYTES) and what pulling it
 #: may allocate, read and write (chunk and payload sizes, pack ranges, file sizes).
 MAX_MANIFEST_BYTES = 64 << 20  # about 900k chunks: 3.5 TiB of weights in 4 MiB chunks
-MAX_TENSORS = 1_000_000
+MAX_TENSORS = 1 << 18  # the largest MoE checkpoints hold ~150k; a pull costs ~1 kB per tensor
 MAX_CHUNKS = 2_000_000
 MAX_PACKS = 1_000_000
 MAX_PACK_BYTES = 1 << 36  # 64 GiB; packs close at pack_bytes (64 MiB by default)

@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..errors import ObjectTooLargeError
 from ..storage import Store
 
 
@@ -59,14 +60,22 @@ class PackFetcher:
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:  # single flight: one reader fetches the pack, the rest wait for it
+            if not self._whole(key):  # an earlier reader found it larger than declared
+                return self._read(key, (offset, length))
             with self._lock:
                 data = self._cache.get(key)
                 if data is not None:
                     self._cache.move_to_end(key)
             if data is None:
-                # Whole, but never beyond the size the verified manifest declares: a pack
-                # that grew on the store is refused before it is read.
-                data = self._read(key, None, max_bytes=self._usage[key].size)
+                # Whole, but never beyond the size the verified manifest declares. A pack
+                # larger than that is not read whole: its chunks are read by their ranges,
+                # which the manifest declares and their digests check.
+                try:
+                    data = self._read(key, None, max_bytes=self._usage[key].size)
+                except ObjectTooLargeError:
+                    with self._lock:
+                        self._usage[key].expected = 0  # ranged reads from now on
+                    return self._read(key, (offset, length))
                 with self._lock:
                     self._cache[key] = data
                     self._cached_bytes += len(data)

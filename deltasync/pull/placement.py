@@ -130,7 +130,7 @@ def library_layout(info: ManifestInfo) -> tuple[bytes, dict[str, int]]:
     """The safetensors header of a version published from a state dict, and each tensor's
     data offset in it (sliced tensors appear once, whole, in their logical shape)."""
     firsts = first_of_each_name(info)
-    header, offsets = build_header([
+    header, offsets = build_header(  # a generator: no list of every entry's fields first
         (t.name, t.dtype, logical_shape(t), math.prod(logical_shape(t)) * dtypes.itemsize(t.dtype)) for t in firsts
-    ])
+    )
     return header, {t.name: o for t, o in zip(firsts, offsets, strict=True)}

@@ -48,7 +48,7 @@ import grpc
 import grpc.aio
 
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError, UsageError
-from ..repo.repository import LATEST, Repository, ref_hint
+from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, ref_hint
 from ..storage import Store, check_key, open_store
 from ..storage._base import MAX_OFFSET
 from ..storage._grpc import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE, GrpcStore, VersionWatch
@@ -687,8 +687,8 @@ class _VersionFeed:
         try:
             # Either form of the ref (plain or signed); only a hint to list sooner: the relay
             # holds no keys, its subscribers check signed refs themselves.
-            hint: int | None = ref_hint(self.upstream.get(LATEST))
-        except ObjectNotFoundError:
+            hint: int | None = ref_hint(self.upstream.get(LATEST, max_bytes=MAX_REF_BYTES))
+        except (ObjectNotFoundError, ObjectTooLargeError):  # no hint, or none readable
             hint = None
         now = time.monotonic()
         if (hint is None or hint <= self.latest) and now < self._next_scan:

@@ -46,6 +46,7 @@ from ..errors import (
     EmptyRepositoryError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectTooLargeError,
     RefError,
     RepositoryFormatError,
     RepositoryNotFoundError,
@@ -318,8 +319,8 @@ class Repository:
 
     def _listed_latest(self) -> int | None:
         try:
-            hint = ref_hint(self.store.get(LATEST)) or 0
-        except ObjectNotFoundError:
+            hint = ref_hint(self.store.get(LATEST, max_bytes=MAX_REF_BYTES)) or 0
+        except (ObjectNotFoundError, ObjectTooLargeError):  # no hint, or none readable
             hint = 0
         # The ref is a hint: a publisher may die between manifest and ref. Manifests rule.
         versions = self.versions()
@@ -355,8 +356,8 @@ class Repository:
         trusted keys, the unchecked hint."""
         if self.trusted_keys is None:
             try:
-                return ref_hint(self.store.get(LATEST))
-            except ObjectNotFoundError:
+                return ref_hint(self.store.get(LATEST, max_bytes=MAX_REF_BYTES))
+            except (ObjectNotFoundError, ObjectTooLargeError):
                 return None
         ref = self.read_ref("latest")
         if ref is None:
@@ -371,7 +372,7 @@ class Repository:
         of them, unexpired (a warning within ``ref_grace``), no older than the newest seen."""
         key = REF_KEYS[name]
         try:
-            raw = self.store.get(key)
+            raw = self.store.get(key, max_bytes=MAX_REF_BYTES)  # never read a hostile 2 GiB ref whole
         except ObjectNotFoundError:
             return None
         ref = parse_ref(name, raw)
@@ -431,7 +432,7 @@ class Repository:
         """Our signing key's own ref ``name`` as stored, None when absent, unsigned or not ours."""
         assert self.signing_key is not None
         try:
-            ref = parse_ref(name, self.store.get(REF_KEYS[name]))
+            ref = parse_ref(name, self.store.get(REF_KEYS[name], max_bytes=MAX_REF_BYTES))
         except (ObjectNotFoundError, CorruptObjectError):
             return None
         if not ref.signed or ref.body is None or not ref_signed_by(ref.body, self.signing_key.public_key()):
@@ -477,7 +478,7 @@ class Repository:
         if latest is not None:
             self._write_ref("latest", latest)
         try:
-            pin = parse_ref("pin", self.store.get(PIN))
+            pin = parse_ref("pin", self.store.get(PIN, max_bytes=MAX_REF_BYTES))
         except ObjectNotFoundError:
             return latest, None
         if self._own_ref("pin") is None and pin.version is not None:
