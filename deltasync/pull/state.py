@@ -483,7 +483,7 @@ def copy_lock(root: str | os.PathLike[str]) -> Iterator[None]:
     with _locks_guard:
         held = _locks.get(key)
         if held is None:
-            fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(sdir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
