@@ -231,7 +231,7 @@ class GrpcStore(Store):
         def attempt(relay: _Relay) -> bytes:
             call = relay.get(download.request(), timeout=self.timeout)
             try:
-                for chunk in call:
+                for chunk in _Stream(call):
                     download.feed(chunk)
             finally:
                 call.cancel()  # a refused stream (too large, too long) is not read to its end
@@ -248,7 +248,7 @@ class GrpcStore(Store):
     def _list(self, prefix: str) -> Iterator[str]:
         def attempt(relay: _Relay) -> list[str]:
             keys: list[str] = []
-            for batch in relay.list(pb.ListRequest(prefix=prefix), timeout=self.timeout):
+            for batch in _Stream(relay.list(pb.ListRequest(prefix=prefix), timeout=self.timeout)):
                 keys.extend(batch.keys)
             return keys
 
@@ -360,21 +360,18 @@ class _Download:
 class VersionWatch(Iterator[int]):
     """Iterator over newly committed versions (see :meth:`GrpcStore.watch`).
 
-    Each Watch stream is read on a helper thread and handed over through a queue: grpcio (1.85)
-    can leave a read blocked for good when a relay stops just as the stream opens (the call has
-    its status, the read never completes, and ``cancel()`` is then a no-op). Reading through a
-    queue lets the watch see that the call is over, move to the next relay, and ``close()`` at
-    once, whatever the stuck read does.
+    Each Watch stream is read through a :class:`_Stream`, so ``close()`` ends the watch at once
+    whatever state it is in: opening a stream, reading one, pausing between relays, or left on
+    a call that grpcio will never finish reading.
     """
 
     def __init__(self, store: GrpcStore, after_version: int) -> None:
         self.store = store
         self.last = after_version  # newest version yielded (or known to the caller)
         self.latest = after_version  # newest version a relay reported, keepalives included
-        self._lock = threading.Lock()
-        self._call: Any = None
-        self._inbox: queue.Queue[Any] | None = None
-        self._closed = False
+        self._lock = threading.Lock()  # orders close() against opening the next stream
+        self._stream: _Stream | None = None
+        self._closed = threading.Event()
         self._events = self._run()
 
     def __iter__(self) -> VersionWatch:
@@ -386,12 +383,14 @@ class VersionWatch(Iterator[int]):
     def close(self) -> None:
         """End the watch; a thread blocked in ``next()`` gets StopIteration."""
         with self._lock:
-            self._closed = True
-            call, inbox = self._call, self._inbox
-        if call is not None:
-            call.cancel()
-        if inbox is not None:
-            inbox.put(_CLOSED)
+            self._closed.set()
+            stream = self._stream
+        if stream is not None:
+            stream.interrupt()
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait between rounds over the relays; True when ``close()`` came first."""
+        return self._closed.wait(seconds)
 
     def _run(self) -> Iterator[int]:
         relays = self.store._relays
@@ -400,76 +399,94 @@ class VersionWatch(Iterator[int]):
         while True:
             relay = relays[index]
             with self._lock:
-                if self._closed:
+                if self._closed.is_set():
                     return
-                self._call = call = relay.watch(pb.WatchRequest(after_version=self.last))
-                self._inbox = inbox = queue.Queue()
-            threading.Thread(target=_read_stream, args=(call, inbox), name="deltasync-watch-read", daemon=True).start()
+                self._stream = stream = _Stream(relay.watch(pb.WatchRequest(after_version=self.last)))
             try:
-                for event in _drain(call, inbox):
+                for event in stream:
                     failures = 0
                     self.store._preferred = index
                     self.latest = max(self.latest, event.latest)
-                    if event.version > self.last:
+                    if event.version > self.last and not self._closed.is_set():
                         self.last = event.version
                         yield event.version
-                if self._closed:
-                    return
                 error = "the relay ended the stream"
             except grpc.RpcError as e:
-                if self._closed:
+                if self._closed.is_set():
                     return
                 if e.code() not in FAILOVER_CODES:
                     raise translate(e, "watch", None, relay.address) from None
                 error = describe(e)
             finally:
-                call.cancel()  # a no-op once the call is over; ends it when the consumer stops early
+                stream.cancel()  # ends the call when the consumer stops early
+            if self._closed.is_set():
+                return
             failures += 1
             if failures >= _ROUNDS * len(relays):
                 raise StoreError(f"cannot watch {self.store.url}: no relay answered (last error, from {relay.address}: {error})")
             index = (index + 1) % len(relays)
-            if index == self.store._preferred or len(relays) == 1:
-                time.sleep(_ROUND_PAUSE)
-
-
-_CLOSED = object()  # put in a watch's inbox by close()
-_STREAM_END = object()  # put by the reader when the stream ended cleanly
-_WATCH_POLL = 0.25  # seconds between looks at a call that sends nothing
-_READ_GRACE = 1.0  # seconds a finished call's reader gets to hand over what it read
-
-
-def _read_stream(call: Any, inbox: queue.Queue[Any]) -> None:
-    try:
-        for event in call:
-            inbox.put(event)
-        inbox.put(_STREAM_END)
-    except BaseException as e:
-        inbox.put(e)
-
-
-def _drain(call: Any, inbox: queue.Queue[Any]) -> Iterator[Any]:
-    """The events of one Watch call as its reader hands them over; raises the call's error.
-
-    Ends when the reader says the stream ended, when ``close()`` posts to the inbox, or when the
-    call has its status and the reader has handed nothing over for ``_READ_GRACE`` seconds."""
-    finished_at: float | None = None
-    while True:
-        try:
-            item = inbox.get(timeout=_WATCH_POLL)
-        except queue.Empty:
-            if not call.done():
-                continue
-            now = time.monotonic()
-            if finished_at is None:
-                finished_at = now
-            if now - finished_at < _READ_GRACE:
-                continue
-            if call.code() == grpc.StatusCode.OK:
+            if (index == self.store._preferred or len(relays) == 1) and self._pause(_ROUND_PAUSE):
                 return
-            raise call from None  # the finished call is itself the grpc.RpcError
-        if item is _STREAM_END or item is _CLOSED:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
 
+
+_END = object()  # from the reader: the stream ended with status OK
+_DONE = object()  # from the call's done callback: the call has its status
+_STOP = object()  # from interrupt()
+_READ_GRACE = 1.0  # seconds the reader of a failed call gets to hand over what it read
+
+
+class _Stream:
+    """The messages of one server-streaming call, read on a helper thread.
+
+    grpcio (1.85) can leave a read blocked for good when a call fails as its relay stops: the
+    call gets its status (UNAVAILABLE, connection refused) but its receive operations never
+    complete, so the read outlives ``cancel()`` (a no-op once there is a status) and any
+    deadline. Here the consumer waits on a queue instead, fed by the reader (messages, the end,
+    the error), by the call's done callback (the status is in) and by ``interrupt()``. A call
+    that failed and whose reader then hands over nothing for ``_READ_GRACE`` seconds is over:
+    its error is raised, and the stuck reader is left behind on its daemon thread.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._read, name="deltasync-grpc-read", daemon=True).start()
+        call.add_done_callback(self._on_done)
+
+    def _read(self) -> None:
+        try:
+            for message in self.call:
+                self._inbox.put(message)
+            self._inbox.put(_END)
+        except BaseException as e:  # handed to the consumer, which decides
+            self._inbox.put(e)
+
+    def _on_done(self, call: Any) -> None:
+        self._inbox.put(_DONE)
+
+    def cancel(self) -> None:
+        self.call.cancel()  # a no-op once the call is over
+
+    def interrupt(self) -> None:
+        """End the iteration now, from any thread."""
+        self._inbox.put(_STOP)
+        self.call.cancel()
+
+    def __iter__(self) -> Iterator[Any]:
+        failed = False  # the call has a status other than OK
+        try:
+            while True:
+                try:
+                    item = self._inbox.get(timeout=_READ_GRACE if failed else None)
+                except queue.Empty:
+                    raise self.call from None  # a finished call is itself the grpc.RpcError
+                if item is _DONE:
+                    failed = self.call.code() != grpc.StatusCode.OK
+                elif item is _END or item is _STOP:
+                    return
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            self.call.cancel()  # ends the call when the consumer stops early

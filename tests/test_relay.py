@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,16 +16,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 import deltasync.relay.server as relay_module
+import deltasync.storage._grpc as grpc_store
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
 from deltasync.errors import CorruptObjectError, ObjectNotFoundError, StoreError, UsageError
 from deltasync.relay.server import RelayServer, build_server, parse_size
 from deltasync.storage import LocalStore, Store, WrappingStore, open_store
-from deltasync.storage._grpc import GrpcStore, _Download, parse_grpc_url
+from deltasync.storage._grpc import GrpcStore, VersionWatch, _Download, parse_grpc_url
 from deltasync.storage.testing import ReadOnlyStoreConformance
 
 MiB = 1 << 20
@@ -124,16 +127,61 @@ class Watcher:
         except BaseException as e:
             self.events.put(e)
 
-    def next(self, timeout: float = 5.0) -> tuple[int, float]:
+    def next(self, timeout: float = 30.0) -> tuple[int, float]:
+        """The next version and its arrival time; the timeout only bounds a failure."""
         item = self.events.get(timeout=timeout)
         if isinstance(item, BaseException):
             raise item
         return item
 
     def close(self) -> None:
+        """Close the watch: its thread must end at once (10 s is slack for a loaded machine,
+        far below what a watch left waiting on a relay, a pause or a stuck read would take)."""
         self.watch.close()
-        self.thread.join(5)
-        assert not self.thread.is_alive()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the watch did not end on close()"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait for ``condition`` to hold; the timeout only bounds a failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+class StuckCall(grpc.RpcError):  # type: ignore[misc]
+    """What grpcio 1.85 sometimes makes of a Watch opened just as its relay stops: the call has
+    its status (UNAVAILABLE, connection refused) but a read on it never returns, and
+    ``cancel()`` does nothing since the call is over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = threading.Event()  # a reader is blocked in it
+        self.release = threading.Event()  # lets the reader go at the end of the test
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "failed to connect to all addresses; Connection refused"
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)
+
+    def __iter__(self) -> StuckCall:
+        return self
+
+    def __next__(self) -> Any:
+        self.reading.set()
+        self.release.wait()
+        raise self
 
 
 # -- the store conformance suite, read side --------------------------------------------------------
@@ -262,7 +310,7 @@ def test_relay_chain(published: tuple[str, Publisher, list[dict[str, bytes]]], s
     watcher = Watcher(GrpcStore(b.url), after=3)
     try:
         v4 = pub.publish(step(make_state(0), 4))
-        version, _ = watcher.next(timeout=5)
+        version, _ = watcher.next()
         assert version == v4
     finally:
         watcher.close()
@@ -282,11 +330,81 @@ def test_failover_to_the_next_relay(published: tuple[str, Publisher, list[dict[s
         assert raw(sub.pull(3)) == states[2]  # reads and the watch carry on through the second relay
         assert second.metrics()["requests"] > 0
         v4 = pub.publish(step(make_state(0), 4))
-        version, _ = watcher.next(timeout=5)
+        version, _ = watcher.next()
         assert version == v4
     finally:
         watcher.close()
     assert GrpcStore(f"grpc://127.0.0.1:1,{second.address}").get("deltasync.json")  # a dead first entry
+
+
+def test_a_watch_moves_on_from_a_stream_grpc_never_finishes_reading(
+    published: tuple[str, Publisher, list[dict[str, bytes]]], start_relay: StartRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _, _ = published
+    first, second = start_relay(url), start_relay(url)
+    store = GrpcStore(f"grpc://{first.address},{second.address}")
+    stuck = StuckCall()
+    monkeypatch.setattr(store._relays[0], "watch", lambda request, **kw: stuck)
+    watcher = Watcher(store)
+    try:
+        assert watcher.next()[0] == 3  # from the second relay, once the first call is seen to be over
+        assert stuck.reading.is_set() and second.metrics()["watchers"] == 1
+    finally:
+        watcher.close()
+        stuck.release.set()
+
+
+@pytest.mark.parametrize("state", ["connecting", "streaming", "pausing between relays", "on a stuck read"])
+def test_close_ends_a_watch_at_once_in_every_state(
+    published: tuple[str, Publisher, list[dict[str, bytes]]], start_relay: StartRelay, monkeypatch: pytest.MonkeyPatch,
+    state: str,
+) -> None:
+    url, _, _ = published
+    # Each state would otherwise hold the watch far longer than Watcher.close() allows.
+    monkeypatch.setattr(grpc_store, "_ROUND_PAUSE", 600.0)
+    monkeypatch.setattr(grpc_store, "_READ_GRACE", 600.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
+    stuck = [StuckCall() for _ in range(4)]
+    calls = iter(stuck)
+
+    def stuck_call(request: Any, **kw: Any) -> StuckCall:
+        return next(calls)
+
+    pausing = threading.Event()
+    try:
+        if state == "connecting":
+            store = GrpcStore(f"grpc://127.0.0.1:{silent.getsockname()[1]}")
+            watcher = Watcher(store)
+            silent.settimeout(30)
+            conn, _ = silent.accept()  # the watch is connecting
+            conn.close()
+        elif state == "streaming":
+            watcher = Watcher(GrpcStore(start_relay(url).url))
+            assert watcher.next()[0] == 3
+        elif state == "pausing between relays":
+            pause = VersionWatch._pause
+
+            def spy(self: VersionWatch, seconds: float) -> bool:
+                pausing.set()
+                return pause(self, seconds)
+
+            monkeypatch.setattr(VersionWatch, "_pause", spy)
+            store = GrpcStore(start_relay(url).url)
+            monkeypatch.setattr(store._relays[0], "watch", stuck_call)
+            monkeypatch.setattr(grpc_store, "_READ_GRACE", 0.01)  # the first stuck read is over at once
+            watcher = Watcher(store)
+            assert pausing.wait(30)
+        else:
+            store = GrpcStore(start_relay(url).url)
+            monkeypatch.setattr(store._relays[0], "watch", stuck_call)
+            watcher = Watcher(store)
+            assert stuck[0].reading.wait(30)
+        watcher.close()
+        assert watcher.events.empty()  # ended: no error, no version
+    finally:
+        for call in stuck:
+            call.release.set()
+        silent.close()
 
 
 def test_read_cut_off_mid_stream_resumes_on_the_next_relay(
@@ -311,22 +429,39 @@ def test_read_cut_off_mid_stream_resumes_on_the_next_relay(
     assert 0 < second.metrics()["served_bytes"] < len(data)  # only the rest, from where it stopped
 
 
-def test_watch_pushes_a_new_version_within_a_second(tmp_path: Path, start_relay: StartRelay) -> None:
+def test_watch_pushes_each_new_version_and_keepalives_are_not_versions(
+    tmp_path: Path, start_relay: StartRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url = str(tmp_path / "origin")
     pub = publisher(url)
-    relay = start_relay(url, poll_interval=0.1, keepalive_interval=0.2)
+    received = threading.Semaphore(0)  # one release per message a Watch stream delivers
+
+    class CountingStream(grpc_store._Stream):
+        def __iter__(self) -> Iterator[Any]:
+            for message in super().__iter__():
+                received.release()
+                yield message
+
+    monkeypatch.setattr(grpc_store, "_Stream", CountingStream)
+    # An empty repository: keepalives only. Once the second has arrived, the watch has dealt
+    # with the first, and yielded nothing for it.
+    chatty = start_relay(url, poll_interval=0.1, keepalive_interval=0.2)
+    watcher = Watcher(GrpcStore(chatty.url), after=0)
+    try:
+        assert received.acquire(timeout=30) and received.acquire(timeout=30)
+        assert watcher.events.empty()
+    finally:
+        watcher.close()
+    # Keepalives every 60 s: a version arriving within the test's timeouts was pushed by the
+    # relay as its poll (every 0.1 s) saw it.
+    relay = start_relay(url, poll_interval=0.1, keepalive_interval=60)
     watcher = Watcher(GrpcStore(relay.url), after=0)
     try:
-        time.sleep(0.5)  # an empty repository: keepalives only
-        assert watcher.events.empty()
         state = make_state(0)
         for expected in (1, 2, 3):
             state = step(state, expected)
             version = pub.publish(state)
-            committed = time.monotonic()
-            got, arrived = watcher.next(timeout=2)
-            assert got == version == expected
-            assert arrived - committed < 1.0
+            assert watcher.next()[0] == version == expected
         assert relay.metrics()["watchers"] == 1
         late = Watcher(GrpcStore(relay.url), after=0)  # a watcher that is behind gets the newest only
         try:
@@ -335,10 +470,7 @@ def test_watch_pushes_a_new_version_within_a_second(tmp_path: Path, start_relay:
             late.close()
     finally:
         watcher.close()
-    deadline = time.monotonic() + 5
-    while relay.metrics()["watchers"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert relay.metrics()["watchers"] == 0  # a closed watch ends its stream on the relay
+    wait_until(lambda: relay.metrics()["watchers"] == 0)  # a closed watch ends its stream on the relay
 
 
 def test_feed_stops_polling_without_watchers(tmp_path: Path, start_relay: StartRelay, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -352,10 +484,7 @@ def test_feed_stops_polling_without_watchers(tmp_path: Path, start_relay: StartR
     watcher = Watcher(GrpcStore(relay.url))
     assert watcher.next()[0] == 1
     watcher.close()
-    deadline = time.monotonic() + 5
-    while relay.metrics()["following_upstream"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not relay.metrics()["following_upstream"]
+    wait_until(lambda: not relay.metrics()["following_upstream"])
     polls = origin.gets["refs/latest"]
     time.sleep(0.3)
     assert origin.gets["refs/latest"] == polls  # idle: the upstream is left alone
@@ -388,7 +517,7 @@ def test_dead_relay_is_a_one_line_error(published: tuple[str, Publisher, list[di
         GrpcStore(b.url).get("packs/never-fetched.pack")
     assert "\n" not in str(info.value) and a.address in str(info.value)
     with pytest.raises(StoreError) as info:
-        watcher.next(timeout=10)
+        watcher.next()
     assert "\n" not in str(info.value)
     watcher.close()
     b.stop(grace=0)
