@@ -57,7 +57,7 @@ from .pull.cache import CachedStore, LocalCache
 from .pull.slotfill import update_copy
 from .pull.state import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock, finish_install
 from .pull.subscriber import Subscriber, state_url
-from .repo.repository import LATEST, Repository, ref_hint
+from .repo.repository import LATEST, MAX_REF_BYTES, Repository, ref_hint
 from .retry import Backoff as Backoff  # the agent's retries; importable here too
 from .storage import Store, open_store
 
@@ -323,7 +323,7 @@ class Agent:
             hint = repo.latest_ref() or known
         else:
             with contextlib.suppress(ObjectNotFoundError):
-                hint = ref_hint(self.store.get(LATEST)) or known
+                hint = ref_hint(self.store.get(LATEST, max_bytes=MAX_REF_BYTES)) or known
         if self._watched_latest is not None:
             hint = max(hint, self._watched_latest)
         if hint > known:

@@ -129,6 +129,29 @@ def test_a_flipped_byte_anywhere_in_a_manifest_is_refused_and_renames_nothing(lo
     verify_repository(local_repo_url)
 
 
+@pytest.mark.parametrize("where", ["header", "file-digest", "blob-digest", "tensor-name", "chunk-digest"])
+def test_a_flipped_header_or_digest_byte_in_a_stored_manifest_is_refused_by_verify_and_pull(
+    local_repo_url: str, tmp_path: Path, where: str
+) -> None:
+    """The flips issue 12 found accepted by verify: now refused by both, naming the version."""
+    _publish(local_repo_url, tmp_path, 2)
+    store = open_store(local_repo_url)
+    good = store.get(manifest_key(2))
+    m = pb.Manifest()
+    m.ParseFromString(good)
+    st = next(f for f in m.files if f.kind == pb.File.SAFETENSORS)
+    blob = next(f for f in m.files if f.kind == pb.File.BLOB)
+    needle = {"header": st.header[8:40], "file-digest": st.digest, "blob-digest": blob.digest,
+              "tensor-name": m.tensors[0].name.encode(), "chunk-digest": m.tensors[0].chunks[0].target_digest}[where]
+    at = good.find(needle)
+    assert at > 0
+    store.put(manifest_key(2), _flip(good, at + len(needle) // 2))
+    with pytest.raises(CorruptObjectError, match=r"^corrupt manifest 2: "):
+        verify_repository(local_repo_url)
+    with pytest.raises(CorruptObjectError, match=r"^corrupt manifest 2: "):
+        Subscriber(local_repo_url).pull_to_dir(tmp_path / "out")
+
+
 def test_a_signed_manifest_flipped_anywhere_is_refused_with_and_without_keys(
     local_repo_url: str, tmp_path: Path, keys: tuple[Path, Path]
 ) -> None:

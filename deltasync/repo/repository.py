@@ -186,7 +186,7 @@ def parse_ref(name: str, raw: bytes) -> Ref:
 def _is_signed(store: Store) -> bool:
     """Whether the repository's ``refs/latest`` is a signed ref (its publisher signs)."""
     try:
-        return parse_ref("latest", store.get(LATEST)).signed
+        return parse_ref("latest", store.get(LATEST, max_bytes=MAX_REF_BYTES)).signed
     except (ObjectNotFoundError, CorruptObjectError):
         return False
 
@@ -417,6 +417,10 @@ class Repository:
         """Check that a signed ref's version is committed with the manifest it signed, then
         remember it (later refs must be at least as new). Without trusted keys: nothing."""
         if self.trusted_keys is None or not ref.signed:
+            return
+        if self.ref_memory.seen_ref(ref.name) == (ref.counter, ref.version):
+            # Accepted before, manifest checked then: a poll costs no manifest read. A manifest
+            # deleted since is noticed by the listing (latest) or when the version is read.
             return
         if ref.version is not None:
             try:

@@ -12,7 +12,7 @@ from ..pull.pipeline import blob_parts
 from ..pull.placement import Bits
 from ..pull.subscriber import Subscriber
 from ..v1 import manifest_pb2 as pb
-from .repository import REF_KEYS, Repository, parse_ref
+from .repository import MAX_REF_BYTES, REF_KEYS, Repository, parse_ref
 from .retention import temp_files as temp_files  # listed here too: verify reports them, gc removes them
 
 
@@ -133,7 +133,7 @@ def _check_refs(repo: Repository) -> None:
     versions = set(repo.versions())
     for name, key in REF_KEYS.items():
         try:
-            ref = parse_ref(name, repo.store.get(key))
+            ref = parse_ref(name, repo.store.get(key, max_bytes=MAX_REF_BYTES))
         except ObjectNotFoundError:
             continue
         if ref.version is not None and ref.version not in versions:
