@@ -475,7 +475,8 @@ def test_refresh_refs_refuses_to_bless_a_withheld_version_or_an_unsigned_pin(
         Repository(local2).pin(1)  # no key, on a signing repository
 
 
-def test_unsigned_repositories_keep_plain_refs(local_repo_url: str, tmp_path: Path) -> None:
+def test_unsigned_repositories_keep_plain_refs(local_repo_url: str, tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
     _publish(local_repo_url, tmp_path, 3)
     root = Path(local_repo_url)
     assert (root / LATEST).read_text() == "3\n"
@@ -490,7 +491,9 @@ def test_unsigned_repositories_keep_plain_refs(local_repo_url: str, tmp_path: Pa
     # A deleted newest manifest: keyless readers fall back to the listing (as before);
     # verify names the ref pointing at nothing.
     (root / manifest_key(3)).unlink()
-    assert Repository(local_repo_url).latest() == 2
+    with caplog.at_level(logging.WARNING, logger="deltasync.repo.repository"):
+        assert Repository(local_repo_url).latest() == 2
+    assert any("refs/latest names version 3, whose manifest is missing" in r.getMessage() for r in caplog.records)
     with pytest.raises(CorruptObjectError, match=r"^corrupt refs/latest: names version 3, whose manifest is missing"):
         verify_repository(local_repo_url)
 

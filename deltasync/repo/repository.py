@@ -95,7 +95,7 @@ DEFAULT_REF_TTL = 7 * 24 * 3600.0
 _MAX_COUNTER = (1 << 53) - 1
 
 log = logging.getLogger(__name__)
-_warned: set[tuple[str, str, int]] = set()  # expired refs accepted within the grace, already warned of
+_warned: set[tuple[str, str, int]] = set()  # (url, key, counter or version) already warned of: once, not per poll
 
 
 def blob_key(d: bytes) -> str:
@@ -327,6 +327,12 @@ class Repository:
         newest = versions[-1] if versions else None
         if newest is None:
             return None
+        if hint > newest and (self.url, LATEST, hint) not in _warned:
+            # A ref is written after its manifest, and gc keeps the latest: only a deletion
+            # gets here. Without keys nothing stops serving the newest listed, but say so.
+            _warned.add((self.url, LATEST, hint))
+            log.warning("refs/latest names version %d, whose manifest is missing (deleted or withheld?); the newest "
+                        "listed is %d", hint, newest)
         return max(newest, hint) if hint in versions else newest
 
     def _trusted_latest(self) -> int | None:
