@@ -52,18 +52,23 @@ RSS_LIMIT_MIB = 512  # the issue's target for every hostile case
 HUGE = 2 * GiB  # sparse on disk: no test writes it
 
 # Runs the CLI and reports its own peak RSS on stderr when it exits (SystemExit included).
-_CLI = """
-import atexit, resource, sys
-atexit.register(lambda: print(f"PEAK_RSS_KIB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr))
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec() from the forking parent (pytest).
+_PEAK = """
+import atexit, re, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        print("PEAK_RSS_KIB", re.search(r"VmHWM:\\s+(\\d+)", f.read()).group(1), file=sys.stderr)
+atexit.register(_peak)
+"""
+
+_CLI = _PEAK + """
 sys.argv = ["deltasync", *sys.argv[1:]]
 from deltasync.cli.main import main
 main()
 """
 
 # Runs a Python snippet and reports its peak RSS the same way.
-_PY = """
-import atexit, resource, sys
-atexit.register(lambda: print(f"PEAK_RSS_KIB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr))
+_PY = _PEAK + """
 exec(sys.argv[1])
 """
 
