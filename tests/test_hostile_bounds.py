@@ -593,3 +593,36 @@ def test_cli_pull_through_a_relay_of_a_huge_marker_is_one_line(repo: Path, relay
 def test_blob_part_bytes_matches_the_manifest_cap() -> None:
     """The publisher's split and the reader's cap on a part are one number."""
     assert BLOB_PART_BYTES == manifest_module.BLOB_PART_SIZE
+
+
+def test_largest_chunks_over_a_tiny_pack_pull_in_bounded_memory(tmp_path: Path) -> None:
+    """The issue's "1 GiB chunks over a 32 KB pack" at the largest chunk size a codec
+    accepts (64 MiB; 1 GiB is refused above): 16 chunks of one 1 GiB tensor all name one
+    2 kB zstd frame of 64 MiB of zeros (a valid full payload) with wrong digests. The pull
+    refuses the first chunk with one line, holding few chunks at a time."""
+    import zstandard
+
+    from deltasync.format.codec import MAX_CHUNK_BYTES
+
+    repo = tmp_path / "repo"
+    Repository(str(repo)).create()
+    payload = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(MAX_CHUNK_BYTES))
+    pack_key = "packs/" + "ab" * 16 + ".pack"
+    LocalStore(repo).put(pack_key, payload)
+    m = pb.Manifest(format=1, version=1, kind=pb.SNAPSHOT, snapshot=1)
+    m.codec.name, m.codec.codec_version, m.codec.chunk_bytes = PlanesZstdCodec.name, 1, MAX_CHUNK_BYTES
+    m.codec.zstd_level, m.codec.full_zstd_level = 3, 1
+    m.packs.add(key=pack_key, size=len(payload))
+    t = m.tensors.add(name="w", dtype="F32", nbytes=GiB)
+    t.shape.append(GiB // 4)
+    for i in range(GiB // MAX_CHUNK_BYTES):
+        t.chunks.add(pack=0, offset=0, length=len(payload), encoding=pb.FULL, target_digest=bytes([i]) * 16)
+    m.raw_bytes = GiB
+    m.version_digest = version_digest([c.target_digest for c in t.chunks])
+    LocalStore(repo).put(manifest_key(1), seal(m))
+    out = tmp_path / "out"
+    run = cli("16 x 64 MiB chunks over a 2 kB pack (pull)", tmp_path, "pull", str(out), "--repo", str(repo), "-q")
+    assert run.rc != 0
+    run.one_line("checksum mismatch in version 1", "tensor 'w'")
+    assert len(payload) < 64 << 10
+    assert staged_bytes(out) <= GiB  # the slot's file is sparse until verified chunks land
