@@ -18,6 +18,12 @@ see pull/slotfill.py, pull/slots.py and pull/state.py):
   snapshot chain (pull/slotfill.py);
 * forwards again to versions whose payloads it kept: walked locally, nothing downloaded.
 
+With trusted keys the refs must be signed by the publisher (repo/repository.py): an
+unsigned, altered, expired (beyond ``ref_grace``) or replayed ref, or one naming a missing
+manifest, is a RefError; the copy stays on its version, the error is recorded, and a
+following agent keeps trying. The newest ref counters accepted are kept in the copy's state,
+so a restart does not forget them.
+
 Upstream errors are retried with jittered exponential backoff, capped: a one-shot run gives
 up after ``retries`` attempts, a following agent keeps trying (each failure is recorded).
 :meth:`stop` (SIGTERM/SIGINT in the command line) ends the run after the current chunk,
