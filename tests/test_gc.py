@@ -445,8 +445,10 @@ def test_pull_of_a_version_deleted_mid_pull_fails_cleanly(local_repo_url: str, t
     original = store_type.get
     ran: list[GcReport] = []
 
-    def get_then_gc(self: Store, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
-        data = original(self, key, byte_range)
+    def get_then_gc(
+        self: Store, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
+        data = original(self, key, byte_range, max_bytes=max_bytes)
         if key.startswith("packs/") and not ran:
             ran.append(collect(local_repo_url, keep_last=1, grace_seconds=0))
         return data

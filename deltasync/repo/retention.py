@@ -70,7 +70,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError, VersionNotFoundError
-from ..format.manifest import ManifestInfo, manifest_key, parse_manifest
+from ..format.manifest import MAX_MANIFEST_BYTES, ManifestInfo, manifest_key, parse_manifest
 from ..progress import human_bytes
 from ..storage import Store
 from ..storage._local import LocalStore, TempFile, is_temp_name
@@ -78,6 +78,8 @@ from ..v1 import manifest_pb2 as pb
 from .repository import Repository, blob_key, squash_key
 
 PENDING = "gc/pending.json"
+#: Read no more of it (about 4M pending objects); a larger one counts as unreadable.
+MAX_PENDING_BYTES = 256 << 20
 DEFAULT_GRACE_SECONDS = 3600.0
 _COLLECTED = ("packs/", "blobs/")
 _OBJECT_KEY = re.compile(r"(packs/[0-9a-f]{32}\.pack|blobs/[0-9a-f]{32})")
@@ -310,7 +312,7 @@ class _Collector:
         """Objects a squash names; None (with a note) when it is gone or unreadable."""
         key = squash_key(a, c)
         try:
-            return _references(parse_manifest(self.store.get(key), expect_version=c))
+            return _references(parse_manifest(self.store.get(key, max_bytes=MAX_MANIFEST_BYTES), expect_version=c))
         except ObjectNotFoundError:
             return None
         except CorruptObjectError as e:
@@ -329,13 +331,13 @@ class _Collector:
     def _load_pending(self) -> dict[str, float]:
         """Objects earlier runs saw unreferenced, with when first seen. Damage resets the clock."""
         try:
-            raw = json.loads(self.store.get(PENDING))
+            raw = json.loads(self.store.get(PENDING, max_bytes=MAX_PENDING_BYTES))
             objects = raw["objects"]
             if raw.get("format") != 1 or not isinstance(objects, dict):
                 raise ValueError
         except ObjectNotFoundError:
             return {}
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (ValueError, KeyError, TypeError, RecursionError, CorruptObjectError):  # too large included
             self.report.notes.append(f"{PENDING} was unreadable; unreferenced objects start a new grace period")
             return {}
         return {
