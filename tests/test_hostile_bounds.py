@@ -626,3 +626,22 @@ def test_largest_chunks_over_a_tiny_pack_pull_in_bounded_memory(tmp_path: Path) 
     run.one_line("checksum mismatch in version 1", "tensor 'w'")
     assert len(payload) < 64 << 10
     assert staged_bytes(out) <= GiB  # the slot's file is sparse until verified chunks land
+
+
+def test_maintenance_commands_on_a_hostile_store_stay_bounded(repo: Path, tmp_path: Path) -> None:
+    """verify names a 2 GiB blob part without reading it; gc treats a 2 GiB gc/pending.json
+    as unreadable (a new grace period) without reading it."""
+    blob = next((repo / "blobs").iterdir())
+    sparse(blob)
+    run = cli("blob part 2 GiB (verify)", tmp_path, "verify", "--repo", str(repo), "-q")
+    assert run.rc != 0
+    assert "Traceback" not in "\n".join(run.errors) and f"blobs/{blob.name}" in run.stdout + "\n".join(run.errors)
+    (repo / "gc").mkdir()
+    (repo / "gc" / "pending.json").write_bytes(b"")
+    sparse(repo / "gc" / "pending.json")
+    (repo / "packs" / ("cd" * 16 + ".pack")).write_bytes(b"unreferenced")  # something to keep pending
+    run = cli("gc/pending.json 2 GiB (gc)", tmp_path, "gc", "--repo", str(repo), "--keep-last", "1", "--json")
+    assert run.rc == 0, run.errors
+    report = json.loads(run.stdout)
+    assert any("gc/pending.json was unreadable" in note for note in report["notes"]), report
+    assert report["pending"] == ["packs/" + "cd" * 16 + ".pack"]
