@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,6 +242,7 @@ def test_no_request_ever_sees_a_mix_of_versions(url: str) -> None:
     seen: list[int] = []
     errors: list[str] = []
     stop = threading.Event()
+    read = threading.Condition()  # notified after each read
 
     def reader() -> None:
         while not stop.is_set():
@@ -250,26 +250,32 @@ def test_no_request_ever_sees_a_mix_of_versions(url: str) -> None:
                 d = state_digest(served)
                 version = engine.version
             v = digests.get(d)
-            if v is None:
-                errors.append("a request read weights of no single version")
-            elif v != version:
-                errors.append(f"read version {v} while the engine said {version}")
-            else:
-                seen.append(v)
+            with read:
+                if v is None:
+                    errors.append("a request read weights of no single version")
+                elif v != version:
+                    errors.append(f"read version {v} while the engine said {version}")
+                else:
+                    seen.append(v)
+                read.notify_all()
 
     threads = [threading.Thread(target=reader) for _ in range(3)]
     for th in threads:
         th.start()
     try:
         for v in (2, 3, 4, 5, 6, 1, 6, 3, 5):
-            time.sleep(0.01)
-            engine.update(v)
+            with read:
+                mark = len(seen)
+            engine.update(v)  # swaps while the readers read
+            with read:  # until a reader has read it: the next swap has readers to wait for
+                while not errors and v not in seen[mark:]:
+                    assert read.wait(30), f"no reader read version {v}"
     finally:
         stop.set()
         for th in threads:
             th.join()
     assert not errors, errors[:3]
-    assert len(set(seen)) >= 3  # the readers did see several versions
+    assert set(seen) == set(range(1, 7))
 
 
 def test_serving_lock_is_reentrant_and_prefers_the_writer() -> None:
@@ -279,6 +285,20 @@ def test_serving_lock_is_reentrant_and_prefers_the_writer() -> None:
     order: list[str] = []
     held = threading.Event()
     release = threading.Event()
+
+    class WatchedCondition(threading.Condition):
+        """Tells when the named threads wait on it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.waiting = {"swap": threading.Event(), "late request": threading.Event()}
+
+        def wait(self, timeout: float | None = None) -> bool:
+            if (name := threading.current_thread().name) in self.waiting:
+                self.waiting[name].set()
+            return super().wait(timeout)
+
+    cond = lock._cond = WatchedCondition()
 
     def long_request() -> None:
         with lock.shared():
@@ -297,14 +317,13 @@ def test_serving_lock_is_reentrant_and_prefers_the_writer() -> None:
 
     t1 = threading.Thread(target=long_request)
     t1.start()
-    held.wait()
-    t2 = threading.Thread(target=swap)
+    assert held.wait(30)
+    t2 = threading.Thread(target=swap, name="swap")
     t2.start()
-    while not lock._writers_waiting:
-        time.sleep(0.001)
-    t3 = threading.Thread(target=late_request)  # arrives while the swap waits: goes after it
+    assert cond.waiting["swap"].wait(30)
+    t3 = threading.Thread(target=late_request, name="late request")  # arrives while the swap waits: goes after it
     t3.start()
-    time.sleep(0.05)
+    assert cond.waiting["late request"].wait(30)
     release.set()
     for t in (t1, t2, t3):
         t.join()

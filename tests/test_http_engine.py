@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import threading
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -95,31 +94,38 @@ def test_no_request_sees_a_mix_while_the_server_swaps(
     engine = HttpEngine(server.url, url, model_dir=tmp_path / "model")
     engine.update(1)
     errors: list[str] = []
-    seen: set[int] = set()
+    seen: list[int] = []
     stop = threading.Event()
+    answered = threading.Condition()  # notified after each answer
 
     def client() -> None:
         while not stop.is_set():
             answer = _post(f"{server.url}/generate")
             v = digests.get(answer["digest"])
-            if v is None or v != answer["version"]:
-                errors.append(f"answer {answer} is not one version's weights")
-            else:
-                seen.add(v)
+            with answered:
+                if v is None or v != answer["version"]:
+                    errors.append(f"answer {answer} is not one version's weights")
+                else:
+                    seen.append(v)
+                answered.notify_all()
 
     threads = [threading.Thread(target=client) for _ in range(3)]
     for t in threads:
         t.start()
     try:
         for v in (2, 3, 4, 1, 4, 2):
-            time.sleep(0.02)
-            engine.update(v)
+            with answered:
+                mark = len(seen)
+            engine.update(v)  # swaps while the clients ask
+            with answered:  # until a client was answered by it: the next swap has requests in flight
+                while not errors and v not in seen[mark:]:
+                    assert answered.wait(30), f"no answer from version {v}"
     finally:
         stop.set()
         for t in threads:
             t.join()
     assert not errors, errors[:3]
-    assert len(seen) >= 2
+    assert set(seen) == {1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("preset", ["generic", "sglang"])
