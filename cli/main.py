@@ -149,7 +149,7 @@ trusted_key_option = click.option(
 @click.option("--snapshot-every", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--max-delta-fraction", type=click.FloatRange(min=0, min_open=True, max=10), default=0.5,
               show_default=True, help="Store a snapshot when a delta exceeds this fraction of one.")
-@click.option("--chunk-mib", type=click.FloatRange(min=0.001, max=1024), default=4.0, show_default=True)
+@click.option("--chunk-mib", type=click.FloatRange(min=0.001, max=64), default=4.0, show_default=True)
 @click.option("--zstd-level", type=click.IntRange(1, 22), default=3, show_default=True)
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Producer metadata (repeatable).")
 @click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",

@@ -230,7 +230,7 @@ class PlanesZstdCodec:
         # Bounded because a reader holds a few chunks per thread in memory: a manifest from
         # a hostile store naming 1 GiB chunks must not make a pull allocate gigabytes.
         if not 64 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise UsageError(f"chunk_bytes must be in 64..{MAX_CHUNK_BYTES >> 20} MiB, got {self.chunk_bytes}")
+            raise UsageError(f"chunk_bytes must be 64 bytes to {MAX_CHUNK_BYTES >> 20} MiB, got {self.chunk_bytes}")
         if self.chunk_bytes % 8:
             raise UsageError(f"chunk_bytes must be a multiple of 8, got {self.chunk_bytes}")
 
