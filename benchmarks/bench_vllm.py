@@ -111,10 +111,10 @@ def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: l
     versions: list[tuple[int, str]] = []
     prev = base
     for i, f in enumerate(fractions):
-        for only in (None, "layers.0.mlp"):
-            d = perturb(prev, root / f"v{len(versions) + 2}", fraction=f, seed=i * 2 + (only is not None), only=only)
+        for k, (label, only) in enumerate(KINDS):
+            d = perturb(prev, root / f"v{len(versions) + 2}", fraction=f, seed=i * len(KINDS) + k, only=only)
             v: int = pub.publish_dir(d)
-            versions.append((v, f"{f:.1%} of every tensor" if only is None else f"{f:.1%} of one MLP"))
+            versions.append((v, f"{f:.1%} of {label}"))
             prev = d
     sub = deltasync.Subscriber(repo)
     copies = {name: root / f"copy-{name}" for name in ("backend", "reload")}
