@@ -481,7 +481,7 @@ def test_a_self_signed_relay_names_its_fix_in_one_line(cli: Env, steps: list[Pat
     cli.env.pop("GRPC_VERBOSITY", None)
     server = build_server(str(cli.tmp / "repo"), "127.0.0.1:0", tls_cert=cert, tls_key=key).start()
     try:
-        url = f"grpcs://127.0.0.1:{server.port}?timeout=5"
+        url = f"grpcs://127.0.0.1:{server.port}?timeout=60"
         r = cli.fails("pull", "o", "--repo", url, match="CERTIFICATE_VERIFY_FAILED")  # gRPC's own log lines: none
         assert "set DELTASYNC_RELAY_CA=" in r.err, r.err
         cli.env["DELTASYNC_RELAY_CA"] = str(cert)
