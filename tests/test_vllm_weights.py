@@ -3,6 +3,7 @@ reading them from an agent's copy (tests/test_vllm.py drives a real vLLM)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,15 @@ from ckpt_helpers import write_checkpoint
 import deltasync
 from deltasync.engines import build_engine
 from deltasync.engines.vllm_engine import VllmEngine
-from deltasync.engines.vllm_sparse import Applied, Contract, Placement, SparseVerifyError, apply_changes, undo_all
+from deltasync.engines.vllm_sparse import (
+    Applied,
+    Contract,
+    Placement,
+    SparseVerifyError,
+    apply_changes,
+    undo_all,
+    unwrap_reload_loaders,
+)
 from deltasync.engines.vllm_weights import (
     Source,
     TensorChange,
@@ -423,3 +432,52 @@ def test_apply_with_vllms_own_patch_function() -> None:
     assert isinstance(place, Placement)
     apply_changes(toy, [(ch, place)], patch, [])
     assert torch.equal(toy.qkv.bias[8:], ch.target) and torch.equal(toy.qkv.bias[:8], held[:8])
+
+
+def test_unwrap_reload_loaders_gives_parameters_their_own_loader_back() -> None:
+    """vLLM's layerwise reload can leave ``online_process_loader`` wrappers on parameters;
+    outside a reload they drop every load, so a sparse patch would write nothing."""
+    toy = _Toy()
+
+    def own(param: torch.Tensor, w: torch.Tensor) -> None:
+        param.data.copy_(w)
+
+    def wrap(inner: Any) -> Any:
+        def online_process_loader(*args: Any) -> None:
+            return None  # what the wrapper does once its module is processed: nothing
+
+        online_process_loader.__wrapped__ = inner  # type: ignore[attr-defined]
+        return online_process_loader
+
+    toy.embed.weight.weight_loader = wrap(wrap(own))  # type: ignore[attr-defined]
+    toy.head.weight.weight_loader = own  # type: ignore[attr-defined]
+    unwrap_reload_loaders(toy)
+    assert toy.embed.weight.weight_loader is own and toy.head.weight.weight_loader is own  # type: ignore[attr-defined]
+    assert not hasattr(toy.strided, "weight_loader")
+
+
+def test_probe_stops_only_its_own_thread() -> None:
+    """While a probe intercepts copy_, other threads (a staging thread reading the next
+    version) copy as usual."""
+    toy = _Toy()
+    seen: dict[str, bool] = {}
+    original_load = toy.load_weights
+
+    def load_weights(weights: Any) -> set[str]:
+        def other() -> None:
+            a, b = torch.zeros(3), torch.ones(3)
+            a.copy_(b)
+            seen["copied"] = bool(torch.equal(a, b))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        return original_load(weights)
+
+    toy.load_weights = load_weights  # type: ignore[method-assign]
+    assert isinstance(Contract(toy).check("embed.weight", (8, 4), torch.bfloat16), Placement)
+    assert seen == {"copied": True}
+    # And copy_ is itself again afterwards.
+    a = torch.zeros(2)
+    a.copy_(torch.ones(2))
+    assert a.tolist() == [1.0, 1.0]

