@@ -380,8 +380,9 @@ def test_a_trusting_agent_refuses_forged_refs_and_stays_on_its_version(
         (root / PIN).write_text(json.dumps(body))
     elif attack == "pin-as-latest":
         publisher.pin(1)
-        (root / LATEST).write_bytes((root / PIN).read_bytes())  # a signed pin replayed as the latest
+        signed_pin = (root / PIN).read_bytes()
         publisher.pin(None)
+        (root / LATEST).write_bytes(signed_pin)  # a signed pin replayed as the latest
     elif attack == "foreign-key":
         other, _, _ = generate_keypair(tmp_path / "keys" / "other")
         Repository(local_repo_url, signing_key=other)._write_ref("latest", 2)
@@ -401,6 +402,34 @@ def test_a_trusting_agent_refuses_forged_refs_and_stays_on_its_version(
     if attack not in ("deleted-pin", "unsigned-pin", "tampered-pin", "replayed-pin"):
         with pytest.raises(DeltasyncError, match=expected):
             Subscriber(Repository(local_repo_url, trusted_keys=pub, ref_memory=StateDB.open(out))).update_dir(out)
+
+
+@pytest.mark.parametrize("attack", ["deleted-pin", "replayed-pin", "pin-cleared-then-replayed"])
+def test_a_fresh_subscriber_refuses_a_pin_the_signed_latest_does_not_name(
+    local_repo_url: str, tmp_path: Path, keys: tuple[Path, Path], attack: str
+) -> None:
+    """refs/latest names the counter of the pin it goes with (TUF's snapshot role, in small):
+    a copy with no history refuses a deleted or older pin too."""
+    key, pub = keys
+    publisher = _signed_repo(local_repo_url, tmp_path, key)
+    root = Path(local_repo_url)
+    publisher.pin(1)
+    old = (root / PIN).read_bytes()
+    if attack == "deleted-pin":
+        publisher.pin(2)
+        (root / PIN).unlink()
+        expected = r"^refs/pin: is missing, but refs/latest names a pin with counter \d+"
+    else:
+        publisher.pin(2 if attack == "replayed-pin" else None)
+        (root / PIN).write_bytes(old)
+        expected = r"^refs/pin: is older than the pin refs/latest names \(version 1, counter \d+; refs/latest names"
+    out = tmp_path / "fresh"
+    with pytest.raises(RefError, match=expected):
+        _agent(local_repo_url, out, pub).run()
+    assert Agent(local_repo_url, out).current() is None
+    with pytest.raises(RefError, match=expected):
+        verify_repository(Repository(local_repo_url, trusted_keys=pub))
+    assert Repository(local_repo_url).pinned() == (None if attack == "deleted-pin" else 1)  # keyless: as before
 
 
 def test_a_following_agent_records_the_refusal_stays_and_moves_on_once_fixed(

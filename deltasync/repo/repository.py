@@ -20,7 +20,8 @@ and the xxh3-128 of the named manifest's bytes, signed with ed25519 (format/sign
 reader with trusted keys (TUF's timestamp and snapshot roles, in small) refuses a ref that is
 unsigned, wrongly signed, expired (beyond ``ref_grace``), older than one it has seen
 (``ref_memory``: an agent keeps the highest counter per ref in its copy's state), or naming a
-manifest that is missing or other than the one signed; and a missing pin where it has seen one.
+manifest that is missing or other than the one signed; and a pin that is missing or older than
+the one it has seen or the one the signed ``refs/latest`` names (its ``pin_counter``).
 So a store writer can neither roll a trusting subscriber back with an old or unsigned pin, nor
 freeze it unnoticed by withholding the newest manifest or replaying an old ``refs/latest``:
 at worst it stops updates, and that is an error on the subscriber, not silence. A quiet
@@ -128,6 +129,7 @@ class Ref:
     expires_unix: int = 0
     manifest_digest: bytes = b""  # xxh3-128 of the named manifest's stored bytes
     body: Mapping[str, Any] | None = None  # the parsed signed ref, for signature checks
+    pin_counter: int = 0  # latest only: the counter of the signed pin when it was signed (0: none)
 
     @property
     def key(self) -> str:
@@ -180,7 +182,8 @@ def parse_ref(name: str, raw: bytes) -> Ref:
         raise CorruptObjectError(key, "signed ref has a bad 'manifest' digest")
     counter, issued, expires = number("counter"), number("issued_unix"), number("expires_unix")
     assert counter is not None and issued is not None and expires is not None
-    return Ref(name, version, True, counter, issued, expires, whole, body)
+    pin_counter = number("pin_counter") if name == "latest" and "pin_counter" in body else 0
+    return Ref(name, version, True, counter, issued, expires, whole, body, pin_counter or 0)
 
 
 def _is_signed(store: Store) -> bool:
@@ -463,12 +466,18 @@ class Repository:
             return
         # Higher than any counter of ours in the store, and at least the time in milliseconds,
         # so a store rolled back under the publisher does not make it reuse counters.
-        own = [r.counter + 1 for r in (self._own_ref("latest"), self._own_ref("pin")) if r is not None]
+        own_pin = self._own_ref("pin")
+        own = [r.counter + 1 for r in (self._own_ref("latest"), own_pin) if r is not None]
         counter = min(max([time.time_ns() // 1_000_000, *own]), _MAX_COUNTER)
         now = int(time.time())
         whole = digest(serialize(self.manifest(version).pb)).hex() if version is not None else ""
-        body = {"format": 1, "name": name, "version": version, "counter": counter, "issued_unix": now,
-                "expires_unix": now + max(1, round(self.ref_ttl)), "manifest": whole}
+        body: dict[str, Any] = {"format": 1, "name": name, "version": version, "counter": counter, "issued_unix": now,
+                                "expires_unix": now + max(1, round(self.ref_ttl)), "manifest": whole}
+        if name == "latest":
+            # TUF's snapshot role, in small: the latest ref names the pin it goes with, so even a
+            # reader that has seen no pin yet refuses a deleted or older one. The pin is always
+            # written before the latest ref that names it.
+            body["pin_counter"] = own_pin.counter if own_pin is not None else 0
         signed = sign_ref(body, self.signing_key)
         self.store.put(key, (json.dumps(signed, sort_keys=True, separators=(",", ":")) + "\n").encode())
 
@@ -485,31 +494,45 @@ class Repository:
             raise RefError(LATEST, f"names {own_latest.describe()}, whose manifest is missing: refusing to sign an "
                            "older latest (that would hide it); restore the manifest or publish again")
         latest = max((v for v in (listed, own_latest.version if own_latest else None) if v is not None), default=None)
+        pinned: int | None = None
+        try:
+            pin: Ref | None = parse_ref("pin", self.store.get(PIN, max_bytes=MAX_REF_BYTES))
+        except ObjectNotFoundError:
+            pin = None
+        if pin is not None:
+            if self._own_ref("pin") is None and pin.version is not None:
+                raise RefError(PIN, f"names {pin.describe()} but is not signed by this key: pin it again with the "
+                               "signing key (`deltasync pin --signing-key`) or clear it")
+            pinned = pin.version
+            self._write_ref("pin", pinned)  # before the latest ref, which names its counter
         if latest is not None:
             self._write_ref("latest", latest)
-        try:
-            pin = parse_ref("pin", self.store.get(PIN, max_bytes=MAX_REF_BYTES))
-        except ObjectNotFoundError:
-            return latest, None
-        if self._own_ref("pin") is None and pin.version is not None:
-            raise RefError(PIN, f"names {pin.describe()} but is not signed by this key: pin it again with the "
-                           "signing key (`deltasync pin --signing-key`) or clear it")
-        self._write_ref("pin", pin.version)
-        return latest, pin.version
+        return latest, pinned
 
     # -- the pin: which version following subscribers serve ---------------------------------
 
     def pinned(self) -> int | None:
         """The pinned version, or None when subscribers follow the latest. With trusted keys,
         ``refs/pin`` must be a valid signed ref (RefError otherwise), and a pin seen before
-        may not vanish (the publisher clears a pin by signing an empty one)."""
+        may not vanish (the publisher clears a pin by signing an empty one), nor be older than
+        the pin the signed ``refs/latest`` names."""
+        # The latest ref first: a pin read after it is at least as new as the one it names
+        # (publishers write the pin, then the latest ref).
+        latest = self.read_ref("latest") if self.trusted_keys is not None else None
+        expected = latest.pin_counter if latest is not None else 0
         ref = self.read_ref("pin")
         if ref is None:
             seen = self.ref_memory.seen_ref("pin") if self.trusted_keys is not None else None
             if seen is not None and seen[1] is not None:
                 raise RefError(PIN, f"is missing, but a signed pin to version {seen[1]} was seen (counter "
                                f"{seen[0]}): deleted from the store? (a publisher clears a pin by signing an empty one)")
+            if expected:
+                raise RefError(PIN, f"is missing, but refs/latest names a pin with counter {expected}: deleted "
+                               "from the store? (a publisher clears a pin by signing an empty one)")
             return None
+        if ref.signed and ref.counter < expected:
+            raise RefError(PIN, f"is older than the pin refs/latest names ({ref.describe()}; refs/latest names "
+                           f"counter {expected}): a replayed pin, refused")
         self.accept_ref(ref)
         return ref.version
 
@@ -517,12 +540,15 @@ class Repository:
         """Make following subscribers serve ``version`` (a committed one), forward or back,
         e.g. after an evaluation gate failed; None clears the pin: they follow the latest again.
         With a signing key the pin is signed (and a cleared pin is a signed empty one)."""
-        if version is None:
-            self._write_ref("pin", None)
-            return
-        self.ensure_exists()
-        self.manifest(version)  # only a committed version can be pinned
+        if version is not None:
+            self.ensure_exists()
+            self.manifest(version)  # only a committed version can be pinned
         self._write_ref("pin", version)
+        if self.signing_key is not None:
+            own_latest = self._own_ref("latest")
+            latest = own_latest.version if own_latest is not None else self._listed_latest()
+            if latest is not None:
+                self._write_ref("latest", latest)  # now naming this pin's counter
 
     def manifest(self, version: int) -> ManifestInfo:
         """The validated manifest of ``version`` (cached: versions are immutable)."""
