@@ -107,8 +107,9 @@ def load_signing_key(key: PrivateKeyLike) -> Ed25519PrivateKey:
     """An ed25519 private key, or one read from a PEM (PKCS8, unencrypted) file."""
     if isinstance(key, Ed25519PrivateKey):
         return key
+    pem = _read_pem(key)  # its own one-line error (a UsageError is a ValueError: not caught below)
     try:
-        loaded = serialization.load_pem_private_key(_read_pem(key), password=None)
+        loaded = serialization.load_pem_private_key(pem, password=None)
     except (ValueError, TypeError) as e:
         raise UsageError(f"{os.fspath(key)}: not an unencrypted PEM private key ({e})") from None
     if not isinstance(loaded, Ed25519PrivateKey):
