@@ -455,6 +455,47 @@ def test_a_following_agent_records_the_refusal_stays_and_moves_on_once_fixed(
         thread.join(10)
 
 
+def test_through_a_relay_signed_refs_are_followed_and_forged_ones_refused(
+    local_repo_url: str, tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """The relay holds no keys: it reads a signed refs/latest as a hint (``_poll``) to announce
+    versions, and passes refs through; the trusting agent behind it checks them."""
+    from deltasync.relay.server import build_server
+
+    key, pub = keys
+    publisher = _signed_repo(local_repo_url, tmp_path, key, n=2)
+    relay = build_server(local_repo_url, "127.0.0.1:0", poll_interval=0.05, rescan_interval=3600).start()
+    out = tmp_path / "out"
+    agent = Agent(relay.url, out, AgentConfig(poll_interval=0.05, relist_interval=0.2, backoff_initial=0.05,
+                                              backoff_max=0.1), trusted_keys=pub)
+    thread = threading.Thread(target=agent.run, kwargs={"follow": True})
+    thread.start()
+    announced: list[int] = []
+    watch = open_store(relay.url).watch(2)  # type: ignore[attr-defined]
+
+    def listen() -> None:
+        for v in watch:
+            announced.append(v)
+            return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        _wait(lambda: agent.current() == 2)
+        Publisher(publisher, CONFIG).publish_dir(tmp_path / "ckpt1")  # version 3: a signed refs/latest
+        listener.join(20)
+        assert announced == [3]  # the relay's _poll read the signed ref as a hint
+        _wait(lambda: agent.current() == 3)
+        (Path(local_repo_url) / PIN).write_text("1\n")
+        _wait(lambda: "refs/pin: is unsigned" in (read_status(out).get("last_error") or ""))
+        assert agent.current() == 3
+    finally:
+        agent.stop()
+        thread.join(10)
+        watch.close()
+        relay.stop(grace=0)
+
+
 def _wait(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
