@@ -268,7 +268,7 @@ def test_gate_keeps_the_last_good_version_and_workers_roll_back(tmp_path: Path, 
 @pytest.fixture
 def feedback() -> Iterator[tuple[FeedbackStore, FeedbackServer, AdditionTask]]:
     task = AdditionTask(2)
-    store = FeedbackStore(task, timeout=0.5)
+    store = FeedbackStore(task, timeout=60.0)  # expiry is tested with an explicit clock
     server = FeedbackServer(store, "127.0.0.1", 0).start()
     yield store, server, task
     server.close()
@@ -319,7 +319,7 @@ def test_feedback_timeout_releases_partly_rated_batches(feedback: tuple[Feedback
     store.add(batch)
     post_feedback(server.url, [{"completion_id": cid, "verdict": "accepted"} for cid in batch.completion_ids[:3]])
     assert store.ready() == []
-    (ready,) = store.ready(now=time.time() + 1)
+    (ready,) = store.ready(now=time.time() + store.timeout + 1)
     assert ready.rated.sum() == 3 and store.stats()["batches_expired"] == 1
     adv, groups, signal = group_advantages(ready.rewards, ready.rated, 2)
     assert groups == 4 and signal == 0 and not adv.any()  # no group with two different rated rewards
