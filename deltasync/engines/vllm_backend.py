@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,7 +208,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         return place if isinstance(place, str) else None
 
     @staticmethod
-    def _fail_hook(fail_after: int, loaded: int, done: list[Applied]) -> Any:
+    def _fail_hook(fail_after: int, loaded: int, done: list[Applied]) -> Callable[[], None]:
         """``fail_after`` (tests) counts the patched tensors after the reloaded ones."""
         def hook() -> None:
             if fail_after and loaded + len(done) == fail_after:
