@@ -69,8 +69,9 @@ class Placement:
     data_ptr: int = 0
 
     def still_valid(self) -> bool:
-        """The parameter is still where the probe found it (a module reload keeps storage;
-        anything that re-registers it invalidates the placement)."""
+        """The parameter's storage is still where the probe found it (one replaced with
+        ``.data = ...`` is not). The backend also forgets every placement after a module
+        reload, which may re-register parameters or change loaders."""
         return self.param.untyped_storage().data_ptr() == self.data_ptr and self.param.numel() >= self.dst + self.n
 
     def local(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
