@@ -205,6 +205,23 @@ def test_manifests_written_before_the_digest_are_read_and_reported(local_repo_ur
         parse_manifest(unknown, expect_version=2)
 
 
+def test_a_newer_writers_extra_field_is_covered_too(local_repo_url: str, tmp_path: Path) -> None:
+    """A field this reader does not know follows the digest field; it is covered all the same."""
+    from deltasync.format.digest import digest
+
+    _publish(local_repo_url, tmp_path, 1)
+    good = open_store(local_repo_url).get(manifest_key(1))
+    m = pb.Manifest()
+    m.ParseFromString(good)
+    prefix = good[: -19]  # all but field 18 (tag, length, 16-byte digest)
+    extra = b"\x9a\x01\x05hello"  # field 19, length-delimited, as a newer writer might add
+    newer = prefix + b"\x92\x01\x10" + digest(prefix + extra) + extra
+    assert parse_manifest(newer, expect_version=1).version == 1
+    for offset in range(len(newer)):
+        with pytest.raises(CorruptObjectError, match=r"^corrupt manifest 1: "):
+            parse_manifest(_flip(newer, offset), expect_version=1)
+
+
 # -- 2. verify checks what pull checks ----------------------------------------------------------
 
 

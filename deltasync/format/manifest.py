@@ -6,9 +6,11 @@ hostile manifest cannot exhaust memory or name a path outside the output directo
 
 Every byte of a stored manifest is covered by its ``manifest_digest`` (xxh3-128 of the
 manifest serialized deterministically with that field cleared, set by :func:`seal` last,
-after signing). A reader re-serializes what it parsed and requires exactly the stored bytes
-(a changed byte that would parse to the same message is still a changed byte) and the
-digest, before validating, so a flipped byte cannot rename a file or a tensor unnoticed.
+after signing). The field is the highest-numbered, so it is the stored bytes' last 19: a
+reader hashes every stored byte before it, as stored (a changed byte that would parse to the
+same message is still a changed byte), before validating, so a flipped byte cannot rename a
+file or a tensor unnoticed. (Fields a newer writer added would follow it: then the reader's
+own serialization must equal the stored bytes, and the digest is checked over it.)
 Manifests written before the digest existed have none: they are read (:func:`has_whole_digest`
 says which, for ``verify``) when canonical and free of fields this reader does not know (a
 flipped tag could otherwise turn the digest field itself into an unknown one).
@@ -138,9 +140,8 @@ _DIGEST_FIELD = b"\x92\x01\x10"
 
 
 def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
-    """Every stored byte is what the digest covers (see the module doc). One serialization
-    of ``m`` and one digest pass over ``data``, no copy of the message: manifests run to
-    tens of MiB."""
+    """Every stored byte is what the digest covers (see the module doc): one digest pass over
+    ``data``, no copy of the message (manifests run to tens of MiB)."""
     whole = m.manifest_digest
     if whole:
         if len(whole) != DIGEST_SIZE:
@@ -149,14 +150,16 @@ def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
         tail = len(_DIGEST_FIELD) + DIGEST_SIZE
         if len(view) >= tail and view[-tail:] == _DIGEST_FIELD + whole:
             # The highest field comes last in a deterministic serialization, so what it covers
-            # is every byte before it (fields unknown to this reader would follow it instead).
+            # is every stored byte before it: hashed as stored, no re-serialization needed.
             covered = digest(view[:-tail])
         else:
+            # Fields this reader does not know follow it (a newer writer): what it covers is
+            # then our serialization without it, which must be exactly the stored bytes.
+            if serialize(m) != data:
+                raise _fail("stored bytes are not the manifest's canonical serialization (altered)")
             covered = digest(_digest_payload(m))
         if covered != whole:
             raise _fail("whole-manifest digest does not match its bytes (altered)")
-        if serialize(m) != data:
-            raise _fail("stored bytes are not the manifest's canonical serialization (altered)")
         return
     # Written before the digest existed: nothing covers the bytes, so accept only what that
     # writer could have produced: canonical bytes of known fields only (dropping unknown
