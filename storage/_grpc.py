@@ -444,7 +444,8 @@ class _Stream:
     deadline. Here the consumer waits on a queue instead, fed by the reader (messages, the end,
     the error), by the call's done callback (the status is in) and by ``interrupt()``. A call
     that failed and whose reader then hands over nothing for ``_READ_GRACE`` seconds is over:
-    its error is raised, and the stuck reader is left behind on its daemon thread.
+    its error is raised, and the stuck reader is left behind on its daemon thread (closing the
+    store's channels ends it).
     """
 
     def __init__(self, call: Any) -> None:
