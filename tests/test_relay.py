@@ -269,7 +269,7 @@ def test_concurrent_pulls_read_each_object_upstream_once(
     url, _, states = published
     origin = CountingStore(LocalStore(url))
     relay = start_relay(origin)
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(8, timeout=60)
     results: list[dict[str, bytes] | BaseException] = []
 
     def pull() -> None:
@@ -280,11 +280,11 @@ def test_concurrent_pulls_read_each_object_upstream_once(
         except BaseException as e:
             results.append(e)
 
-    threads = [threading.Thread(target=pull) for _ in range(8)]
+    threads = [threading.Thread(target=pull, daemon=True) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(120)  # bounds a failure only
     assert results == [states[2]] * 8
     immutable = {k: n for k, n in origin.gets.items() if k.startswith(IMMUTABLE)}
     assert any(k.startswith("packs/") for k in immutable) and any(k.startswith("manifests/") for k in immutable)
