@@ -547,12 +547,13 @@ def gc(repo: str, keep_last: int, keep_every: int | None, grace: float, dry_run:
         _emit_json({**_fields(report), "kept_by_policy": sorted(policy & set(report.versions_kept)),
                     "kept_as_chain": chain})
         return
-    click.echo(report.summary())
-    if chain:
+    line = report.summary()
+    if chain:  # one line still: which kept versions the policy did not ask for, and why they stay
         snapshots = [v for v in chain if r.manifest(v).is_snapshot]
         back_to = f" (snapshot {_ranges(snapshots)})" if snapshots else ""
-        click.echo(f"kept {_ranges(sorted(policy & set(report.versions_kept)))} by --keep-last/--keep-every/the pin; "
-                   f"{_ranges(chain)} only as the delta chain those need back to their snapshot{back_to}")
+        line += (f"; {_ranges(sorted(policy & set(report.versions_kept)))} kept by --keep-last/--keep-every/the pin, "
+                 f"{_ranges(chain)} only as the delta chain back to their snapshot{back_to}")
+    click.echo(line)
 
 
 @cli.command()

@@ -413,8 +413,9 @@ def test_repo_help_names_every_url_form(cli: Env) -> None:
 def test_gc_names_the_versions_kept_only_as_a_chain(cli: Env, steps: list[Path]) -> None:
     publish_all(cli, steps)
     r = cli.run("gc", "--repo", "repo", "--keep-last", "1", "--dry-run")
-    assert "kept 3 version(s)" in r.out
-    assert "kept 3 by --keep-last" in r.out and "1-2 only as the delta chain" in r.out and "(snapshot 1)" in r.out, r.out
+    assert r.out.startswith("gc (dry run): kept 3 version(s)") and r.out.count("\n") == 1, r.out  # one line
+    assert "; 3 kept by --keep-last/--keep-every/the pin, 1-2 only as the delta chain" in r.out, r.out
+    assert r.out.rstrip().endswith("back to their snapshot (snapshot 1)"), r.out
     report = json.loads(cli.run("gc", "--repo", "repo", "--keep-last", "1", "--dry-run", "--json").out)
     assert report["kept_by_policy"] == [3] and report["kept_as_chain"] == [1, 2] and report["versions_deleted"] == []
 
