@@ -578,8 +578,8 @@ def serve(
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
     import logging
 
-    from deltasync.relay.server import build_server, parse_size, run_until_signalled
-    from deltasync.storage._grpc import read_token
+    from deltasync.relay import build_server, parse_size, run_until_signalled
+    from deltasync.relay.wire import read_token
 
     logging.getLogger("deltasync").removeHandler(_WARNINGS)  # the relay logs every line its own way
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")

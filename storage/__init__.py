@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from deltasync._extras import import_needing_extras
@@ -14,7 +14,33 @@ from ._local import LocalStore
 from ._memory import MemoryStore
 from ._throttle import ThrottledStore
 
-__all__ = ["LocalStore", "MemoryStore", "Store", "ThrottledStore", "WrappingStore", "check_key", "open_store"]
+if TYPE_CHECKING:
+    from ._grpc import GrpcStore, VersionWatch
+    from ._s3 import S3Store
+
+__all__ = [
+    "GrpcStore",
+    "LocalStore",
+    "MemoryStore",
+    "S3Store",
+    "Store",
+    "ThrottledStore",
+    "VersionWatch",
+    "WrappingStore",
+    "check_key",
+    "open_store",
+]
+
+#: Backends whose dependencies are extras: imported on first use (``deltasync.storage.S3Store``).
+_LAZY = {"S3Store": ("_s3", "an s3:// repository"), "GrpcStore": ("_grpc", "a grpc:// repository"),
+         "VersionWatch": ("_grpc", "a grpc:// repository")}
+
+
+def __getattr__(name: str) -> Any:
+    found = _LAZY.get(name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_needing_extras(f"{__name__}.{found[0]}", found[1]), name)
 
 _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()

@@ -5,9 +5,7 @@ goes to the one that answered last and, when it is unreachable (UNAVAILABLE, a d
 relay shutting down), to the next, so subscribers ride through the loss of a relay. A read
 cut off mid-stream resumes at the byte where it stopped on the next relay.
 
-Also the wire definition shared with the server (:mod:`deltasync.relay`): the service binds
-by hand with generic handlers instead of generated ``*_pb2_grpc`` code, which would pin
-grpcio at runtime to the version of grpcio-tools that generated it.
+The wire definition it shares with the server is :mod:`deltasync.relay.wire`.
 """
 
 from __future__ import annotations
@@ -24,15 +22,16 @@ from urllib.parse import parse_qsl, urlparse
 import grpc
 
 from deltasync.errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, StoreError, UsageError
+from deltasync.relay.wire import CA_ENV as CA_ENV
+from deltasync.relay.wire import CHUNK_BYTES, METHODS, method_path, read_token
+from deltasync.relay.wire import TOKEN_ENV as TOKEN_ENV
+from deltasync.relay.wire import TOKEN_FILE_ENV as TOKEN_FILE_ENV
 from deltasync.v1 import relay_pb2 as pb
 
 from ._base import Store, read_limit, too_large
 
 T = TypeVar("T")
 
-SERVICE = "deltasync.v1.Relay"
-CHUNK_BYTES = 1 << 20  # bytes per GetChunk: big packs stream under flow control
-LIST_BATCH = 1000  # keys per ListResponse
 DEFAULT_TIMEOUT = 120.0
 _ROUNDS = 2  # passes over the relay list before a call gives up
 _ROUND_PAUSE = 0.25
@@ -51,14 +50,6 @@ FAILOVER_CODES = frozenset(
     }
 )
 
-#: (method, request type, response type, server-streaming)
-METHODS: dict[str, tuple[Any, Any, bool]] = {
-    "Get": (pb.GetRequest, pb.GetChunk, True),
-    "Stat": (pb.StatRequest, pb.StatResponse, False),
-    "List": (pb.ListRequest, pb.ListResponse, True),
-    "Watch": (pb.WatchRequest, pb.VersionEvent, True),
-}
-
 #: Client keepalive: a dead TCP connection under an idle Watch stream is noticed in ~40 s.
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -67,10 +58,6 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
-
-
-def method_path(name: str) -> str:
-    return f"/{SERVICE}/{name}"
 
 
 def parse_grpc_url(url: str) -> tuple[list[str], float]:
@@ -106,27 +93,6 @@ def describe(e: grpc.RpcError) -> str:
     details = " ".join(str(e.details() or "").split())
     name = code.name.lower() if code is not None else "error"
     return f"{name}: {details}" if details else name
-
-
-TOKEN_ENV = "DELTASYNC_RELAY_TOKEN"
-TOKEN_FILE_ENV = "DELTASYNC_RELAY_TOKEN_FILE"
-CA_ENV = "DELTASYNC_RELAY_CA"
-
-
-def read_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> str | None:
-    """The bearer token: given, else from a file, else ``$DELTASYNC_RELAY_TOKEN(_FILE)``."""
-    if token:
-        return token
-    path = token_file or os.environ.get(TOKEN_FILE_ENV)
-    if path:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError as e:
-            raise UsageError(f"cannot read token file {path}: {e.strerror}") from None
-        if not text:
-            raise UsageError(f"token file {path} is empty")
-        return text
-    return os.environ.get(TOKEN_ENV) or None
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]

@@ -40,9 +40,10 @@ from deltasync.format import manifest as manifest_module
 from deltasync.format.digest import version_digest
 from deltasync.format.manifest import manifest_key, parse_manifest, seal
 from deltasync.relay.server import RelayServer, build_server
+from deltasync.relay.wire import method_path
 from deltasync.repo.repository import BLOB_PART_BYTES, LATEST, MARKER, PIN, Repository, squash_key
 from deltasync.storage import LocalStore
-from deltasync.storage._grpc import GrpcStore, method_path
+from deltasync.storage._grpc import GrpcStore
 from deltasync.v1 import manifest_pb2 as pb
 from deltasync.v1 import relay_pb2 as rpb
 

@@ -125,7 +125,7 @@ def test_a_missing_extra_is_named(tmp_path: Path) -> None:
         "torch": "from deltasync.format.tensors import bits_to_tensor; import numpy as np; "
                  "bits_to_tensor(np.zeros(4, np.uint8), 'F32', (1,))",
         "boto3": "from deltasync.storage import open_store; open_store('s3://bucket/prefix')",
-        "grpc": "import deltasync.relay",
+        "grpc": "from deltasync.relay import build_server",
     }
     extras = {"torch": "torch", "boto3": "s3", "grpc": "grpc"}
     for module, code in cases.items():

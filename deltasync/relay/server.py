@@ -49,11 +49,11 @@ import grpc.aio
 
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError, UsageError
 from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, ref_hint
-from ..storage import Store, check_key, open_store
+from ..storage import GrpcStore, Store, VersionWatch, check_key, open_store
 from ..storage._base import MAX_OFFSET
-from ..storage._grpc import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE, GrpcStore, VersionWatch
 from ..v1 import relay_pb2 as pb
 from .cache import SERVED_KEYS, SERVED_PREFIXES, Entry, ObjectCache, cacheable, served, size_limit
+from .wire import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE
 
 log = logging.getLogger("deltasync.relay")
 

@@ -1,0 +1,54 @@
+"""The relay's wire definition, shared by the server (:mod:`deltasync.relay.server`) and its
+clients (the ``grpc://`` store, :mod:`deltasync.storage`): service and method names, message
+sizes, and where a client's bearer token comes from.
+
+The service binds by hand with generic handlers instead of generated ``*_pb2_grpc`` code,
+which would pin grpcio at runtime to the version of grpcio-tools that generated it. Nothing
+here imports grpcio.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..v1 import relay_pb2 as pb
+
+SERVICE = "deltasync.v1.Relay"
+CHUNK_BYTES = 1 << 20  # bytes per GetChunk: big packs stream under flow control
+LIST_BATCH = 1000  # keys per ListResponse
+
+#: (method, request type, response type, server-streaming)
+METHODS: dict[str, tuple[Any, Any, bool]] = {
+    "Get": (pb.GetRequest, pb.GetChunk, True),
+    "Stat": (pb.StatRequest, pb.StatResponse, False),
+    "List": (pb.ListRequest, pb.ListResponse, True),
+    "Watch": (pb.WatchRequest, pb.VersionEvent, True),
+}
+
+
+def method_path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+TOKEN_ENV = "DELTASYNC_RELAY_TOKEN"
+TOKEN_FILE_ENV = "DELTASYNC_RELAY_TOKEN_FILE"
+CA_ENV = "DELTASYNC_RELAY_CA"
+
+
+def read_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> str | None:
+    """The bearer token: given, else from a file, else ``$DELTASYNC_RELAY_TOKEN(_FILE)``."""
+    if token:
+        return token
+    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read token file {path}: {e.strerror}") from None
+        if not text:
+            raise UsageError(f"token file {path} is empty")
+        return text
+    return os.environ.get(TOKEN_ENV) or None
