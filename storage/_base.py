@@ -12,12 +12,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-from deltasync.errors import ObjectTooLargeError, UsageError
+from deltasync.errors import ObjectTooLargeError, StoreError, UsageError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
 #: Offsets and lengths of ranged reads stay below 2**63: what pread, HTTP and protobuf can carry.
 MAX_OFFSET = (1 << 63) - 1
+#: Keys one listing may yield. A repository at this scale holds millions of versions or
+#: packs; a store listing more is broken or hostile, and callers collect what they list.
+MAX_LIST_KEYS = 2_000_000
 
 #: The byte limit of the whole-object read in progress on this thread (see ``Store.get``).
 #: A context variable rather than an argument of ``_get``: wrappers written against the
@@ -96,10 +99,11 @@ class Store(ABC):
         self._put(key, data, if_absent)
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        """Keys starting with ``prefix``, in lexicographic order."""
+        """Keys starting with ``prefix``, in lexicographic order (at most :data:`MAX_LIST_KEYS`:
+        past that the listing raises StoreError naming the prefix)."""
         if prefix:
             check_key(prefix.rstrip("/"))
-        return self._list(prefix)
+        return _capped(self._list(prefix), prefix, self)
 
     def delete(self, key: str) -> None:
         """Remove ``key``; deleting an absent key is not an error."""
@@ -165,3 +169,12 @@ class WrappingStore(Store):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _capped(keys: Iterator[str], prefix: str, store: Store) -> Iterator[str]:
+    for n, key in enumerate(keys):
+        if n >= MAX_LIST_KEYS:
+            where = getattr(store, "url", "") or type(store).__name__
+            raise StoreError(f"listing {prefix or '(everything)'!r} of {where} passed {MAX_LIST_KEYS:,} keys: "
+                             "refusing to go on (a broken or hostile store?)")
+        yield key

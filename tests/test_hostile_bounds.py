@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
-from deltasync.errors import CorruptObjectError, ObjectNotFoundError, ObjectTooLargeError
+from deltasync.errors import CorruptObjectError, ObjectNotFoundError, ObjectTooLargeError, StoreError
 from deltasync.format import manifest as manifest_module
 from deltasync.format.digest import version_digest
 from deltasync.format.manifest import manifest_key, parse_manifest, seal
@@ -646,3 +646,18 @@ def test_maintenance_commands_on_a_hostile_store_stay_bounded(repo: Path, tmp_pa
     report = json.loads(run.stdout)
     assert any("gc/pending.json was unreadable" in note for note in report["notes"]), report
     assert report["pending"] == ["packs/" + "cd" * 16 + ".pack"]
+
+
+def test_a_listing_past_the_key_cap_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import deltasync.storage._base as store_base
+
+    monkeypatch.setattr(store_base, "MAX_LIST_KEYS", 3)
+    store = LocalStore(tmp_path / "repo")
+    for i in range(5):
+        store.put(f"manifests/{i:020d}.pb", b"x")
+    assert next(iter(store.list("manifests/"))).startswith("manifests/")  # checked as keys stream, not up front
+    with pytest.raises(StoreError, match=r"listing 'manifests/' of .* passed 3 keys"):
+        list(store.list("manifests/"))
+    store.delete("manifests/00000000000000000004.pb")
+    store.delete("manifests/00000000000000000003.pb")
+    assert len(list(store.list("manifests/"))) == 3
