@@ -105,7 +105,8 @@ def _repo_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 #: Every form --repo takes (memory:// is the library's only: it vanishes with the process).
 REPO_FORMS = ("a path (./repo), file:///abs/path, s3://bucket/prefix, grpc://host:port[,host2:port2] "
-              "or grpcs://host:port[,...] (relays, TLS with $DELTASYNC_RELAY_CA; read-only)")
+              "or grpcs://host:port[,...] (relays, TLS with $DELTASYNC_RELAY_CA; writable with "
+              "$DELTASYNC_RELAY_WRITE_TOKEN(_FILE) when they serve --accept-writes)")
 
 repo_option = click.option(
     "--repo", required=True, metavar="URL", callback=_repo_url, help=f"Repository: {REPO_FORMS}.",
@@ -571,15 +572,27 @@ def gc(repo: str, keep_last: int, keep_every: int | None, grace: float, dry_run:
 @click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None, help="PEM key of --tls-cert.")
 @click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Require this bearer token from every client [default: $DELTASYNC_RELAY_TOKEN(_FILE) if set].")
+@click.option("--accept-writes", is_flag=True, default=False,
+              help="Let publishers holding the write token write the repository through this relay (Put, Delete).")
+@click.option("--write-token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The write token (distinct from the read token; it also reads) "
+                   "[default: $DELTASYNC_RELAY_WRITE_TOKEN(_FILE) with --accept-writes].")
+@click.option("--max-object-bytes", default="256M", show_default=True, metavar="SIZE",
+              help="Largest object a publisher may upload.")
+@click.option("--max-uploads", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="Uploads received at once (each held in memory until written); more wait.")
+@click.option("--write-quota", default=None, metavar="SIZE",
+              help="Most bytes a local upstream repository may hold; uploads past it are refused [default: none].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
-    tls_cert: Path | None, tls_key: Path | None, token_file: Path | None,
+    tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
+    write_token_file: Path | None, max_object_bytes: str, max_uploads: int, write_quota: str | None,
 ) -> None:
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
     import logging
 
     from deltasync.relay import build_server, parse_size, run_until_signalled
-    from deltasync.relay.wire import read_token
+    from deltasync.relay.wire import read_token, read_write_token
 
     logging.getLogger("deltasync").removeHandler(_WARNINGS)  # the relay logs every line its own way
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
@@ -588,10 +601,15 @@ def serve(
     server = build_server(
         repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval,
         tls_cert=tls_cert, tls_key=tls_key, token=read_token(None, token_file),
+        accept_writes=accept_writes,
+        write_token=read_write_token(None, write_token_file) if accept_writes else None,
+        max_object_bytes=parse_size(max_object_bytes), max_uploads=max_uploads,
+        write_quota=parse_size(write_quota) if write_quota is not None else None,
     )
 
     def ready() -> None:
-        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}); SIGTERM stops")
+        writes = ", accepting writes" if accept_writes else ""
+        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{writes}); SIGTERM stops")
 
     run_until_signalled(server, on_ready=ready)
     click.echo("relay stopped")

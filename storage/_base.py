@@ -56,6 +56,8 @@ class Store(ABC):
     url: str = ""
     #: Requests worth keeping in flight at once (readers size their I/O threads by it).
     io_concurrency: int = 4
+    #: Uploads worth keeping in flight at once (a publisher holds one pack in memory for each).
+    upload_concurrency: int = 2
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.
@@ -151,6 +153,7 @@ class WrappingStore(Store):
         self.inner = inner
         self.url = inner.url
         self.io_concurrency = inner.io_concurrency
+        self.upload_concurrency = inner.upload_concurrency
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         return self.inner.get(key, byte_range)

@@ -1,9 +1,15 @@
-"""Read a repository through relays: ``grpc://host:port[,host2:port2…][?timeout=SECONDS]``.
+"""A repository through relays: ``grpc://host:port[,host2:port2…][?timeout=SECONDS][&write_token_file=PATH]``.
 
-The store is read-only (publish to the relay's upstream). Several relays may be named: a call
-goes to the one that answered last and, when it is unreachable (UNAVAILABLE, a deadline, a
-relay shutting down), to the next, so subscribers ride through the loss of a relay. A read
-cut off mid-stream resumes at the byte where it stopped on the next relay.
+Without a write token the store is read-only. Several relays may be named: a call goes to the
+one that answered last and, when it is unreachable (UNAVAILABLE, a deadline, a relay shutting
+down), to the next, so subscribers ride through the loss of a relay. A read cut off
+mid-stream resumes at the byte where it stopped on the next relay.
+
+With a write token (``?write_token_file=``, ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``) and relays
+serving with ``--accept-writes``, the store writes: each object is streamed to one relay in
+1 MiB pieces with its xxh3-128 digest (the relay checks it before the object becomes
+visible), starting at the relay the key hashes to, so a publisher's concurrent pack uploads
+(``upload_concurrency``) spread over every relay named, and failing over like reads.
 
 The wire definition it shares with the server is :mod:`deltasync.relay.wire`.
 """
@@ -21,9 +27,27 @@ from urllib.parse import parse_qsl, urlparse
 
 import grpc
 
-from deltasync.errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, StoreError, UsageError
+from deltasync.errors import (
+    CorruptObjectError,
+    DeltasyncError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+    UsageError,
+)
+from deltasync.format.digest import digest
 from deltasync.relay.wire import CA_ENV as CA_ENV
-from deltasync.relay.wire import CHUNK_BYTES, METHODS, method_path, read_token
+from deltasync.relay.wire import (
+    CHUNK_BYTES,
+    CLIENT_STREAM,
+    METHODS,
+    SERVER_STREAM,
+    WRITE_TOKEN_ENV,
+    WRITE_TOKEN_FILE_ENV,
+    method_path,
+    read_token,
+    read_write_token,
+)
 from deltasync.relay.wire import TOKEN_ENV as TOKEN_ENV
 from deltasync.relay.wire import TOKEN_FILE_ENV as TOKEN_FILE_ENV
 from deltasync.v1 import relay_pb2 as pb
@@ -49,6 +73,11 @@ FAILOVER_CODES = frozenset(
         grpc.StatusCode.UNKNOWN,
     }
 )
+#: For writes, RESOURCE_EXHAUSTED is the relay's answer (over its size cap or quota), not a
+#: reason to push the same bytes at the next relay of the same repository.
+WRITE_FAILOVER_CODES = FAILOVER_CODES - {grpc.StatusCode.RESOURCE_EXHAUSTED}
+#: Uploads a writable store keeps in flight per relay named (each holds one pack in memory).
+UPLOADS_PER_RELAY = 4
 
 #: Client keepalive: a dead TCP connection under an idle Watch stream is noticed in ~40 s.
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
@@ -71,9 +100,11 @@ def parse_grpc_url(url: str) -> tuple[list[str], float]:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"invalid relay address {target!r} in {url!r} (expected host:port)")
     options = dict(parse_qsl(parsed.query, keep_blank_values=True))
-    unknown = sorted(set(options) - {"timeout"})
+    unknown = sorted(set(options) - {"timeout", "write_token_file"})
     if unknown:
-        raise UsageError(f"unknown relay URL option(s) {', '.join(unknown)} in {url!r} (known: timeout)")
+        raise UsageError(
+            f"unknown relay URL option(s) {', '.join(unknown)} in {url!r} (known: timeout, write_token_file)"
+        )
     timeout = DEFAULT_TIMEOUT
     if "timeout" in options:
         try:
@@ -95,7 +126,12 @@ def describe(e: grpc.RpcError) -> str:
     return f"{name}: {details}" if details else name
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+_Interceptors: tuple[Any, ...] = (
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor
+)
+
+
+class _BearerToken(*_Interceptors):  # type: ignore[misc]
     """Adds ``authorization: Bearer <token>`` to every call."""
 
     def __init__(self, token: str) -> None:
@@ -111,6 +147,9 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._with_token(details), request)
 
+    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._with_token(details), request_iterator)
+
 
 class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
     def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
@@ -123,7 +162,7 @@ class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
 
 
 class _Relay:
-    """One relay address: its channel and the four methods bound to it."""
+    """One relay address: its channel and the methods bound to it."""
 
     def __init__(self, address: str, *, tls: bool = False, ca: bytes | None = None, token: str | None = None) -> None:
         self.address = address
@@ -136,20 +175,27 @@ class _Relay:
         if token:
             self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
         calls: dict[str, Any] = {}
-        for name, (request, response, streaming) in METHODS.items():
-            factory = self.channel.unary_stream if streaming else self.channel.unary_unary
+        for name, (request, response, kind) in METHODS.items():
+            factory = {SERVER_STREAM: self.channel.unary_stream, CLIENT_STREAM: self.channel.stream_unary}.get(
+                kind, self.channel.unary_unary
+            )
             calls[name] = factory(
                 method_path(name), request_serializer=request.SerializeToString, response_deserializer=response.FromString
             )
         self.get, self.stat, self.list, self.watch = calls["Get"], calls["Stat"], calls["List"], calls["Watch"]
+        self.put, self.delete = calls["Put"], calls["Delete"]
 
 
 class GrpcStore(Store):
     """A repository read through one or more relays (``deltasync serve``).
 
     Args:
-        url: ``grpc://host:port``, several comma-separated for failover, ``?timeout=SECONDS``.
+        url: ``grpc://host:port``, several comma-separated for failover (and write sharding),
+            ``?timeout=SECONDS``, ``&write_token_file=PATH``.
         timeout: deadline of one call (a whole Get stream included); overrides the URL's.
+        write_token, write_token_file: the relays' write token (else the URL's
+            ``write_token_file``, else ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``); without one the
+            store is read-only. It is sent instead of the read token (it also reads).
     """
 
     def __init__(
@@ -160,6 +206,8 @@ class GrpcStore(Store):
         token: str | None = None,
         token_file: str | os.PathLike[str] | None = None,
         ca_file: str | os.PathLike[str] | None = None,
+        write_token: str | None = None,
+        write_token_file: str | os.PathLike[str] | None = None,
     ) -> None:
         targets, url_timeout = parse_grpc_url(url)
         self.timeout = url_timeout if timeout is None else timeout
@@ -175,8 +223,17 @@ class GrpcStore(Store):
             except OSError as e:
                 raise UsageError(f"cannot read CA certificate {ca_path}: {e.strerror}") from None
         tok = read_token(token, token_file)
-        self._relays = [_Relay(t, tls=tls, ca=ca, token=tok) for t in targets]
+        url_write_file = dict(parse_qsl(urlparse(url).query)).get("write_token_file") or None
+        self._write_token = read_write_token(write_token, write_token_file or url_write_file)
+        self._relays = [_Relay(t, tls=tls, ca=ca, token=self._write_token or tok) for t in targets]
         self._preferred = 0  # the relay that answered last
+        if self._write_token is not None:
+            self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
+
+    @property
+    def writable(self) -> bool:
+        """Whether this store has a write token (the relays decide whether it is good)."""
+        return self._write_token is not None
 
     @property
     def addresses(self) -> list[str]:
@@ -228,33 +285,94 @@ class GrpcStore(Store):
 
     # -- writes --------------------------------------------------------------------------------
 
+    def _read_only(self, action: str, key: str) -> UsageError:
+        return UsageError(
+            f"grpc:// repositories are read-only without a write token: cannot {action} {key} at {self.url} "
+            f"(set ${WRITE_TOKEN_ENV} or ${WRITE_TOKEN_FILE_ENV} for a relay serving --accept-writes, "
+            "or publish to its upstream)"
+        )
+
     def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        raise UsageError(f"grpc:// repositories are read-only: cannot write {key} to {self.url} (publish to its upstream)")
+        if self._write_token is None:
+            raise self._read_only("write", key)
+        view = memoryview(data).cast("B")
+        size = len(view)
+        announced = digest(view)
+
+        def pieces() -> Iterator[pb.PutChunk]:
+            yield pb.PutChunk(
+                key=key, total_bytes=size, if_absent=if_absent, digest=announced, data=bytes(view[:CHUNK_BYTES])
+            )
+            for offset in range(CHUNK_BYTES, size, CHUNK_BYTES):
+                yield pb.PutChunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
+
+        tries = 0
+
+        def attempt(relay: _Relay) -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                relay.put(pieces(), timeout=self.timeout)
+            except grpc.RpcError as e:
+                # A conditional put retried after a failure that may have come after the relay
+                # wrote it (the answer was lost): our own bytes there are our success.
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS and tries > 1 and self._holds(key, view):
+                    return
+                raise
+
+        self._failover("write", key, attempt, start=self._shard(key), codes=WRITE_FAILOVER_CODES)
+
+    def _holds(self, key: str, view: memoryview) -> bool:
+        try:
+            return self._get(key, None) == view
+        except DeltasyncError:
+            return False
 
     def _delete(self, key: str) -> None:
-        raise UsageError(f"grpc:// repositories are read-only: cannot delete {key} from {self.url}")
+        if self._write_token is None:
+            raise self._read_only("delete", key)
+
+        def attempt(relay: _Relay) -> None:
+            relay.delete(pb.DeleteRequest(key=key), timeout=self.timeout)
+
+        self._failover("delete", key, attempt, start=self._shard(key), codes=WRITE_FAILOVER_CODES)
+
+    def _shard(self, key: str) -> int:
+        """The relay an object's upload starts at: spread by the key's hash (stable across
+        processes), so uploads in flight together go over every relay named."""
+        return int.from_bytes(digest(key.encode())[:8], "big") % len(self._relays)
 
     # -- failover ------------------------------------------------------------------------------
 
-    def _failover(self, action: str, key: str | None, attempt: Callable[[_Relay], T]) -> T:
-        """Run ``attempt`` on the preferred relay, then on the others while they are unreachable."""
+    def _failover(
+        self,
+        action: str,
+        key: str | None,
+        attempt: Callable[[_Relay], T],
+        *,
+        start: int | None = None,
+        codes: frozenset[grpc.StatusCode] = FAILOVER_CODES,
+    ) -> T:
+        """Run ``attempt`` on the preferred relay (or ``start``), then on the others while they
+        are unreachable."""
         errors: dict[str, str] = {}
         n = len(self._relays)
         for round_ in range(_ROUNDS):
             if round_:
                 time.sleep(_ROUND_PAUSE)
-            start = self._preferred
+            first = self._preferred if start is None else start
             for i in range(n):
-                index = (start + i) % n
+                index = (first + i) % n
                 relay = self._relays[index]
                 try:
                     result = attempt(relay)
                 except grpc.RpcError as e:
-                    if e.code() not in FAILOVER_CODES:
+                    if e.code() not in codes:
                         raise translate(e, action, key, relay.address) from None
                     errors[relay.address] = describe(e)
                     continue
-                self._preferred = index
+                if start is None:
+                    self._preferred = index
                 return result
         what = f" {key}" if key else ""
         tried = "; ".join(f"{address}: {error}" for address, error in errors.items())
@@ -267,6 +385,18 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
     details = " ".join(str(e.details() or "").split())
     if code == grpc.StatusCode.NOT_FOUND:
         return ObjectNotFoundError(key or details)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return ObjectExistsError(key or details)
+    if action in ("write", "delete"):
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return StoreError(
+                f"relay {address} refused to {action} {key}: {details or 'not authorised'} "
+                f"(the write token: ${WRITE_TOKEN_ENV}, ${WRITE_TOKEN_FILE_ENV} or ?write_token_file=)"
+            )
+        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
+            return StoreError(f"relay {address} refused to {action} {key}: {details or code.name.lower()}")
+        if code == grpc.StatusCode.DATA_LOSS:
+            return CorruptObjectError(key or "object", f"relay {address} refused the upload: {details}")
     if code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DATA_LOSS):
         return CorruptObjectError(key or "object", details or code.name.lower())
     if code == grpc.StatusCode.INVALID_ARGUMENT:

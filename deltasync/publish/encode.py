@@ -123,7 +123,9 @@ class Packer:
         self._parts: list[bytes] = []
         self._size = 0
         self._uploads: deque[Future[None]] = deque()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltasync-upload")
+        # As many uploads in flight as the store wants (several streams over relays), at least 2.
+        self._window = max(2, store.upload_concurrency)
+        self._pool = ThreadPoolExecutor(max_workers=self._window, thread_name_prefix="deltasync-upload")
         self.created: set[str] = set()  # keys this attempt wrote, the only ones abandon() may delete
         self.stored = 0
 
@@ -144,7 +146,7 @@ class Packer:
         key = f"packs/{digest(data).hex()}.pack"
         self.packs.append(pb.Pack(key=key, size=len(data)))
         self.stored += len(data)
-        while len(self._uploads) >= 2:  # bound memory: at most two packs waiting to upload
+        while len(self._uploads) >= self._window:  # bound memory: at most _window packs waiting to upload
             self._uploads.popleft().result()
         self._uploads.append(self._pool.submit(self._upload, key, data))
 

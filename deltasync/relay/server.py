@@ -16,6 +16,14 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
   stays unreachable, so they move on to another relay.
 - The upstream is any repository URL: a path, ``s3://…``, or ``grpc://`` of another relay,
   so relays form trees across clusters.
+- **Put**/**Delete** (only with ``accept_writes``, only from clients carrying the write
+  token): a publisher in another cluster writes the repository through the relay. An upload
+  streams in 1 MiB pieces into memory (bounded by ``max_object_bytes`` times ``max_uploads``), is
+  checked (its size, the digest its header announces, and for ``packs/<xxh3>.pack`` and
+  ``blobs/<xxh3>`` the digest in the key) and only then written with the upstream store's own
+  atomic put, so nothing partial or corrupt is ever visible; ``if_absent`` passes through, so
+  the conditional manifest put keeps exactly one winner. A manifest or squash is refused while
+  a pack or blob it names is missing upstream.
 
 The server runs on grpc's asyncio stack, in one event loop thread shared by every relay in
 the process: an idle watcher costs no thread. Upstream reads, file reads and index writes
@@ -46,14 +54,25 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 import grpc.aio
+import zstandard
 
-from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError, UsageError
-from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, ref_hint
-from ..storage import GrpcStore, Store, VersionWatch, check_key, open_store
+from ..errors import (
+    CorruptObjectError,
+    DeltasyncError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    UsageError,
+)
+from ..format.digest import digest
+from ..format.manifest import BLOB_PART_SIZE
+from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint
+from ..storage import GrpcStore, LocalStore, Store, VersionWatch, check_key, open_store
 from ..storage._base import MAX_OFFSET
+from ..v1 import manifest_pb2 as manifest_pb
 from ..v1 import relay_pb2 as pb
 from .cache import SERVED_KEYS, SERVED_PREFIXES, Entry, ObjectCache, cacheable, served, size_limit
-from .wire import CHUNK_BYTES, LIST_BATCH, METHODS, SERVICE
+from .wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, WRITE_METHODS
 
 log = logging.getLogger("deltasync.relay")
 
@@ -69,7 +88,8 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # allow clients' keepalive
-    ("grpc.max_receive_message_length", 1 << 20),  # requests are small
+    # Requests are small but for Put's pieces: 1 MiB of data plus its header.
+    ("grpc.max_receive_message_length", CHUNK_BYTES + (64 << 10)),
 ]
 
 
@@ -101,6 +121,16 @@ class RelayConfig:
     """PEM private key of ``tls_cert``."""
     token: str | None = None
     """Bearer token every client must send (``authorization: Bearer …``). None: no check."""
+    accept_writes: bool = False
+    """Serve Put and Delete (publishing through the relay); needs ``write_token``."""
+    write_token: str | None = None
+    """Bearer token a client must send to write (it also reads); distinct from ``token``."""
+    max_object_bytes: int = 256 << 20
+    """Largest object a client may upload (a pack is 64 MiB by default)."""
+    max_uploads: int = 8
+    """Uploads received at once (each is held in memory until written); more wait their turn."""
+    write_quota: int | None = None
+    """Most bytes the (local) upstream repository may hold; uploads past it are refused."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -117,6 +147,16 @@ class RelayConfig:
             raise UsageError("TLS needs both a certificate and its key")
         if self.token is not None and not self.token.strip():
             raise UsageError("the bearer token is empty")
+        if self.accept_writes and not (self.write_token and self.write_token.strip()):
+            raise UsageError("a relay accepting writes needs a write token (--write-token-file)")
+        if self.write_token is not None and not self.accept_writes:
+            raise UsageError("a write token is given but the relay does not accept writes (--accept-writes)")
+        if self.write_token is not None and self.write_token == self.token:
+            raise UsageError("the write token must differ from the read token")
+        if self.max_object_bytes < 1 or self.max_uploads < 1:
+            raise UsageError("max_object_bytes and max_uploads must be positive")
+        if self.write_quota is not None and (self.write_quota < 0 or not self.accept_writes):
+            raise UsageError("a write quota must not be negative, and needs --accept-writes")
 
 
 def build_server(
@@ -182,7 +222,9 @@ class RelayServer:
 
     async def _start(self, service: _RelayService) -> int:
         _check_bindable(self.config.listen)
-        interceptors = [_RequireToken(self.config.token)] if self.config.token else []
+        config = self.config
+        needs_check = config.token or config.write_token
+        interceptors = [_RequireToken(config.token, config.write_token)] if needs_check else []
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         server.add_generic_rpc_handlers((service.handler(),))
         try:
@@ -337,22 +379,31 @@ class _RelayService:
         self.executor = executor
         self.config = config
         self.feed = _VersionFeed(upstream, self._in_thread, lambda: self.counters["watchers"], config)
+        self.quota = _Quota(upstream, config.write_quota) if config.write_quota is not None else None
+        self._upload_slots: asyncio.Semaphore | None = None  # made on the loop, in start()
         self.stopping = False
         self._inflight: dict[str, asyncio.Task[Entry]] = {}
         self._flusher: asyncio.Task[None] | None = None
-        self.counters = {"requests": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0, "watchers": 0}
+        self.counters = {
+            "requests": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0, "watchers": 0,
+            "uploads": 0, "uploaded_bytes": 0, "uploads_refused": 0, "deletes": 0,
+        }
 
     def handler(self) -> Any:
-        behaviors: dict[str, Callable[..., Any]] = {"Get": self.get, "Stat": self.stat, "List": self.list, "Watch": self.watch}
+        behaviors: dict[str, Callable[..., Any]] = {
+            "Get": self.get, "Stat": self.stat, "List": self.list, "Watch": self.watch,
+            "Put": self.put, "Delete": self.delete,
+        }
         handlers: dict[str, Any] = {}
-        for name, (request, response, streaming) in METHODS.items():
-            factory = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        for name, (request, response, kind) in METHODS.items():
+            factory = _HANDLER_FACTORIES[kind]
             handlers[name] = factory(
                 behaviors[name], request_deserializer=request.FromString, response_serializer=response.SerializeToString
             )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def start(self) -> None:
+        self._upload_slots = asyncio.Semaphore(self.config.max_uploads)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_periodically())
 
     def begin_stop(self) -> None:
@@ -534,6 +585,96 @@ class _RelayService:
         for start in range(0, len(keys), LIST_BATCH):
             yield pb.ListResponse(keys=keys[start : start + LIST_BATCH])
 
+    # -- Put, Delete ---------------------------------------------------------------------------
+
+    async def put(self, requests: AsyncIterator[pb.PutChunk], context: Any) -> pb.PutResponse:
+        self.counters["requests"] += 1
+        if not self.config.accept_writes:  # the interceptor refuses first; kept for library use
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        assert self._upload_slots is not None
+        key = ""
+        async with self._upload_slots:  # bounds memory: max_uploads objects held at once
+            try:
+                first = await anext(aiter(requests), None)
+                if first is None:
+                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
+                key, size = first.key, first.total_bytes
+                _check_served(key)
+                if size > self.config.max_object_bytes:
+                    raise _Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{key} is {size:,} bytes, over the relay's object size cap of "
+                        f"{self.config.max_object_bytes:,} (serve --max-object-bytes)",
+                    )
+                if self.quota is not None:
+                    self.quota.check(key, size)  # before receiving: a refused upload costs no memory
+                data = bytearray(first.data)
+                async for piece in requests:
+                    if len(data) + len(piece.data) > size:
+                        raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} sent more than its {size:,} bytes")
+                    data += piece.data
+                if len(data) != size:
+                    raise _Refused(
+                        grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {len(data):,} of {size:,} bytes"
+                    )
+                await self._in_thread(self._store_upload, key, bytes(data), first.if_absent, bytes(first.digest))
+            except _Refused as e:
+                self.counters["uploads_refused"] += 1
+                log.warning("refused upload of %s: %s", key or "?", e.message)
+                await context.abort(e.code, e.message)
+            except ObjectExistsError:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"object already exists: {key}")
+            except Exception as e:
+                await self._abort(context, e, key or None)
+        self.counters["uploads"] += 1
+        self.counters["uploaded_bytes"] += size
+        return pb.PutResponse()
+
+    def _store_upload(self, key: str, data: bytes, if_absent: bool, announced: bytes) -> None:
+        """(Thread) Check a complete upload, then write it upstream in one atomic put."""
+        if announced and digest(data) != announced:
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} does not match the digest its header announced")
+        problem = content_problem(key, data)
+        if problem is not None:
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} refused: {problem}")
+        missing = missing_references(self.upstream, key, data)
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{key} names objects the repository lacks ({missing[0]}{more}): upload them before the manifest",
+            )
+        if self.quota is None:
+            self.upstream.put(key, data, if_absent=if_absent)
+        else:
+            self.quota.put(key, data, if_absent)
+        self._forget_cached(key)  # an overwrite (or a re-upload after a delete) is served fresh
+
+    def _forget_cached(self, key: str) -> None:
+        entry = self.cache.lookup(key, touch=False) if cacheable(key) else None
+        if entry is not None:
+            self.cache.forget(key, entry)
+
+    async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
+        self.counters["requests"] += 1
+        if not self.config.accept_writes:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        key = request.key
+        try:
+            _check_served(key)
+            await self._in_thread(self._delete, key)
+        except Exception as e:
+            await self._abort(context, e, key)
+        self.counters["deletes"] += 1
+        return pb.DeleteResponse()
+
+    def _delete(self, key: str) -> None:
+        if self.quota is None:
+            self.upstream.delete(key)
+        else:
+            self.quota.delete(key)
+        self._forget_cached(key)
+
     # -- Watch ---------------------------------------------------------------------------------
 
     async def watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.VersionEvent]:
@@ -707,6 +848,123 @@ class _VersionFeed:
             self._loop.call_soon_threadsafe(self.publish, [version])
 
 
+# -- writes ---------------------------------------------------------------------------------------
+
+_HANDLER_FACTORIES: dict[str, Callable[..., Any]] = {
+    "unary": grpc.unary_unary_rpc_method_handler,
+    SERVER_STREAM: grpc.unary_stream_rpc_method_handler,
+    CLIENT_STREAM: grpc.stream_unary_rpc_method_handler,
+}
+
+_PACK_KEY = re.compile(r"^packs/([0-9a-f]{32})\.pack$")
+_BLOB_KEY = re.compile(r"^blobs/([0-9a-f]{32})$")
+_MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
+
+
+class _Refused(Exception):
+    """An upload the relay will not write, with the status code that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def content_problem(key: str, data: bytes) -> str | None:
+    """Why ``data`` cannot be the object named ``key``, for content-addressed keys (a pack's
+    name is the xxh3-128 of its bytes; a blob's that of the zstd frame's content); None if it can."""
+    m = _PACK_KEY.match(key)
+    if m is not None:
+        return None if digest(data).hex() == m.group(1) else "its bytes do not match the digest in its name"
+    m = _BLOB_KEY.match(key)
+    if m is None:
+        return None
+    try:
+        size = zstandard.frame_content_size(data)
+        if size < 0 or size > BLOB_PART_SIZE:
+            return f"not a blob part (a zstd frame of at most {BLOB_PART_SIZE:,} bytes)"
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=BLOB_PART_SIZE)
+    except zstandard.ZstdError as e:
+        return f"not a zstd frame ({e})"
+    return None if digest(raw).hex() == m.group(1) else "its content does not match the digest in its name"
+
+
+def missing_references(upstream: Store, key: str, data: bytes) -> list[str]:
+    """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
+    lacks, so a broken or hostile publisher cannot commit a version that cannot be pulled."""
+    if not _MANIFEST_KEY.match(key):
+        return []
+    try:
+        manifest = manifest_pb.Manifest.FromString(data)
+    except Exception:
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} is not a manifest") from None
+    keys = sorted({p.key for p in manifest.packs}
+                  | {blob_key(part) for f in manifest.files if f.kind == manifest_pb.File.BLOB for part in f.blob_parts})
+    missing = []
+    for k in keys:
+        try:
+            check_key(k)
+        except UsageError:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} names an invalid key {k!r}") from None
+        if not upstream.exists(k):
+            missing.append(k)
+    return missing
+
+
+class _Quota:
+    """Bytes a local upstream holds, kept under a limit: counted once at start (a walk of its
+    directory), then tracked through this relay's puts and deletes. Writes are serialised
+    with the accounting, so racing uploads cannot both pass the last free bytes."""
+
+    def __init__(self, upstream: Store, limit: int) -> None:
+        if not isinstance(upstream, LocalStore):
+            raise UsageError("a write quota needs a local upstream repository (a path)")
+        self.upstream = upstream
+        self.limit = limit
+        self.used = _tree_bytes(upstream.root)
+        self._lock = threading.Lock()
+
+    def _refusal(self, key: str, size: int) -> _Refused:
+        return _Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"write quota exceeded: {key} ({size:,} bytes) would bring the repository to "
+            f"{self.used + size:,} of {self.limit:,} bytes (serve --write-quota)",
+        )
+
+    def check(self, key: str, size: int) -> None:
+        if self.used + size > self.limit:
+            raise self._refusal(key, size)
+
+    def put(self, key: str, data: bytes, if_absent: bool) -> None:
+        with self._lock:
+            try:
+                old = self.upstream.size(key)
+            except ObjectNotFoundError:
+                old = 0
+            if not (if_absent and old) and self.used - old + len(data) > self.limit:
+                raise self._refusal(key, len(data))
+            self.upstream.put(key, data, if_absent=if_absent)
+            self.used += len(data) - old
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            try:
+                old = self.upstream.size(key)
+            except ObjectNotFoundError:
+                return
+            self.upstream.delete(key)
+            self.used = max(0, self.used - old)
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
 # -- the event loop every relay in the process runs on -------------------------------------------
 
 _loop_lock = threading.Lock()
@@ -736,22 +994,38 @@ def _read_pem(path: Path) -> bytes:
 
 
 class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call without ``authorization: Bearer <token>`` (constant-time compare)."""
+    """Checks ``authorization: Bearer <token>`` (constant-time compares): reads need the read
+    token (when one is set) or the write token; writes need the write token (a read token
+    gets PERMISSION_DENIED, none or a wrong one UNAUTHENTICATED)."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: str | None, write_token: str | None = None) -> None:
+        self._read = f"Bearer {token}".encode() if token else None
+        self._write = f"Bearer {write_token}".encode() if write_token else None
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        name = details.method.rsplit("/", 1)[-1]
+        got: bytes | None = None
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 got = value.encode() if isinstance(value, str) else bytes(value)
-                if hmac.compare_digest(got, self._expected):
-                    return await continuation(details)
-        streaming = details.method.rsplit("/", 1)[-1] in ("Get", "List", "Watch")
+        is_reader = got is not None and self._read is not None and hmac.compare_digest(got, self._read)
+        is_writer = got is not None and self._write is not None and hmac.compare_digest(got, self._write)
+        if name in WRITE_METHODS:
+            if is_writer:
+                return await continuation(details)
+            if self._write is None:
+                code, message = grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes"
+            elif is_reader:
+                code, message = grpc.StatusCode.PERMISSION_DENIED, "a read token cannot write: writes need the write token"
+            else:
+                code, message = grpc.StatusCode.UNAUTHENTICATED, "missing or wrong write token"
+        elif self._read is None or is_reader or is_writer:
+            return await continuation(details)
+        else:
+            code, message = grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
+        kind = METHODS[name][2] if name in METHODS else "unary"
 
         async def deny(request: Any, context: Any) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            await context.abort(code, message)
 
-        if streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+        return _HANDLER_FACTORIES[kind](deny)

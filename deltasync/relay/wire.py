@@ -20,13 +20,20 @@ SERVICE = "deltasync.v1.Relay"
 CHUNK_BYTES = 1 << 20  # bytes per GetChunk: big packs stream under flow control
 LIST_BATCH = 1000  # keys per ListResponse
 
-#: (method, request type, response type, server-streaming)
-METHODS: dict[str, tuple[Any, Any, bool]] = {
-    "Get": (pb.GetRequest, pb.GetChunk, True),
-    "Stat": (pb.StatRequest, pb.StatResponse, False),
-    "List": (pb.ListRequest, pb.ListResponse, True),
-    "Watch": (pb.WatchRequest, pb.VersionEvent, True),
+UNARY, SERVER_STREAM, CLIENT_STREAM = "unary", "server_stream", "client_stream"
+
+#: (method, request type, response type, kind of call)
+METHODS: dict[str, tuple[Any, Any, str]] = {
+    "Get": (pb.GetRequest, pb.GetChunk, SERVER_STREAM),
+    "Stat": (pb.StatRequest, pb.StatResponse, UNARY),
+    "List": (pb.ListRequest, pb.ListResponse, SERVER_STREAM),
+    "Watch": (pb.WatchRequest, pb.VersionEvent, SERVER_STREAM),
+    "Put": (pb.PutChunk, pb.PutResponse, CLIENT_STREAM),
+    "Delete": (pb.DeleteRequest, pb.DeleteResponse, UNARY),
 }
+#: Methods that change the repository: only a relay serving with --accept-writes takes them,
+#: and only from a client carrying its write token.
+WRITE_METHODS = frozenset({"Put", "Delete"})
 
 
 def method_path(name: str) -> str:
@@ -35,14 +42,23 @@ def method_path(name: str) -> str:
 
 TOKEN_ENV = "DELTASYNC_RELAY_TOKEN"
 TOKEN_FILE_ENV = "DELTASYNC_RELAY_TOKEN_FILE"
+WRITE_TOKEN_ENV = "DELTASYNC_RELAY_WRITE_TOKEN"
+WRITE_TOKEN_FILE_ENV = "DELTASYNC_RELAY_WRITE_TOKEN_FILE"
 CA_ENV = "DELTASYNC_RELAY_CA"
 
 
-def read_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> str | None:
-    """The bearer token: given, else from a file, else ``$DELTASYNC_RELAY_TOKEN(_FILE)``."""
+def read_token(
+    token: str | None = None,
+    token_file: str | os.PathLike[str] | None = None,
+    *,
+    env: str = TOKEN_ENV,
+    file_env: str = TOKEN_FILE_ENV,
+) -> str | None:
+    """The bearer token: given, else from a file, else ``$DELTASYNC_RELAY_TOKEN(_FILE)``
+    (the write token: ``env``/``file_env`` = ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``)."""
     if token:
         return token
-    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    path = token_file or os.environ.get(file_env)
     if path:
         try:
             text = Path(path).read_text().strip()
@@ -51,4 +67,9 @@ def read_token(token: str | None = None, token_file: str | os.PathLike[str] | No
         if not text:
             raise UsageError(f"token file {path} is empty")
         return text
-    return os.environ.get(TOKEN_ENV) or None
+    return os.environ.get(env) or None
+
+
+def read_write_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> str | None:
+    """The write token: given, else from a file, else ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``."""
+    return read_token(token, token_file, env=WRITE_TOKEN_ENV, file_env=WRITE_TOKEN_FILE_ENV)

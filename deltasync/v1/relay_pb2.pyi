@@ -63,3 +63,31 @@ class VersionEvent(_message.Message):
     version: int
     latest: int
     def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ...) -> None: ...
+
+class PutChunk(_message.Message):
+    __slots__ = ("key", "total_bytes", "if_absent", "digest", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IF_ABSENT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    total_bytes: int
+    if_absent: bool
+    digest: bytes
+    data: bytes
+    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., if_absent: _Optional[bool] = ..., digest: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,446 @@
+"""Publishing through a writable relay (``deltasync serve --accept-writes``), over real gRPC on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+import zstandard
+from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
+
+from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, StoreError, UsageError
+from deltasync.format.digest import digest
+from deltasync.relay.server import RelayServer, build_server
+from deltasync.relay.wire import CHUNK_BYTES, method_path
+from deltasync.storage import LocalStore, Store, open_store
+from deltasync.storage._grpc import GrpcStore
+from deltasync.storage.testing import StoreConformance, WriteThrough
+from deltasync.v1 import manifest_pb2 as manifest_pb
+from deltasync.v1 import relay_pb2 as pb
+
+if TYPE_CHECKING:
+    from s3server import S3TestServer  # noqa: F401
+
+pytest_plugins = ["s3server"]  # the s3_url fixture
+
+READ = "read-token-for-tests"
+WRITE = "write-token-for-tests"
+MiB = 1 << 20
+
+StartRelay = Callable[..., RelayServer]
+
+
+@pytest.fixture(autouse=True)
+def _no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("DELTASYNC_RELAY_TOKEN", "DELTASYNC_RELAY_TOKEN_FILE", "DELTASYNC_RELAY_WRITE_TOKEN",
+                "DELTASYNC_RELAY_WRITE_TOKEN_FILE", "DELTASYNC_RELAY_CA"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def start_relay() -> Iterator[StartRelay]:
+    """Writable relays on 127.0.0.1 (any free port) unless told otherwise; all stopped at the end."""
+    servers: list[RelayServer] = []
+
+    def start(upstream: str | Store, **options: Any) -> RelayServer:
+        options.setdefault("poll_interval", 0.05)
+        options.setdefault("accept_writes", True)
+        if options["accept_writes"]:
+            options.setdefault("write_token", WRITE)
+        server = build_server(upstream, "127.0.0.1:0", **options).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(grace=0)
+
+
+@pytest.fixture
+def writer(tmp_path: Path, start_relay: StartRelay) -> Iterator[tuple[GrpcStore, RelayServer, LocalStore]]:
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin)
+    store = GrpcStore(relay.url, write_token=WRITE)
+    yield store, relay, origin
+    store.close()
+
+
+def pack_key(data: bytes) -> str:
+    return f"packs/{digest(data).hex()}.pack"
+
+
+# -- the conformance suite through a writable relay ------------------------------------------------
+
+
+class TestWritableRelay(StoreConformance):
+    """Every write and read goes through the relay; objects live in the mutable ``refs/``
+    part of the layout (the relay serves only the layout)."""
+
+    root = "refs/conformance/"
+
+    @pytest.fixture
+    def store(self, tmp_path: Path, start_relay: StartRelay) -> Iterator[Store]:
+        remote = GrpcStore(start_relay(LocalStore(tmp_path / "origin")).url, write_token=WRITE)
+        yield WriteThrough(remote, remote, self.root)
+        remote.close()
+
+
+class TestWritableRelayCachedPrefix(TestWritableRelay):
+    """The same under ``packs/``, which the relay caches: overwrites and deletes through the
+    relay must not leave the old bytes served from its cache."""
+
+    root = "packs/conformance/"
+
+
+class TestWritableRelayOverS3(TestWritableRelay):
+    @pytest.fixture
+    def store(self, s3_url: str, start_relay: StartRelay) -> Iterator[Store]:
+        remote = GrpcStore(start_relay(s3_url).url, write_token=WRITE)
+        yield WriteThrough(remote, remote, self.root)
+        remote.close()
+
+
+def test_overwrite_of_a_cached_object_is_served_fresh(writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    store, relay, origin = writer
+    store.put("packs/conformance/x", b"old")
+    assert store.get("packs/conformance/x") == b"old"  # now cached by the relay
+    assert relay.metrics()["cached_objects"] == 1
+    store.put("packs/conformance/x", b"newer")
+    assert store.get("packs/conformance/x") == b"newer"
+    store.delete("packs/conformance/x")
+    with pytest.raises(ObjectNotFoundError):
+        store.get("packs/conformance/x")
+    assert not (origin.root / "packs/conformance/x").exists()
+
+
+# -- publish and pull end to end --------------------------------------------------------------------
+
+
+def _cli(env: dict[str, str], cwd: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deltasync.cli.main", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def test_cli_publish_to_relay_then_pull_through_a_chained_read_relay(tmp_path: Path, start_relay: StartRelay) -> None:
+    """Cluster A publishes to the writable relay of cluster B; a read relay below it serves
+    B's subscribers; the pulled copies are byte-identical to the checkpoints."""
+    origin = tmp_path / "origin"
+    root = start_relay(str(origin), token=READ)
+    below = start_relay(GrpcStore(root.url, token=READ), accept_writes=False)
+    env = dict(os.environ, DELTASYNC_CACHE=str(tmp_path / "cache"))
+    state = make_state(0)
+    steps = []
+    for i in range(1, 4):
+        if i > 1:
+            state = step_state(state, seed=i)
+        steps.append(write_checkpoint(tmp_path / f"step-{i}", state, step=i))
+    token_file = tmp_path / "write-token"
+    token_file.write_text(WRITE + "\n")
+    url = f"{root.url}?write_token_file={token_file}"
+    for i, ckpt in enumerate(steps, 1):
+        r = _cli(env, tmp_path, "publish", ckpt, "--repo", url, "--chunk-mib", "0.0625")
+        assert r.returncode == 0, r.stderr
+        kind = "snapshot" if i == 1 else f"delta parent {i - 1}"
+        assert r.stdout.startswith(f"published version {i} ({kind})"), r.stdout
+    assert root.metrics()["uploads"] > 0
+    reader_env = dict(env, DELTASYNC_RELAY_TOKEN=READ)
+    for v in (1, 3):
+        out = tmp_path / f"copy-{v}"
+        r = _cli(reader_env, tmp_path, "pull", "--repo", below.url, "--out", out, "--version", str(v))
+        assert r.returncode == 0, r.stderr
+        assert tree_digests(out) == tree_digests(steps[v - 1])
+    r = _cli(env, tmp_path, "verify", "--repo", str(origin))
+    assert r.returncode == 0, r.stderr + r.stdout
+    # The read relay below refuses writes: it was not started with --accept-writes.
+    r = _cli(dict(env, DELTASYNC_RELAY_WRITE_TOKEN=WRITE), tmp_path, "publish", steps[0], "--repo", below.url)
+    assert r.returncode != 0 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "does not accept writes" in r.stderr
+
+
+def test_racing_publishers_through_two_relays_exactly_one_wins(tmp_path: Path, start_relay: StartRelay) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    relays = [start_relay(origin), start_relay(origin)]
+    stores = [GrpcStore(relays[i % 2].url, write_token=WRITE) for i in range(8)]
+    manifests = [manifest_pb.Manifest(version=1, metadata={"writer": str(i)}).SerializeToString() for i in range(8)]
+    key = "manifests/00000000000000000001.pb"
+    winners: list[int] = []
+    losers: list[int] = []
+    barrier = threading.Barrier(8)
+
+    def attempt(i: int) -> None:
+        barrier.wait()
+        try:
+            stores[i].put(key, manifests[i], if_absent=True)
+            winners.append(i)
+        except ObjectExistsError:
+            losers.append(i)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1 and len(losers) == 7
+    assert origin.get(key) == manifests[winners[0]]
+    for s in stores:
+        s.close()
+
+
+def test_racing_library_publishers_one_commits(tmp_path: Path, start_relay: StartRelay) -> None:
+    from deltasync import Publisher, Repository
+    from deltasync.errors import VersionConflictError
+
+    origin = tmp_path / "origin"
+    relays = [start_relay(str(origin)), start_relay(str(origin))]
+    results: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def publish(i: int) -> None:
+        store = GrpcStore(relays[i].url, write_token=WRITE)
+        state = make_state(i)
+        barrier.wait()
+        try:
+            Publisher(store).publish(state, version=1)
+            results.append("won")
+        except VersionConflictError:
+            results.append("lost")
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["lost", "won"]
+    assert Repository(str(origin)).versions() == [1]
+
+
+# -- who may write ----------------------------------------------------------------------------------
+
+
+def test_read_tokens_and_read_relays_cannot_write(tmp_path: Path, start_relay: StartRelay) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin, token=READ)
+    reader = GrpcStore(relay.url, token=READ)
+    with pytest.raises(UsageError, match="read-only without a write token"):
+        reader.put("refs/x", b"1")
+    reader.close()
+    # A read token presented as the write token: PERMISSION_DENIED, one line.
+    posing = GrpcStore(relay.url, write_token=READ)
+    with pytest.raises(StoreError, match="a read token cannot write") as info:
+        posing.put("refs/x", b"1")
+    assert "\n" not in str(info.value)
+    with pytest.raises(StoreError, match="a read token cannot write"):
+        posing.delete("refs/x")
+    posing.close()
+    wrong = GrpcStore(relay.url, write_token="wrong")
+    with pytest.raises(StoreError, match="missing or wrong write token"):
+        wrong.put("refs/x", b"1")
+    with pytest.raises(StoreError, match="bearer token"):  # and it reads nothing either
+        wrong.get("refs/x")
+    wrong.close()
+    assert not origin.exists("refs/x")
+    # The write token reads too, and writes.
+    good = GrpcStore(relay.url, write_token=WRITE)
+    good.put("refs/x", b"1")
+    assert good.get("refs/x") == b"1"
+    good.close()
+    # Raw calls: no token at all is UNAUTHENTICATED.
+    with grpc.insecure_channel(relay.address) as channel:
+        put = channel.stream_unary(method_path("Put"), request_serializer=pb.PutChunk.SerializeToString,
+                                   response_deserializer=pb.PutResponse.FromString)
+        with pytest.raises(grpc.RpcError) as rpc:
+            put(iter([pb.PutChunk(key="refs/y", total_bytes=1, data=b"1")]), timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # A relay without --accept-writes refuses any write.
+    plain = start_relay(origin, accept_writes=False)
+    store = GrpcStore(plain.url, write_token=WRITE)
+    with pytest.raises(StoreError, match="does not accept writes"):
+        store.put("refs/x", b"2")
+    store.close()
+    assert origin.get("refs/x") == b"1"
+
+
+def test_server_configuration_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="needs a write token"):
+        build_server(str(tmp_path), "127.0.0.1:0", accept_writes=True)
+    with pytest.raises(UsageError, match="differ"):
+        build_server(str(tmp_path), "127.0.0.1:0", accept_writes=True, token="t", write_token="t")
+    with pytest.raises(UsageError, match="does not accept writes"):
+        build_server(str(tmp_path), "127.0.0.1:0", write_token="t")
+
+
+# -- caps -------------------------------------------------------------------------------------------
+
+
+def test_oversize_objects_and_quota_are_refused(tmp_path: Path, start_relay: StartRelay) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    origin.put("deltasync.json", b'{"format": 1}')
+    relay = start_relay(origin, max_object_bytes=2 * MiB, write_quota=5 * MiB)
+    store = GrpcStore(relay.url, write_token=WRITE)
+    big = os.urandom(2 * MiB + 1)
+    with pytest.raises(StoreError, match="over the relay's object size cap") as info:
+        store.put(pack_key(big), big)
+    assert "\n" not in str(info.value)
+    assert not origin.exists(pack_key(big))
+    parts = [os.urandom(2 * MiB) for _ in range(3)]
+    store.put(pack_key(parts[0]), parts[0])
+    store.put(pack_key(parts[1]), parts[1])
+    with pytest.raises(StoreError, match="write quota exceeded") as info:
+        store.put(pack_key(parts[2]), parts[2])
+    assert "\n" not in str(info.value)
+    assert not origin.exists(pack_key(parts[2]))
+    store.delete(pack_key(parts[0]))  # gc frees room
+    store.put(pack_key(parts[2]), parts[2])
+    assert origin.get(pack_key(parts[2])) == parts[2]
+    store.close()
+
+
+# -- integrity --------------------------------------------------------------------------------------
+
+
+def test_corrupt_uploads_are_refused_and_not_visible(writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    store, relay, origin = writer
+    data = os.urandom(3 * MiB + 5)
+    wrong = pack_key(data[:-1])
+    with pytest.raises(CorruptObjectError, match="do not match the digest in its name"):
+        store.put(wrong, data)
+    assert not origin.exists(wrong)
+    raw = os.urandom(1000)
+    frame = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
+    store.put(f"blobs/{digest(raw).hex()}", frame)  # a blob's name is its content's digest
+    with pytest.raises(CorruptObjectError, match="does not match the digest"):
+        store.put(f"blobs/{digest(raw + b'x').hex()}", frame)
+    with pytest.raises(CorruptObjectError, match="not a zstd frame"):
+        store.put(f"blobs/{digest(raw).hex()[::-1]}", raw)
+    # Bytes damaged in transit against the digest the header announced.
+    with grpc.insecure_channel(relay.address) as channel:
+        put = channel.stream_unary(method_path("Put"), request_serializer=pb.PutChunk.SerializeToString,
+                                   response_deserializer=pb.PutResponse.FromString)
+        with pytest.raises(grpc.RpcError) as rpc:
+            put(iter([pb.PutChunk(key="refs/z", total_bytes=3, digest=digest(b"abc"), data=b"abd")]),
+                metadata=[("authorization", f"Bearer {WRITE}")], timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.DATA_LOSS
+        with pytest.raises(grpc.RpcError) as rpc:  # fewer bytes than announced
+            put(iter([pb.PutChunk(key="refs/z", total_bytes=10, data=b"abc")]),
+                metadata=[("authorization", f"Bearer {WRITE}")], timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.DATA_LOSS
+    assert not origin.exists("refs/z")
+    assert relay.metrics()["uploads_refused"] >= 4
+
+
+def test_a_manifest_naming_missing_objects_is_refused(writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    store, _, origin = writer
+    data = b"payload"
+    manifest = manifest_pb.Manifest(version=1, packs=[manifest_pb.Pack(key=pack_key(data), size=len(data))])
+    key = "manifests/00000000000000000001.pb"
+    with pytest.raises(StoreError, match="names objects the repository lacks"):
+        store.put(key, manifest.SerializeToString(), if_absent=True)
+    assert not origin.exists(key)
+    store.put(pack_key(data), data, if_absent=True)
+    store.put(key, manifest.SerializeToString(), if_absent=True)
+    assert origin.exists(key)
+
+
+def test_a_killed_upload_leaves_nothing_visible(writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    store, relay, origin = writer
+    data = os.urandom(4 * MiB)
+    key = pack_key(data)
+    sent = threading.Event()
+    hold = threading.Event()
+
+    def pieces() -> Iterator[pb.PutChunk]:
+        yield pb.PutChunk(key=key, total_bytes=len(data), data=data[:CHUNK_BYTES])
+        yield pb.PutChunk(data=data[CHUNK_BYTES : 2 * CHUNK_BYTES])
+        sent.set()
+        hold.wait(30)  # the client dies here, mid-upload
+
+    with grpc.insecure_channel(relay.address) as channel:
+        put = channel.stream_unary(method_path("Put"), request_serializer=pb.PutChunk.SerializeToString,
+                                   response_deserializer=pb.PutResponse.FromString)
+        future = put.future(pieces(), metadata=[("authorization", f"Bearer {WRITE}")], timeout=30)
+        assert sent.wait(10)
+        time.sleep(0.2)
+        future.cancel()
+        hold.set()
+    deadline = time.monotonic() + 5
+    while relay.metrics()["requests"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not origin.exists(key) and not store.exists(key)
+    assert not [p for p in origin.root.rglob("*") if p.is_file()]  # no partial file either
+    store.put(key, data, if_absent=True)  # the retry goes through whole
+    assert origin.get(key) == data
+
+
+# -- parallel and sharded uploads --------------------------------------------------------------------
+
+
+def test_uploads_spread_over_relays_and_fail_over(tmp_path: Path, start_relay: StartRelay) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    relays = [start_relay(origin), start_relay(origin)]
+    store = GrpcStore(",".join([relays[0].url, relays[1].url.removeprefix("grpc://")]), write_token=WRITE)
+    assert store.upload_concurrency == 8
+    objects = [os.urandom(10_000 + i) for i in range(16)]
+    for data in objects:
+        store.put(pack_key(data), data, if_absent=True)
+    counts = [r.metrics()["uploads"] for r in relays]
+    assert sum(counts) == 16 and min(counts) > 0, counts  # each object to one relay, by its hash
+    relays[0].stop(grace=0)
+    more = [os.urandom(5_000 + i) for i in range(8)]
+    for data in more:
+        store.put(pack_key(data), data, if_absent=True)  # the relay that is gone: to the other
+    for data in objects + more:
+        assert origin.get(pack_key(data)) == data
+    store.close()
+
+
+def test_a_conditional_put_retried_after_a_lost_answer_is_ours(writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    """The relay wrote the manifest, the answer was lost (UNAVAILABLE), the retry finds it:
+    our own bytes are success, not a lost race."""
+    store, _, origin = writer
+    relay = store._relays[0]
+    real = relay.put
+
+    class Lost(grpc.RpcError):  # type: ignore[misc]
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "connection reset"
+
+    calls = []
+
+    def put_then_lose(requests: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        result = real(requests, **kwargs)
+        if len(calls) == 1:
+            raise Lost()
+        return result
+
+    relay.put = put_then_lose
+    key = "manifests/00000000000000000007.pb"
+    data = manifest_pb.Manifest(version=7).SerializeToString()
+    store.put(key, data, if_absent=True)
+    assert len(calls) == 2 and origin.get(key) == data
+    with pytest.raises(ObjectExistsError):  # someone else's bytes stay a lost race
+        store.put(key, manifest_pb.Manifest(version=7, metadata={"o": "1"}).SerializeToString(), if_absent=True)
+
+
+def test_open_store_reads_write_token_from_url_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token_file = tmp_path / "w"
+    token_file.write_text(WRITE)
+    store = open_store(f"grpc://127.0.0.1:1?timeout=1&write_token_file={token_file}")
+    assert isinstance(store, GrpcStore) and store.writable and store.url == "grpc://127.0.0.1:1"
+    store.close()
+    assert not GrpcStore("grpc://127.0.0.1:1").writable
+    monkeypatch.setenv("DELTASYNC_RELAY_WRITE_TOKEN", WRITE)
+    assert GrpcStore("grpc://127.0.0.1:1").writable
