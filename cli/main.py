@@ -597,6 +597,8 @@ def serve(
     logging.getLogger("deltasync").removeHandler(_WARNINGS)  # the relay logs every line its own way
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
     limit = parse_size(cache_max_bytes) if cache_max_bytes is not None else None
+    if write_token_file is not None and not accept_writes:
+        raise UsageError("--write-token-file needs --accept-writes (a read-only relay takes no write token)")
 
     server = build_server(
         repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval,

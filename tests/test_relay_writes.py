@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+import torch
 import zstandard
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
@@ -444,3 +445,64 @@ def test_open_store_reads_write_token_from_url_and_env(tmp_path: Path, monkeypat
     assert not GrpcStore("grpc://127.0.0.1:1").writable
     monkeypatch.setenv("DELTASYNC_RELAY_WRITE_TOKEN", WRITE)
     assert GrpcStore("grpc://127.0.0.1:1").writable
+
+
+# -- TLS, a tree of writable relays, the serve command ---------------------------------------------
+
+
+def test_writes_over_tls(tmp_path: Path, start_relay: StartRelay) -> None:
+    from test_relay_security import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin, tls_cert=cert, tls_key=key, token=READ)
+    secure = GrpcStore(relay.url.replace("grpc://", "grpcs://"), ca_file=cert, write_token=WRITE, timeout=10)
+    data = os.urandom(CHUNK_BYTES + 17)
+    secure.put(pack_key(data), data, if_absent=True)
+    assert origin.get(pack_key(data)) == data and secure.get(pack_key(data)) == data
+    secure.close()
+    plaintext = GrpcStore(relay.url + "?timeout=5", write_token=WRITE)
+    with pytest.raises(StoreError):  # a TLS relay does not speak plaintext: nothing is written
+        plaintext.put("refs/plain", b"1")
+    plaintext.close()
+    assert not origin.exists("refs/plain")
+
+
+def test_writes_forward_through_a_tree_of_writable_relays(tmp_path: Path, start_relay: StartRelay) -> None:
+    """A writable relay whose upstream is a writable relay: its upstream is a store, so a put
+    goes on with ``store.put``; the version reaches the root repository and its watchers."""
+    from deltasync import Publisher, Subscriber
+
+    origin = tmp_path / "origin"
+    root = start_relay(str(origin))
+    token_file = tmp_path / "root-write-token"
+    token_file.write_text(WRITE)
+    edge = start_relay(f"{root.url}?write_token_file={token_file}", write_token="edge-write-token")
+    watch = GrpcStore(root.url).watch()
+    store = GrpcStore(edge.url, write_token="edge-write-token")
+    state = make_state(3)
+    result = Publisher(store).publish(state)
+    assert next(watch) == result.version == 1
+    watch.close()
+    pulled = Subscriber(str(origin)).pull(1)
+    assert set(pulled) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(pulled[name].view(torch.int16 if tensor.dtype == torch.bfloat16 else tensor.dtype),
+                           tensor.view(torch.int16 if tensor.dtype == torch.bfloat16 else tensor.dtype))
+    assert root.metrics()["uploads"] == edge.metrics()["uploads"] > 0
+    store.close()
+
+
+def test_cli_serve_accept_writes(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "deltasync.cli.main", "serve", "--repo", str(tmp_path / "o"),
+                        "--listen", "127.0.0.1:0", "--accept-writes"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "deltasync: error: a relay accepting writes needs a write token (--write-token-file)"], r.stderr
+    token_file = tmp_path / "w"
+    token_file.write_text(WRITE)
+    r = subprocess.run([sys.executable, "-m", "deltasync.cli.main", "serve", "--repo", str(tmp_path / "o"),
+                        "--listen", "127.0.0.1:0", "--write-token-file", str(token_file)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode != 0 and "needs --accept-writes" in r.stderr and len(r.stderr.splitlines()) == 1
