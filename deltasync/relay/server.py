@@ -600,11 +600,13 @@ class _RelayService:
                     raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
                 key, size = first.key, first.total_bytes
                 _check_served(key)
-                if size > self.config.max_object_bytes:
+                kind_cap = size_limit(key)  # what a valid object of this kind can be (manifests: 64 MiB)
+                cap = self.config.max_object_bytes if kind_cap is None else min(kind_cap, self.config.max_object_bytes)
+                if size > cap:
                     raise _Refused(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{key} is {size:,} bytes, over the relay's object size cap of "
-                        f"{self.config.max_object_bytes:,} (serve --max-object-bytes)",
+                        f"{key} is {size:,} bytes, over the relay's object size cap of {cap:,} bytes "
+                        "(serve --max-object-bytes)",
                     )
                 if self.quota is not None:
                     self.quota.check(key, size)  # before receiving: a refused upload costs no memory
@@ -617,7 +619,8 @@ class _RelayService:
                     raise _Refused(
                         grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {len(data):,} of {size:,} bytes"
                     )
-                await self._in_thread(self._store_upload, key, bytes(data), first.if_absent, bytes(first.digest))
+                # The bytearray itself: a copy would double the memory an upload holds.
+                await self._in_thread(self._store_upload, key, data, first.if_absent, bytes(first.digest))
             except _Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.warning("refused upload of %s: %s", key or "?", e.message)
@@ -630,7 +633,7 @@ class _RelayService:
         self.counters["uploaded_bytes"] += size
         return pb.PutResponse()
 
-    def _store_upload(self, key: str, data: bytes, if_absent: bool, announced: bytes) -> None:
+    def _store_upload(self, key: str, data: bytearray, if_absent: bool, announced: bytes) -> None:
         """(Thread) Check a complete upload, then write it upstream in one atomic put."""
         if announced and digest(data) != announced:
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} does not match the digest its header announced")
@@ -870,7 +873,7 @@ class _Refused(Exception):
         self.message = message
 
 
-def content_problem(key: str, data: bytes) -> str | None:
+def content_problem(key: str, data: bytes | bytearray) -> str | None:
     """Why ``data`` cannot be the object named ``key``, for content-addressed keys (a pack's
     name is the xxh3-128 of its bytes; a blob's that of the zstd frame's content); None if it can."""
     m = _PACK_KEY.match(key)
@@ -889,13 +892,13 @@ def content_problem(key: str, data: bytes) -> str | None:
     return None if digest(raw).hex() == m.group(1) else "its content does not match the digest in its name"
 
 
-def missing_references(upstream: Store, key: str, data: bytes) -> list[str]:
+def missing_references(upstream: Store, key: str, data: bytes | bytearray) -> list[str]:
     """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
     lacks, so a broken or hostile publisher cannot commit a version that cannot be pulled."""
     if not _MANIFEST_KEY.match(key):
         return []
     try:
-        manifest = manifest_pb.Manifest.FromString(data)
+        manifest = manifest_pb.Manifest.FromString(bytes(data))  # small: capped by size_limit on arrival
     except Exception:
         raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} is not a manifest") from None
     keys = sorted({p.key for p in manifest.packs}
@@ -935,7 +938,7 @@ class _Quota:
         if self.used + size > self.limit:
             raise self._refusal(key, size)
 
-    def put(self, key: str, data: bytes, if_absent: bool) -> None:
+    def put(self, key: str, data: bytes | bytearray, if_absent: bool) -> None:
         with self._lock:
             try:
                 old = self.upstream.size(key)
