@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "ObjectExistsError": "errors",
     "ObjectTooLargeError": "errors",
     "StoreError": "errors",
+    "CommittedError": "errors",
     "RefError": "errors",
     "MissingDependencyError": "errors",
     "CopyInUseError": "errors",
@@ -61,6 +62,7 @@ __all__ = [
     "AgentConfig",
     "CheckpointError",
     "ChecksumMismatchError",
+    "CommittedError",
     "CopyInUseError",
     "CorruptObjectError",
     "DeltasyncError",
@@ -120,6 +122,7 @@ if TYPE_CHECKING:
     from .errors import (
         CheckpointError,
         ChecksumMismatchError,
+        CommittedError,
         CopyInUseError,
         CorruptObjectError,
         DeltasyncError,

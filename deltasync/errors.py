@@ -133,6 +133,15 @@ class StoreError(DeltasyncError):
     """A store backend failed (I/O error, permission, network)."""
 
 
+class CommittedError(StoreError):
+    """Raised after a version's manifest was committed: the version exists (its id is
+    ``version``), so nothing of it may be removed, but something went wrong with it."""
+
+    def __init__(self, version: int, message: str) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 class SignatureError(DeltasyncError):
     """A manifest is unsigned, or its signature does not verify, while trusted keys are configured."""
 

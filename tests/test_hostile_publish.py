@@ -48,6 +48,12 @@ pytest_plugins = ["s3server"]  # the s3_url fixture
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def config(**kw: Any) -> PublisherConfig:
     # Small chunks and packs: a version spans several packs, so a race can hit some of them.
     return PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=16 << 10), pack_bytes=64 << 10, progress=False, **kw)
@@ -304,6 +310,64 @@ def test_gc_deleting_in_the_instant_before_the_manifest_write_is_reported_not_hi
     monkeypatch.setattr(Repository, "commit", commit_after_a_delete)
     with pytest.raises(StoreError, match=r"version 2 was committed but packs/.* deleted by a concurrent gc"):
         Publisher(url, config()).publish_dir(ckpts[1], cache_dir=tmp_path / "cache")
+
+
+def test_a_ref_that_cannot_be_written_after_the_commit_is_a_warning_and_the_version_stays_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Once the manifest is stored the version exists: a failure after it must not make the
+    # publisher (or a distributed publisher's ranks) remove packs the version needs.
+    url = str(tmp_path / "repo")
+    ckpts = checkpoints(tmp_path, 2)
+    Publisher(url, config()).publish_dir(ckpts[0])
+    real = Repository._write_ref
+
+    def refs_down(self: Repository, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "latest":
+            raise StoreError("cannot write refs/latest: connection reset (injected)")
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, "_write_ref", refs_down)
+    with caplog.at_level(logging.WARNING, logger="deltasync"):
+        result = Publisher(url, config()).publish_dir(ckpts[1], base_dir=ckpts[0])
+    assert result == 2 and "refs/latest was not updated" in caplog.text
+    monkeypatch.setattr(Repository, "_write_ref", real)
+    assert Repository(url).latest() == 2  # the listing rules
+    assert_every_version_pulls_exactly(url, {1: ckpts[0], 2: ckpts[1]}, tmp_path)
+
+
+def test_a_distributed_publish_never_removes_packs_of_a_committed_version(tmp_path: Path) -> None:
+    # One gloo rank (its own process): a failure after the commit raises CommittedError, and
+    # the version it names still pulls.
+    url = str(tmp_path / "repo")
+    script = textwrap.dedent(f"""
+        import torch, torch.distributed as dist, deltasync
+        from deltasync.errors import CommittedError
+        from deltasync.repo.repository import Repository
+        import deltasync.publish.encode as encode
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        pub = deltasync.DistributedPublisher({url!r}, timeout=30)
+        g = torch.Generator().manual_seed(0)
+        state = {{"w": torch.randn(256, 64, generator=g).to(torch.bfloat16)}}
+        pub.publish(state)
+        real = encode.missing_objects
+        calls = []
+        def gone_after_the_commit(store, files, encoded):
+            calls.append(1)
+            return real(store, files, encoded) if len(calls) == 1 else [encoded.packs[0].key]
+        encode.missing_objects = gone_after_the_commit
+        state["w"] = state["w"].clone(); state["w"][0, :8] += 1
+        try:
+            pub.publish(state)
+        except CommittedError as e:
+            print("committed", e.version)
+        encode.missing_objects = real
+        print("pulled", sorted(deltasync.Subscriber({url!r}).pull(2)))
+        dist.destroy_process_group()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["committed", "2", "pulled", "['w']"]
 
 
 def test_a_parent_deleted_while_publishing_fails_the_publish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DeltasyncError, UsageError
+from ..errors import CommittedError, DeltasyncError, UsageError
 from ..errors import DistributedPublishError as DistributedPublishError  # defined there; importable here too
 from ..format.slices import Slice
 from ..repo.repository import Repository, open_repository
@@ -168,6 +168,8 @@ class DistributedPublisher:
                         abandon(self.repo.store, encoded)
                         encoded = None
                 continue
+            if isinstance(outcome, tuple):
+                raise CommittedError(outcome[1], outcome[2])
             if isinstance(outcome, PublishResult):
                 self._bits = new_bits
                 self._bits_version = outcome.version
@@ -219,7 +221,7 @@ class DistributedPublisher:
         metadata: Mapping[str, str] | None,
         start: float,
         restores: int,
-    ) -> PublishResult | str | list[str] | dict[int, str]:
+    ) -> PublishResult | str | list[str] | dict[int, str] | tuple[str, int, str]:
         failures = {r: res["error"] for r, res in enumerate(results) if res["error"]}
         if failures:
             return failures
@@ -249,6 +251,8 @@ class DistributedPublisher:
                 return missing
             return commit(self.repo, self.config, decision.version, decision.parent, not delta, [], merged,
                           blob_bytes=0, metadata=metadata, start=start)
+        except CommittedError as e:
+            return ("committed", e.version, str(e))  # the version exists: no rank may remove its packs
         except DeltasyncError as e:
             return {0: str(e)}
 

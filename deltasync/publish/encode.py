@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import CheckpointError, ObjectExistsError, StoreError, UsageError
+from ..errors import CheckpointError, CommittedError, ObjectExistsError, StoreError, UsageError
 from ..format import dtypes
 from ..format.checkpoint import FileReader
 from ..format.codec import FULL, SAME, EncodedChunk, PlanesZstdCodec
@@ -434,7 +434,7 @@ def commit(
     gone = missing_objects(repo.store, files, encoded)
     if gone:
         # gc deleted it between the check above and the manifest write: say so, loudly.
-        raise StoreError(f"version {version} was committed but {_some(gone)} was deleted by a concurrent gc at that "
+        raise CommittedError(version, f"version {version} was committed but {_some(gone)} was deleted by a concurrent gc at that "
                          "moment: it cannot be pulled; `deltasync verify` names it, and the next version should be "
                          "published as a snapshot (--no-cache)")
     return PublishResult(version, kind="snapshot" if is_snapshot else "delta", parent=parent, raw_bytes=encoded.raw,

@@ -44,6 +44,7 @@ import zstandard
 
 from ..errors import (
     CorruptObjectError,
+    DeltasyncError,
     EmptyRepositoryError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -624,9 +625,15 @@ class Repository:
             raise VersionConflictError(manifest.version) from None
         with self._lock:
             self._manifests[manifest.version] = info
-        latest = self._listed_latest()
-        if latest is None or manifest.version >= latest:
-            self._write_ref("latest", manifest.version)
+        # Committed: from here on nothing may fail the publish (the caller would remove packs
+        # a committed version needs). The ref is a hint; readers find the version by listing.
+        try:
+            latest = self._listed_latest()
+            if latest is None or manifest.version >= latest:
+                self._write_ref("latest", manifest.version)
+        except DeltasyncError as e:
+            log.warning("version %d is committed, but refs/latest was not updated (%s): readers find it by listing; "
+                        "the next publish, or `deltasync refresh-refs`, rewrites the ref", manifest.version, e)
         return info
 
     # -- squashes: extra edges A -> C of the version graph, never commits ---------------------
