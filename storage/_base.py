@@ -174,10 +174,15 @@ class WrappingStore(Store):
         self.inner.close()
 
 
+def listing_too_long(prefix: str, where: object) -> StoreError:
+    """The error of a listing past :data:`MAX_LIST_KEYS`. Backends that collect a listing
+    before sorting it check as they collect, so a hostile server cannot make them hold more."""
+    return StoreError(f"listing {prefix or '(everything)'!r} of {where} passed {MAX_LIST_KEYS:,} keys: "
+                      "refusing to go on (a broken or hostile store?)")
+
+
 def _capped(keys: Iterator[str], prefix: str, store: Store) -> Iterator[str]:
     for n, key in enumerate(keys):
         if n >= MAX_LIST_KEYS:
-            where = getattr(store, "url", "") or type(store).__name__
-            raise StoreError(f"listing {prefix or '(everything)'!r} of {where} passed {MAX_LIST_KEYS:,} keys: "
-                             "refusing to go on (a broken or hostile store?)")
+            raise listing_too_long(prefix, getattr(store, "url", "") or type(store).__name__)
         yield key

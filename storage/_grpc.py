@@ -42,6 +42,7 @@ from deltasync.relay.wire import (
     CLIENT_STREAM,
     METHODS,
     SERVER_STREAM,
+    WRITE_METHODS,
     WRITE_TOKEN_ENV,
     WRITE_TOKEN_FILE_ENV,
     method_path,
@@ -52,7 +53,8 @@ from deltasync.relay.wire import TOKEN_ENV as TOKEN_ENV
 from deltasync.relay.wire import TOKEN_FILE_ENV as TOKEN_FILE_ENV
 from deltasync.v1 import relay_pb2 as pb
 
-from ._base import Store, read_limit, too_large
+from . import _base
+from ._base import Store, listing_too_long, read_limit, too_large
 
 T = TypeVar("T")
 
@@ -132,13 +134,22 @@ _Interceptors: tuple[Any, ...] = (
 
 
 class _BearerToken(*_Interceptors):  # type: ignore[misc]
-    """Adds ``authorization: Bearer <token>`` to every call."""
+    """Adds ``authorization: Bearer <token>`` to every call: the write token to writes, the
+    read token to reads (the write token where there is none: it reads too), so a publisher's
+    environment does not break its reads from relays that know only the read token."""
 
-    def __init__(self, token: str) -> None:
-        self._header = ("authorization", f"Bearer {token}")
+    def __init__(self, token: str | None, write_token: str | None = None) -> None:
+        read = token or write_token
+        self._read = ("authorization", f"Bearer {read}") if read else None
+        self._write = ("authorization", f"Bearer {write_token}") if write_token else self._read
+        self._writes = {method_path(name) for name in WRITE_METHODS}
 
     def _with_token(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), self._header]
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        header = self._write if method in self._writes else self._read
+        if header is None:
+            return details
+        metadata = [*(details.metadata or ()), header]
         return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -164,7 +175,15 @@ class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
 class _Relay:
     """One relay address: its channel and the methods bound to it."""
 
-    def __init__(self, address: str, *, tls: bool = False, ca: bytes | None = None, token: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: bool = False,
+        ca: bytes | None = None,
+        token: str | None = None,
+        write_token: str | None = None,
+    ) -> None:
         self.address = address
         # Transport security and credentials: one place for every call.
         if tls:
@@ -172,8 +191,8 @@ class _Relay:
             self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
         else:
             self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        if token:
-            self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
+        if token or write_token:
+            self.channel = grpc.intercept_channel(self.channel, _BearerToken(token, write_token))
         calls: dict[str, Any] = {}
         for name, (request, response, kind) in METHODS.items():
             factory = {SERVER_STREAM: self.channel.unary_stream, CLIENT_STREAM: self.channel.stream_unary}.get(
@@ -225,7 +244,7 @@ class GrpcStore(Store):
         tok = read_token(token, token_file)
         url_write_file = dict(parse_qsl(urlparse(url).query)).get("write_token_file") or None
         self._write_token = read_write_token(write_token, write_token_file or url_write_file)
-        self._relays = [_Relay(t, tls=tls, ca=ca, token=self._write_token or tok) for t in targets]
+        self._relays = [_Relay(t, tls=tls, ca=ca, token=tok, write_token=self._write_token) for t in targets]
         self._preferred = 0  # the relay that answered last
         if self._write_token is not None:
             self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
@@ -273,6 +292,8 @@ class GrpcStore(Store):
             keys: list[str] = []
             for batch in _Stream(relay.list(pb.ListRequest(prefix=prefix), timeout=self.timeout)):
                 keys.extend(batch.keys)
+                if len(keys) > _base.MAX_LIST_KEYS:  # a relay that never stops listing stops here
+                    raise listing_too_long(prefix, relay.address)
             return keys
 
         return iter(self._failover("list", prefix or None, attempt))

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, StoreError
 
-from ._base import Store, read_limit, too_large
+from . import _base
+from ._base import Store, listing_too_long, read_limit, too_large
 
 _TMP_SUFFIX = ".tmp-deltasync"
 
@@ -145,6 +146,8 @@ class LocalStore(Store):
                 key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
                 if key.startswith(prefix):
                     keys.append(key)
+                    if len(keys) > _base.MAX_LIST_KEYS:
+                        raise listing_too_long(prefix, self.root)
         keys.sort()
         return iter(keys)
 

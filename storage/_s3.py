@@ -44,7 +44,8 @@ from deltasync.errors import (
 )
 
 from ..retry import Backoff
-from ._base import Store, check_key, read_limit, too_large
+from . import _base
+from ._base import Store, check_key, listing_too_long, read_limit, too_large
 
 MiB = 1024 * 1024
 _MIN_PART = 5 * MiB  # S3's minimum for every part but the last
@@ -282,6 +283,8 @@ class S3Store(Store):
                     # skipped rather than handed out as keys that get() would reject.
                     if _valid_key(key):
                         keys.append(key)
+                if len(keys) > _base.MAX_LIST_KEYS:  # checked per page: an endless listing stops here
+                    raise listing_too_long(prefix, f"s3://{self.bucket}/{self._root}")
         except (ClientError, BotoCoreError) as e:
             raise self._error(e, "list", prefix or None) from None
         keys.sort()  # S3 lists in UTF-8 byte order already; not every compatible server does

@@ -655,7 +655,6 @@ def test_a_listing_past_the_key_cap_is_refused(monkeypatch: pytest.MonkeyPatch, 
     store = LocalStore(tmp_path / "repo")
     for i in range(5):
         store.put(f"manifests/{i:020d}.pb", b"x")
-    assert next(iter(store.list("manifests/"))).startswith("manifests/")  # checked as keys stream, not up front
     with pytest.raises(StoreError, match=r"listing 'manifests/' of .* passed 3 keys"):
         list(store.list("manifests/"))
     store.delete("manifests/00000000000000000004.pb")
