@@ -21,7 +21,9 @@ def require(module: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
-        raise missing(e, what) from None
+        if e.name != module.split(".")[0]:
+            raise  # the package is there but broken (a missing submodule): not an install hint
+        raise missing(e, what) from e
 
 
 def import_needing_extras(module: str, what: str) -> ModuleType:
@@ -30,9 +32,9 @@ def import_needing_extras(module: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] not in EXTRAS:
-            raise
-        raise missing(e, what) from None
+        if e.name not in EXTRAS:
+            raise  # another module, or a broken install of an extra (a submodule missing)
+        raise missing(e, what) from e
 
 
 def missing(e: ModuleNotFoundError, what: str) -> MissingDependencyError:

@@ -15,21 +15,13 @@ from ._memory import MemoryStore
 from ._throttle import ThrottledStore
 
 if TYPE_CHECKING:
-    from ._grpc import GrpcStore, VersionWatch
-    from ._s3 import S3Store
+    from ._grpc import GrpcStore as GrpcStore
+    from ._grpc import VersionWatch as VersionWatch
+    from ._s3 import S3Store as S3Store
 
-__all__ = [
-    "GrpcStore",
-    "LocalStore",
-    "MemoryStore",
-    "S3Store",
-    "Store",
-    "ThrottledStore",
-    "VersionWatch",
-    "WrappingStore",
-    "check_key",
-    "open_store",
-]
+# GrpcStore, S3Store and VersionWatch are importable by name too (lazily, below), but are
+# left out of __all__: a star import must work where their extras are not installed.
+__all__ = ["LocalStore", "MemoryStore", "Store", "ThrottledStore", "WrappingStore", "check_key", "open_store"]
 
 #: Backends whose dependencies are extras: imported on first use (``deltasync.storage.S3Store``).
 _LAZY = {"S3Store": ("_s3", "an s3:// repository"), "GrpcStore": ("_grpc", "a grpc:// repository"),

@@ -155,3 +155,21 @@ def test_a_directory_publish_pull_and_verify_need_no_torch(tmp_path: Path) -> No
         r = _without(["torch", "boto3", "grpc"], f"sys.argv = ['deltasync', *{args!r}]\n{cli}", tmp_path)
         assert r.returncode == 0, f"{args}: {r.stderr}"
     assert (Path(out) / "model.safetensors").read_bytes() == (tmp_path / "step-2" / "model.safetensors").read_bytes()
+
+
+def test_a_pulled_state_saves_as_a_plain_dict_of_tensors(tmp_path: Path) -> None:
+    url = str(tmp_path / "repo")
+    Publisher(url).publish(_state(0))
+    pulled = Subscriber(url).pull(1)
+    torch.save(pulled, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert isinstance(loaded, dict) and loaded.keys() == pulled.keys()
+    assert all(torch.equal(loaded[k].view(torch.uint8), pulled[k].view(torch.uint8)) for k in pulled)
+
+
+def test_a_broken_install_of_an_extra_is_not_reported_as_missing(tmp_path: Path) -> None:
+    (tmp_path / "brokenextra.py").write_text("import torch.not_a_module\n")
+    code = ("from deltasync._extras import import_needing_extras\ntry:\n    import_needing_extras('brokenextra', 'x')\n"
+            "except ModuleNotFoundError as e:\n    print(type(e).__name__, e.name)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.stdout.split() == ["ModuleNotFoundError", "torch.not_a_module"], r.stderr

@@ -8,6 +8,7 @@ chunk work :mod:`~deltasync.pull.pipeline`, tensor and region requests
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,11 @@ class PulledState(dict[str, "torch.Tensor"]):
         super().__init__(tensors)
         self.version = version
         self.plan = plan
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Saved (pickle, torch.save) as an OrderedDict of its tensors, what module.state_dict()
+        # gives: torch.load(weights_only=True) and readers without deltasync load it.
+        return (OrderedDict, (list(self.items()),))
 
 
 class Subscriber:
