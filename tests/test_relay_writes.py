@@ -506,3 +506,21 @@ def test_cli_serve_accept_writes(tmp_path: Path) -> None:
                         "--listen", "127.0.0.1:0", "--write-token-file", str(token_file)],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode != 0 and "needs --accept-writes" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_reads_carry_the_read_token_and_writes_the_write_token(tmp_path: Path, start_relay: StartRelay) -> None:
+    """A publisher's environment holds both tokens; a read relay that knows only the read
+    token still serves its reads (the write token goes to writes only)."""
+    origin = LocalStore(tmp_path / "origin")
+    origin.put("refs/r", b"hello")
+    reads_only = start_relay(origin, accept_writes=False, token=READ)
+    both = GrpcStore(reads_only.url, token=READ, write_token=WRITE)
+    assert both.get("refs/r") == b"hello"
+    with pytest.raises(StoreError, match="does not accept writes"):
+        both.put("refs/r", b"x")
+    both.close()
+    writable = start_relay(origin, token=READ)
+    both = GrpcStore(writable.url, token=READ, write_token=WRITE)
+    both.put("refs/w", b"w")
+    assert both.get("refs/w") == b"w" and origin.get("refs/w") == b"w"
+    both.close()
