@@ -61,14 +61,36 @@ class LocalStore(Store):
             raise FileNotFoundError(errno.ENOENT, "not a regular file")
         return fd
 
+    def _linked_dir(self, key: str) -> Path | None:
+        """The first directory on the way to ``key`` that is a symbolic link, if any."""
+        path = self.root
+        for seg in key.split("/")[:-1]:
+            path = path / seg
+            if path.is_symlink():
+                return path
+        return None
+
+    def _link_error(self, key: str, link: Path, action: str) -> StoreError:
+        return StoreError(
+            f"cannot {action} {key}: {link} is a symbolic link, and a local repository reads nothing through links "
+            f"below its root (so that it, and a relay serving it, never hand out files from elsewhere): make it a real "
+            f"directory (mount the other disk there) or put the whole repository on the other disk"
+        )
+
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         limit = read_limit()
         try:
             fd = self._open(key)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            link = self._linked_dir(key)  # O_NOFOLLOW | O_DIRECTORY on a link: ENOTDIR
+            if link is not None:
+                raise self._link_error(key, link, "read") from None
             raise ObjectNotFoundError(key) from None
         except OSError as e:
             if e.errno == errno.ELOOP:  # a symbolic link: not an object of this store
+                link = self._linked_dir(key)
+                if link is not None:
+                    raise self._link_error(key, link, "read") from None
                 raise ObjectNotFoundError(key) from None
             raise StoreError(f"cannot read {self._path(key)}: {e.strerror}") from None
         try:
@@ -95,6 +117,9 @@ class LocalStore(Store):
         return data
 
     def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        link = self._linked_dir(key)
+        if link is not None:  # reads would not follow it: refuse to write what could not be read back
+            raise self._link_error(key, link, "write")
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
         try:

@@ -295,7 +295,8 @@ def test_local_store_serves_no_links_or_special_files(tmp_path: Path) -> None:
     os.mkfifo(root / "refs" / "pin")  # opening a FIFO must not hang the reader
     cases = ["packs/evil.pack", "blobs/secret.txt", "refs/pin"]
     for key in cases:
-        with pytest.raises(ObjectNotFoundError):
+        # A linked directory is named (StoreError), so a repository set up that way says why.
+        with pytest.raises(StoreError if key.startswith("blobs/") else ObjectNotFoundError):
             store.get(key)
         with pytest.raises(ObjectNotFoundError):
             store.size(key)
@@ -660,3 +661,17 @@ def test_a_listing_past_the_key_cap_is_refused(monkeypatch: pytest.MonkeyPatch, 
     store.delete("manifests/00000000000000000004.pb")
     store.delete("manifests/00000000000000000003.pb")
     assert len(list(store.list("manifests/"))) == 3
+
+
+def test_a_linked_directory_in_a_local_repository_is_named_not_reported_missing(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "bigdisk" / "packs"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "p.pack").write_bytes(b"x")
+    store = LocalStore(tmp_path / "repo")
+    store.put("deltasync.json", b"{}")
+    os.symlink(elsewhere, tmp_path / "repo" / "packs")
+    with pytest.raises(StoreError, match=r"cannot read packs/p.pack: .*/repo/packs is a symbolic link"):
+        store.get("packs/p.pack")
+    with pytest.raises(StoreError, match=r"cannot write packs/q.pack: .*/repo/packs is a symbolic link"):
+        store.put("packs/q.pack", b"y")
+    assert not (elsewhere / "q.pack").exists()
