@@ -549,6 +549,7 @@ class VersionWatch(Iterator[int]):
 _END = object()  # from the reader: the stream ended with status OK
 _DONE = object()  # from the call's done callback: the call has its status
 _STOP = object()  # from interrupt()
+_READ_AHEAD = 8  # messages (1 MiB each for Get) a stream's reader takes ahead of its consumer
 _READ_GRACE = 1.0  # seconds the reader of a failed call gets to hand over what it read
 
 
@@ -568,12 +569,20 @@ class _Stream:
     def __init__(self, call: Any) -> None:
         self.call = call
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Messages read ahead of the consumer, at most: beyond them the reader waits, so gRPC's
+        # flow control holds a relay that sends faster than the consumer takes (a flood of
+        # Watch events while the agent pulls) instead of this process's memory.
+        self._room = threading.Semaphore(_READ_AHEAD)
+        self._stopped = threading.Event()
         threading.Thread(target=self._read, name="deltasync-grpc-read", daemon=True).start()
         call.add_done_callback(self._on_done)
 
     def _read(self) -> None:
         try:
             for message in self.call:
+                while not self._room.acquire(timeout=0.5):
+                    if self._stopped.is_set():
+                        return  # the consumer is gone
                 self._inbox.put(message)
             self._inbox.put(_END)
         except BaseException as e:  # handed to the consumer, which decides
@@ -587,6 +596,7 @@ class _Stream:
 
     def interrupt(self) -> None:
         """End the iteration now, from any thread."""
+        self._stopped.set()
         self._inbox.put(_STOP)
         self.call.cancel()
 
@@ -605,6 +615,8 @@ class _Stream:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    self._room.release()
                     yield item
         finally:
+            self._stopped.set()
             self.call.cancel()  # ends the call when the consumer stops early

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -601,3 +601,44 @@ def test_cli_serve_then_sigterm(published: tuple[str, Publisher, list[dict[str, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class _FloodCall:
+    """A server stream that has many messages ready at once (a relay flooding its client)."""
+
+    def __init__(self, n: int) -> None:
+        self.sent = 0
+        self.n = n
+        self.cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.n):
+            if self.cancelled.is_set():
+                return
+            self.sent += 1
+            yield i
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        pass
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.OK
+
+
+def test_a_stream_reads_ahead_of_its_consumer_only_a_bounded_number_of_messages() -> None:
+    call = _FloodCall(10_000)
+    stream = grpc_store._Stream(call).__iter__()
+    assert isinstance(stream, Generator)
+    assert next(stream) == 0
+    deadline = time.monotonic() + 5
+    while call.sent < grpc_store._READ_AHEAD + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a reader without flow control would race far ahead meanwhile
+    assert call.sent <= grpc_store._READ_AHEAD + 2
+    assert [next(stream) for _ in range(100)] == list(range(1, 101))  # then it keeps up with the consumer
+    stream.close()
+    assert call.cancelled.wait(5)
