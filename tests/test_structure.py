@@ -173,3 +173,21 @@ def test_a_broken_install_of_an_extra_is_not_reported_as_missing(tmp_path: Path)
             "except ModuleNotFoundError as e:\n    print(type(e).__name__, e.name)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert r.stdout.split() == ["ModuleNotFoundError", "torch.not_a_module"], r.stderr
+
+
+def test_a_repository_keeps_a_bounded_number_of_parsed_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import deltasync.repo.repository as repository_module
+
+    monkeypatch.setattr(repository_module, "MANIFEST_CACHE_ENTRIES", 4)
+    url = str(tmp_path / "repo")
+    pub = Publisher(url)
+    state = _state(0)
+    for i in range(10):
+        state["w"] = state["w"].clone()
+        state["w"][i, :3] += 1.0
+        pub.publish(state)
+    repo = deltasync.Repository(url)
+    for v in range(1, 11):
+        assert repo.manifest(v).version == v
+    assert len(repo._manifests) == 4 and list(repo._manifests) == [7, 8, 9, 10]
+    assert Subscriber(repo).pull(10).version == 10  # evicted manifests are read again when needed

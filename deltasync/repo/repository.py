@@ -36,6 +36,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -278,8 +279,10 @@ class Repository:
         self.ref_ttl = ref_ttl
         self.ref_grace = ref_grace
         self.ref_memory: RefMemory = ref_memory if ref_memory is not None else MemoryRefs()
-        self._manifests: dict[int, ManifestInfo] = {}
-        self._squashes: dict[tuple[int, int], ManifestInfo] = {}
+        # Parsed manifests, most recently used last; bounded, so that an agent following a
+        # repository for weeks does not keep every version it ever read.
+        self._manifests: OrderedDict[int, ManifestInfo] = OrderedDict()
+        self._squashes: OrderedDict[tuple[int, int], ManifestInfo] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- existence ---------------------------------------------------------------------------
@@ -555,6 +558,8 @@ class Repository:
         """The validated manifest of ``version`` (cached: versions are immutable)."""
         with self._lock:
             cached = self._manifests.get(version)
+            if cached is not None:
+                self._manifests.move_to_end(version)
         if cached is not None:
             return cached
         try:
@@ -566,6 +571,7 @@ class Repository:
         info = parse_manifest(raw, expect_version=version, authenticate=self._authenticator(version))
         with self._lock:
             self._manifests[version] = info
+            _trim(self._manifests)
         return info
 
     def _authenticator(self, version: int) -> Callable[[pb.Manifest], None] | None:
@@ -625,6 +631,7 @@ class Repository:
             raise VersionConflictError(manifest.version) from None
         with self._lock:
             self._manifests[manifest.version] = info
+            _trim(self._manifests)
         # Committed: from here on nothing may fail the publish (the caller would remove packs
         # a committed version needs). The ref is a hint; readers find the version by listing.
         try:
@@ -650,6 +657,8 @@ class Repository:
         stored against a base names the digest of that chunk in committed version ``a``."""
         with self._lock:
             cached = self._squashes.get((a, c))
+            if cached is not None:
+                self._squashes.move_to_end((a, c))
         if cached is not None:
             return cached
         key = squash_key(a, c)
@@ -666,6 +675,7 @@ class Repository:
         _check_squash(info, self.manifest(a), self.manifest(c))
         with self._lock:
             self._squashes[(a, c)] = info
+            _trim(self._squashes)
         return info
 
     def put_squash(self, manifest: pb.Manifest) -> ManifestInfo:
@@ -681,6 +691,7 @@ class Repository:
         self.store.put(squash_key(a, c), data, if_absent=True)
         with self._lock:
             self._squashes[(a, c)] = info
+            _trim(self._squashes)
         return info
 
     # -- blobs -------------------------------------------------------------------------------
@@ -740,3 +751,12 @@ def _check_squash(info: ManifestInfo, base: ManifestInfo, target: ManifestInfo) 
         for idx, c in enumerate(mine.chunks):
             if c.encoding != FULL and (idx >= len(held_digests) or held_digests[idx] != c.base_digest):
                 raise CorruptObjectError(what, f"tensor {mine.name!r} chunk {idx} has a base that version {a} does not hold")
+
+
+#: Parsed manifests (and squashes) a Repository keeps, most recently used first.
+MANIFEST_CACHE_ENTRIES = 256
+
+
+def _trim(cache: OrderedDict[Any, ManifestInfo]) -> None:
+    while len(cache) > MANIFEST_CACHE_ENTRIES:
+        cache.popitem(last=False)
