@@ -21,7 +21,7 @@ from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFou
 from deltasync.format.digest import digest
 from deltasync.relay.server import RelayServer, build_server
 from deltasync.relay.wire import CHUNK_BYTES, method_path
-from deltasync.storage import LocalStore, Store, open_store
+from deltasync.storage import LocalStore, Store, WrappingStore, open_store
 from deltasync.storage._grpc import GrpcStore
 from deltasync.storage.testing import StoreConformance, WriteThrough
 from deltasync.v1 import manifest_pb2 as manifest_pb
@@ -524,3 +524,41 @@ def test_reads_carry_the_read_token_and_writes_the_write_token(tmp_path: Path, s
     both.put("refs/w", b"w")
     assert both.get("refs/w") == b"w" and origin.get("refs/w") == b"w"
     both.close()
+
+
+class SlowPuts(WrappingStore):
+    """A relay's upstream whose puts take a while, counting how many run at once."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.running = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        with self._lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        try:
+            if key.startswith("packs/"):
+                time.sleep(0.2)
+            self.inner.put(key, data, if_absent=if_absent)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_publisher_uploads_packs_over_concurrent_streams(tmp_path: Path, start_relay: StartRelay) -> None:
+    from deltasync import Publisher, PublisherConfig
+
+    upstream = SlowPuts(LocalStore(tmp_path / "origin"))
+    relays = [start_relay(upstream), start_relay(upstream)]
+    store = GrpcStore(",".join(r.address for r in relays).join(["grpc://", ""]), write_token=WRITE)
+    generator = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(256, 256, generator=generator) for i in range(16)}  # incompressible-ish
+    result = Publisher(store, PublisherConfig(pack_bytes=64 << 10, progress=False)).publish(state)
+    assert len(list(upstream.list("packs/"))) >= 12  # about one pack per 256 KiB tensor
+    assert upstream.peak >= 3, upstream.peak  # the Packer keeps several uploads in flight
+    assert all(r.metrics()["uploads"] > 0 for r in relays)  # and spreads them over both relays
+    assert result.version == 1
+    store.close()
