@@ -278,6 +278,8 @@ def test_server_configuration_is_checked(tmp_path: Path) -> None:
         build_server(str(tmp_path), "127.0.0.1:0", accept_writes=True, token="t", write_token="t")
     with pytest.raises(UsageError, match="does not accept writes"):
         build_server(str(tmp_path), "127.0.0.1:0", write_token="t")
+    with pytest.raises(UsageError, match="write quota needs a local upstream"):
+        build_server("memory://quota-test", "127.0.0.1:0", accept_writes=True, write_token="t", write_quota=1 << 20)
 
 
 # -- caps -------------------------------------------------------------------------------------------

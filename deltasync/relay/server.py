@@ -72,7 +72,7 @@ from ..storage._base import MAX_OFFSET
 from ..v1 import manifest_pb2 as manifest_pb
 from ..v1 import relay_pb2 as pb
 from .cache import SERVED_KEYS, SERVED_PREFIXES, Entry, ObjectCache, cacheable, served, size_limit
-from .wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, WRITE_METHODS
+from .wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, UNARY, WRITE_METHODS
 
 log = logging.getLogger("deltasync.relay")
 
@@ -178,6 +178,10 @@ class RelayServer:
         self._own_upstream = isinstance(upstream, str)
         self.upstream = open_store(upstream) if isinstance(upstream, str) else upstream
         self.upstream_url = self.upstream.url or repr(self.upstream)
+        if config.write_quota is not None and not isinstance(self.upstream, LocalStore):
+            if self._own_upstream:
+                self.upstream.close()
+            raise UsageError(f"a write quota needs a local upstream repository (a path), not {self.upstream_url}")
         self.port = 0
         self.cache_dir: Path | None = None
         self._temp_dir: str | None = None
@@ -854,7 +858,7 @@ class _VersionFeed:
 # -- writes ---------------------------------------------------------------------------------------
 
 _HANDLER_FACTORIES: dict[str, Callable[..., Any]] = {
-    "unary": grpc.unary_unary_rpc_method_handler,
+    UNARY: grpc.unary_unary_rpc_method_handler,
     SERVER_STREAM: grpc.unary_stream_rpc_method_handler,
     CLIENT_STREAM: grpc.stream_unary_rpc_method_handler,
 }
@@ -1026,7 +1030,7 @@ class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return await continuation(details)
         else:
             code, message = grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
-        kind = METHODS[name][2] if name in METHODS else "unary"
+        kind = METHODS[name][2] if name in METHODS else UNARY
 
         async def deny(request: Any, context: Any) -> Any:
             await context.abort(code, message)
