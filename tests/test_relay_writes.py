@@ -564,3 +564,27 @@ def test_a_publisher_uploads_packs_over_concurrent_streams(tmp_path: Path, start
     assert all(r.metrics()["uploads"] > 0 for r in relays)  # and spreads them over both relays
     assert result.version == 1
     store.close()
+
+
+@pytest.mark.slow
+def test_distributed_ranks_publish_through_a_relay(tmp_path: Path, start_relay: StartRelay) -> None:
+    """Every rank of a DistributedPublisher uploads its own packs to the relay directly;
+    rank 0 commits once all are there."""
+    from test_distributed import _bits, _full_state, _run
+
+    from deltasync import Subscriber
+
+    origin = tmp_path / "origin"
+    relay = start_relay(str(origin))
+    token_file = tmp_path / "write-token"
+    token_file.write_text(WRITE)
+    results = _run(f"{relay.url}?write_token_file={token_file}", "happy")
+    assert results[0] == results[1] == results[2] == [1, 2, 3]
+    assert relay.metrics()["uploads"] >= 3
+    sub = Subscriber(str(origin))
+    for v in (1, 2, 3):
+        got = sub.pull(v)
+        want = _full_state(v - 1)
+        assert set(got) == set(want)
+        for name in want:
+            assert _bits(got[name]) == _bits(want[name]), (v, name)
