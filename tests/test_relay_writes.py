@@ -588,3 +588,15 @@ def test_distributed_ranks_publish_through_a_relay(tmp_path: Path, start_relay: 
         assert set(got) == set(want)
         for name in want:
             assert _bits(got[name]) == _bits(want[name]), (v, name)
+
+
+def test_cli_publish_over_quota_is_one_line(tmp_path: Path, start_relay: StartRelay) -> None:
+    relay = start_relay(str(tmp_path / "origin"), write_quota=64 << 10)
+    ckpt = write_checkpoint(tmp_path / "ckpt", make_state(0))
+    env = dict(os.environ, DELTASYNC_CACHE=str(tmp_path / "cache"), DELTASYNC_RELAY_WRITE_TOKEN=WRITE)
+    r = _cli(env, tmp_path, "publish", ckpt, "--repo", relay.url, "--chunk-mib", "0.0625")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("deltasync: error: "), r.stderr
+    assert "write quota exceeded" in lines[0] and "--write-quota" in lines[0], lines[0]
+    assert not list((tmp_path / "origin").glob("manifests/*"))
