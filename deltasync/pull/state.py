@@ -371,12 +371,7 @@ class StateDB:
         """Record an accepted signed ref, if newer than the one recorded (one transaction)."""
 
         def fn(txn: lmdb.Transaction) -> None:
-            raw = txn.get(b"refs")
-            current: dict[str, Any] = {}
-            if raw is not None:
-                with contextlib.suppress(ValueError):
-                    loaded = json.loads(bytes(raw))
-                    current = loaded if isinstance(loaded, dict) else {}
+            current = _txn_json(txn, b"refs")
             held = current.get(name)
             if isinstance(held, list) and held and type(held[0]) is int and held[0] >= counter:
                 return
@@ -392,16 +387,23 @@ class StateDB:
         """Merge ``fields`` into the stats record."""
 
         def fn(txn: lmdb.Transaction) -> None:
-            raw = txn.get(b"stats")
-            current: dict[str, Any] = {}
-            if raw is not None:
-                with contextlib.suppress(ValueError):
-                    loaded = json.loads(bytes(raw))
-                    current = loaded if isinstance(loaded, dict) else {}
+            current = _txn_json(txn, b"stats")
             current.update(fields)
             txn.put(b"stats", json.dumps(current).encode())
 
         self._write(fn)
+
+
+def _txn_json(txn: lmdb.Transaction, key: bytes) -> dict[str, Any]:
+    """The JSON object stored at ``key`` in a write transaction ({} when absent or unreadable)."""
+    raw = txn.get(key)
+    if raw is None:
+        return {}
+    try:
+        loaded = json.loads(bytes(raw))
+    except ValueError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def _slots_json(record: SlotsRecord) -> bytes:
