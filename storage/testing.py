@@ -12,8 +12,9 @@ through them.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -118,23 +119,7 @@ class StoreConformance:
         assert store.get("commit") == b"first"
 
     def test_if_absent_race_exactly_one_wins(self, store: Store) -> None:
-        winners: list[int] = []
-        losers: list[int] = []
-        barrier = threading.Barrier(8)
-
-        def attempt(i: int) -> None:
-            barrier.wait()
-            try:
-                store.put("race/key", f"writer-{i}".encode(), if_absent=True)
-                winners.append(i)
-            except ObjectExistsError:
-                losers.append(i)
-
-        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        winners, losers = race_if_absent([store] * 8, "race/key", [f"writer-{i}".encode() for i in range(8)])
         assert len(winners) == 1
         assert len(losers) == 7
         assert store.get("race/key") == f"writer-{winners[0]}".encode()
@@ -190,6 +175,25 @@ def run_threads(targets: list[Callable[[], None]]) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def race_if_absent(stores: Sequence[Store], key: str, values: Sequence[bytes]) -> tuple[list[int], list[int]]:
+    """Writer i puts ``values[i]`` at ``key`` through ``stores[i]`` with ``if_absent``, all at
+    once (a barrier); returns (winners, losers) by index."""
+    winners: list[int] = []
+    losers: list[int] = []
+    barrier = threading.Barrier(len(stores))
+
+    def attempt(i: int) -> None:
+        barrier.wait()
+        try:
+            stores[i].put(key, values[i], if_absent=True)
+            winners.append(i)
+        except ObjectExistsError:
+            losers.append(i)
+
+    run_threads([functools.partial(attempt, i) for i in range(len(stores))])
+    return winners, losers
 
 
 class ReadOnlyStoreConformance(StoreConformance):

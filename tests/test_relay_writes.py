@@ -23,7 +23,7 @@ from deltasync.relay.server import RelayServer, build_server
 from deltasync.relay.wire import CHUNK_BYTES, method_path
 from deltasync.storage import LocalStore, Store, WrappingStore, open_store
 from deltasync.storage._grpc import GrpcStore
-from deltasync.storage.testing import StoreConformance, WriteThrough
+from deltasync.storage.testing import StoreConformance, WriteThrough, race_if_absent
 from deltasync.v1 import manifest_pb2 as manifest_pb
 from deltasync.v1 import relay_pb2 as pb
 
@@ -172,23 +172,7 @@ def test_racing_publishers_through_two_relays_exactly_one_wins(tmp_path: Path, s
     stores = [GrpcStore(relays[i % 2].url, write_token=WRITE) for i in range(8)]
     manifests = [manifest_pb.Manifest(version=1, metadata={"writer": str(i)}).SerializeToString() for i in range(8)]
     key = "manifests/00000000000000000001.pb"
-    winners: list[int] = []
-    losers: list[int] = []
-    barrier = threading.Barrier(8)
-
-    def attempt(i: int) -> None:
-        barrier.wait()
-        try:
-            stores[i].put(key, manifests[i], if_absent=True)
-            winners.append(i)
-        except ObjectExistsError:
-            losers.append(i)
-
-    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    winners, losers = race_if_absent(stores, key, manifests)
     assert len(winners) == 1 and len(losers) == 7
     assert origin.get(key) == manifests[winners[0]]
     for s in stores:

@@ -48,6 +48,7 @@ from .state import (
     StateDB,
     WorkInProgress,
     copy_lock,
+    fsync_dir,
     output_files,
 )
 
@@ -99,15 +100,6 @@ def untouched(root: Path, name: str, info: SlotInfo, rel: str) -> bool:
     """Whether file ``rel`` of slot ``name`` is as it was when the slot was verified."""
     recorded = info.files.get(rel)
     return recorded is not None and tuple(recorded) == file_stat(slot_dir(root, name) / rel)
-
-
-def fsync_dir(d: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def fsync_files(paths: Iterable[Path]) -> None:

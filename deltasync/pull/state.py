@@ -394,6 +394,16 @@ class StateDB:
         self._write(fn)
 
 
+def fsync_dir(d: Path) -> None:
+    """Flush a directory's entries (renames, links) to disk; best effort."""
+    with contextlib.suppress(OSError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _txn_json(txn: lmdb.Transaction, key: bytes) -> dict[str, Any]:
     """The JSON object stored at ``key`` in a write transaction ({} when absent or unreadable)."""
     raw = txn.get(key)
@@ -548,12 +558,7 @@ def apply_legacy_journal(root: Path, staging: Path, info: ManifestInfo, wip: Wor
         os.replace(src, dest)
         dirs.add(dest.parent)
     for d in dirs:  # make the renames durable before the version is recorded
-        with contextlib.suppress(OSError):
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_dir(d)
     db.record_version(info, repo=repo)
     shutil.rmtree(staging, ignore_errors=True)
 
