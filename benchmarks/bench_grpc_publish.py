@@ -52,6 +52,7 @@ class WriteLink(WrappingStore):
         super().__init__(inner)
         self.rate = float(bytes_per_second)
         self.bytes_written = 0
+        self.packs_written = 0
         self._free_at = time.monotonic()
         self._lock = threading.Lock()
 
@@ -61,16 +62,28 @@ class WriteLink(WrappingStore):
             start = max(time.monotonic(), self._free_at)
             self._free_at = done = start + n / self.rate
             self.bytes_written += n
+            self.packs_written += key.startswith("packs/")
         delay = done - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         self.inner.put(key, data, if_absent=if_absent)
 
 
-def row(label: str, what: str, seconds: float, sent: int, rate: float, encode: float | None = None) -> str:
+class FullPacks(WrappingStore):
+    """``inner`` with early flushes off: packs fill to ``pack_bytes`` before they upload (the
+    behaviour before early flushes, and that of local stores), for the same-run comparison."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.overlap_uploads = False
+
+
+def row(label: str, what: str, seconds: float, sent: int, rate: float, encode: float | None = None,
+        packs: int | None = None) -> str:
     at_rate = sent / rate
-    enc = f"{encode:6.2f} s" if encode is not None else "     -  "
-    return (f"| {label:5} | {what:12} | {seconds:6.2f} s | {enc} | {sent / 2**20:7.1f} MiB | {at_rate:6.2f} s | "
+    enc = f"{encode:5.2f} s | {seconds / encode:5.2f}x" if encode is not None else "    -   |    -  "
+    n = f"{packs:3d}" if packs is not None else "  -"
+    return (f"| {label:9} | {what:12} | {seconds:6.2f} s | {enc} | {n} | {sent / 2**20:7.1f} MiB | {at_rate:6.2f} s | "
             f"{at_rate / seconds * 100:3.0f} % | {seconds / at_rate:5.2f}x |")
 
 
@@ -80,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--deltas", type=int, default=2)
     ap.add_argument("--mbps", type=float, default=1000.0, help="the link, megabits per second")
     ap.add_argument("--quick", action="store_true", help="64 MiB model, one delta (smoke test)")
+    ap.add_argument("--full-packs-too", action="store_true",
+                    help="also publish over gRPC with early flushes off (packs fill before they upload)")
+    ap.add_argument("--no-raw", action="store_true", help="skip the raw one-stream upload")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gib, args.deltas = 1 / 16, 1
@@ -120,35 +136,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         in_memory = deltasync.Publisher(f"memory://bench-{uuid.uuid4().hex}", config)  # encode alone
         publishers = {"grpc": (deltasync.Publisher(remote, config), grpc_link),
                       "s3": (deltasync.Publisher(s3_link, config), s3_link)}
+        if args.full_packs_too:
+            full_link = WriteLink(LocalStore(root / "relay-repo-full-packs"), rate)
+            full_relay = build_server(full_link, "127.0.0.1:0", root / "relay-cache-full-packs", accept_writes=True,
+                                      write_token=WRITE_TOKEN).start()
+            full_remote = GrpcStore(full_relay.url, write_token=WRITE_TOKEN)
+            publishers["grpc full"] = (deltasync.Publisher(FullPacks(full_remote), config), full_link)
         for model in models:
             state = state_of(model)
             t0 = time.perf_counter()
             in_memory.publish(state)
             encode = time.perf_counter() - t0
             for label, (pub, link) in publishers.items():
-                before = link.bytes_written
+                before, packs_before = link.bytes_written, link.packs_written
                 t0 = time.perf_counter()
                 r = pub.publish(state)
                 seconds = time.perf_counter() - t0
                 what = f"v{r.version} {r.kind}"
-                rows.append(row(label, what, seconds, link.bytes_written - before, rate, encode))
+                rows.append(row(label, what, seconds, link.bytes_written - before, rate, encode,
+                                link.packs_written - packs_before))
 
-        blob = memoryview(models[-1].bits.tobytes())
-        before = grpc_link.bytes_written
-        t0 = time.perf_counter()
-        for i, offset in enumerate(range(0, len(blob), OBJECT)):  # one stream: one object after another
-            remote.put(f"refs/raw/{i:04d}", blob[offset : offset + OBJECT])
-        rows.append(row("raw", "one stream", time.perf_counter() - t0, grpc_link.bytes_written - before, rate))
+        if not args.no_raw:
+            blob = memoryview(models[-1].bits.tobytes())
+            before = grpc_link.bytes_written
+            t0 = time.perf_counter()
+            for i, offset in enumerate(range(0, len(blob), OBJECT)):  # one stream: one object after another
+                remote.put(f"refs/raw/{i:04d}", blob[offset : offset + OBJECT])
+            rows.append(row("raw", "one stream", time.perf_counter() - t0, grpc_link.bytes_written - before, rate))
         remote.close()
         relay.stop()
+        if args.full_packs_too:
+            full_remote.close()
+            full_relay.stop()
         s3.close()
     finally:
         moto.terminate()
         moto.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
-    print("| path | version | wall | encode alone (memory://) | bytes over the link | those bytes at full rate "
-          "| link utilisation | wall / at full rate |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| path | version | wall | encode alone (memory://) | wall / encode alone | packs | bytes over the link "
+          "| those bytes at full rate | link utilisation | wall / at full rate |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for line in rows:
         print(line)
     return 0

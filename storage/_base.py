@@ -58,6 +58,10 @@ class Store(ABC):
     io_concurrency: int = 4
     #: Uploads worth keeping in flight at once (a publisher holds one pack in memory for each).
     upload_concurrency: int = 2
+    #: Whether a publisher should upload packs while it still encodes (early, smaller packs)
+    #: rather than fill each one first: true where writes cross a network (S3, a writable
+    #: relay), whose link is then busy while encoding goes on; false where a write is a local copy.
+    overlap_uploads: bool = False
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.
@@ -154,6 +158,7 @@ class WrappingStore(Store):
         self.url = inner.url
         self.io_concurrency = inner.io_concurrency
         self.upload_concurrency = inner.upload_concurrency
+        self.overlap_uploads = inner.overlap_uploads
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         return self.inner.get(key, byte_range)

@@ -248,6 +248,7 @@ class GrpcStore(Store):
         self._preferred = 0  # the relay that answered last
         if self._write_token is not None:
             self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
+            self.overlap_uploads = True
 
     @property
     def writable(self) -> bool:

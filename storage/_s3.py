@@ -172,6 +172,7 @@ class S3Store(Store):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self.max_concurrency = max_concurrency
         self.io_concurrency = max_concurrency
+        self.overlap_uploads = True
         self.part_size = part_size
         self.multipart_threshold = multipart_threshold
         self.conditional_writes = conditional_writes

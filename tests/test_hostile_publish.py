@@ -36,6 +36,7 @@ import torch
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
 import deltasync.publish.encode as encode_mod
+import deltasync.publish.packs as packs_mod
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
 from deltasync.errors import CheckpointError, CorruptObjectError, StoreError
 from deltasync.format.manifest import manifest_key
@@ -225,16 +226,16 @@ class GcBeforeCommit:
     def __init__(self, url: str, monkeypatch: pytest.MonkeyPatch, times: int) -> None:
         self.url, self.times = url, times
         self.deleted: list[list[str]] = []  # what each gc pass deleted
-        original = encode_mod.Packer.finish
+        original = packs_mod.Packer.finish
 
-        def finish(packer: encode_mod.Packer) -> None:
+        def finish(packer: packs_mod.Packer) -> None:
             original(packer)
             if len(self.deleted) < self.times:
                 collect(self.url, keep_last=1000, grace_seconds=0)
                 report = collect(self.url, keep_last=1000, grace_seconds=0)
                 self.deleted.append(report.packs_deleted + report.blobs_deleted)
 
-        monkeypatch.setattr(encode_mod.Packer, "finish", finish)
+        monkeypatch.setattr(packs_mod.Packer, "finish", finish)
 
 
 def test_gc_between_upload_and_commit_of_a_directory_delta_makes_the_publisher_store_it_again(
@@ -374,13 +375,13 @@ def test_a_parent_deleted_while_publishing_fails_the_publish(tmp_path: Path, mon
     url = str(tmp_path / "repo")
     ckpts = checkpoints(tmp_path, 2)
     Publisher(url, config()).publish_dir(ckpts[0], cache_dir=tmp_path / "cache")
-    original = encode_mod.Packer.finish
+    original = packs_mod.Packer.finish
 
-    def finish(packer: encode_mod.Packer) -> None:
+    def finish(packer: packs_mod.Packer) -> None:
         original(packer)
         Repository(url).store.delete(manifest_key(1))  # what a gc of version 1 does first
 
-    monkeypatch.setattr(encode_mod.Packer, "finish", finish)
+    monkeypatch.setattr(packs_mod.Packer, "finish", finish)
     with pytest.raises(StoreError, match="its parent version 1 was deleted while publishing"):
         Publisher(url, config()).publish_dir(ckpts[1], cache_dir=tmp_path / "cache")
     assert Repository(url).versions() == []

@@ -584,3 +584,37 @@ def test_cli_publish_over_quota_is_one_line(tmp_path: Path, start_relay: StartRe
     assert len(lines) == 1 and lines[0].startswith("deltasync: error: "), r.stderr
     assert "write quota exceeded" in lines[0] and "--write-quota" in lines[0], lines[0]
     assert not list((tmp_path / "origin").glob("manifests/*"))
+
+
+def test_a_version_uploads_in_early_packs_while_it_encodes(tmp_path: Path, start_relay: StartRelay,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a writable relay the Packer closes packs early (a floor of 64 KiB here), so a
+    version's packs go up while it still encodes; every pack is there before the manifest,
+    and the versions pull back bit for bit."""
+    from deltasync import Publisher, PublisherConfig, Subscriber
+    from deltasync.format.codec import PlanesZstdCodec
+    from deltasync.publish import packs
+    from deltasync.repo.repository import Repository
+
+    monkeypatch.setattr(packs, "EARLY_MIN_BYTES", 64 << 10)
+    origin = LocalStore(tmp_path / "origin")
+    store = GrpcStore(start_relay(origin).url, write_token=WRITE)
+    generator = torch.Generator().manual_seed(0)
+    first = {f"t{i}": torch.randn(256, 256, generator=generator) for i in range(16)}  # 4 MiB, incompressible-ish
+    second = {name: t.clone() for name, t in first.items()}
+    for t in second.values():
+        t.view(-1)[::7] += 1.0
+    publisher = Publisher(store, PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=64 << 10), progress=False))
+    results = [publisher.publish(first), publisher.publish(second)]
+    assert [r.kind for r in results] == ["snapshot", "delta"]
+    repo = Repository(origin)
+    for r in results:
+        manifest = repo.manifest(r.version).pb
+        assert len(manifest.packs) >= 3, (r.kind, [p.size for p in manifest.packs])  # not one 64 MiB pack
+        assert all(p.size >= 64 << 10 for p in manifest.packs[:-1])  # the last: what was left at the end
+        assert all(origin.exists(p.key) for p in manifest.packs)
+    sub = Subscriber(str(tmp_path / "origin"))
+    for r, want in zip(results, (first, second), strict=True):
+        got = sub.pull(r.version)
+        assert all(torch.equal(got[name], want[name]) for name in want)
+    store.close()

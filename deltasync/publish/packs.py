@@ -1,4 +1,25 @@
-"""Packs: payloads appended back to back into content-addressed objects, uploaded in the background."""
+"""Packs: payloads appended back to back into content-addressed objects, uploaded in the background.
+
+A :class:`Packer` closes a pack at ``pack_bytes`` (64 MiB by default) and uploads it on a
+thread while encoding goes on, with at most ``max(2, store.upload_concurrency)`` packs
+waiting or in flight, so memory stays O(pack size * upload streams).
+
+**Early flushes** (stores whose ``overlap_uploads`` is true: S3, a writable relay). A delta
+of a few MiB never fills a 64 MiB pack, so it would upload only once encoding ends, and the
+link would idle through the encode and then the encode wait through the link. So such a
+store also gets a pack closed early, once the bytes waiting reach the *early floor* and an
+upload stream is free: the link then carries the version while it is encoded, and what is
+left to upload when encoding ends is at most one floor. The floor is
+``max(EARLY_MIN_BYTES, flushed / EARLY_FRACTION)`` (``flushed``: the bytes this packer has
+already closed into packs), capped at ``pack_bytes``, and a packer makes at most
+:data:`MAX_EARLY_PACKS` early flushes. So no early pack is smaller than 2 MiB (or
+``pack_bytes``, if smaller), and a version of ``S`` stored bytes gets at most
+``ceil(S / pack_bytes) + MAX_EARLY_PACKS`` packs; a small delta (8 MiB) goes up as four
+packs of 2 MiB. Where the link is the bottleneck (a snapshot over a slow link) every stream
+is busy, no early flush happens, and packs are full size. Packs stay content-addressed
+(named by the xxh3-128 of their bytes) and all are durable before :meth:`Packer.finish`
+returns, i.e. before any manifest names them.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +32,32 @@ from ..format.digest import digest
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
 
-__all__ = ["Packer"]
+__all__ = ["EARLY_FRACTION", "EARLY_MIN_BYTES", "MAX_EARLY_PACKS", "Packer"]
+
+#: The smallest pack an early flush closes (unless ``pack_bytes`` is smaller).
+EARLY_MIN_BYTES = 2 << 20
+#: An early flush also waits for 1/EARLY_FRACTION of what was flushed before: pack sizes grow
+#: geometrically (x1.25), so the count stays small and the last upload stays a small share.
+EARLY_FRACTION = 4
+#: Early flushes one packer makes at most (one version, or one rank's share of it).
+MAX_EARLY_PACKS = 16
 
 
 class Packer:
-    """Appends payloads to a pack; full packs upload on a background thread."""
+    """Appends payloads to a pack; full packs (and, for remote stores, early ones) upload on
+    background threads.
 
-    def __init__(self, store: Store, pack_bytes: int) -> None:
+    Args:
+        store: where packs go; its ``upload_concurrency`` sizes the upload window and its
+            ``overlap_uploads`` turns early flushes on.
+        pack_bytes: the size at which a pack closes.
+        early: force early flushes on or off (default: ``store.overlap_uploads``).
+    """
+
+    def __init__(self, store: Store, pack_bytes: int, *, early: bool | None = None) -> None:
         self.store = store
         self.pack_bytes = pack_bytes
+        self.early = store.overlap_uploads if early is None else early
         self.packs: list[pb.Pack] = []
         self._parts: list[bytes] = []
         self._size = 0
@@ -29,6 +67,7 @@ class Packer:
         self._pool = ThreadPoolExecutor(max_workers=self._window, thread_name_prefix="deltasync-upload")
         self.created: set[str] = set()  # keys this attempt wrote, the only ones abandon() may delete
         self.stored = 0
+        self.early_flushes = 0
 
     def add(self, payload: bytes) -> tuple[int, int]:
         offset = self._size
@@ -37,7 +76,23 @@ class Packer:
         index = len(self.packs)
         if self._size >= self.pack_bytes:
             self.flush()
+        elif self.early and self._size >= self.early_floor() and self._stream_free():
+            self.early_flushes += 1
+            self.flush()
         return index, offset
+
+    def early_floor(self) -> int:
+        """The bytes waiting that an early flush needs now (past the last early flush: never)."""
+        if self.early_flushes >= MAX_EARLY_PACKS:
+            return self.pack_bytes
+        return min(self.pack_bytes, max(EARLY_MIN_BYTES, self.stored // EARLY_FRACTION))
+
+    def _stream_free(self) -> bool:
+        """Whether fewer uploads are in flight than the store wants (an early pack would start
+        now, not queue behind full ones). Finished uploads are collected, failures raised."""
+        while self._uploads and self._uploads[0].done():
+            self._uploads.popleft().result()
+        return sum(not f.done() for f in self._uploads) < self._window
 
     def flush(self) -> None:
         if not self._parts:

@@ -1,0 +1,148 @@
+"""The Packer (``deltasync.publish.packs``): full packs, early flushes for remote stores, bounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltasync.format.digest import digest
+from deltasync.publish import packs
+from deltasync.publish.packs import EARLY_MIN_BYTES, Packer
+from deltasync.storage import LocalStore, MemoryStore, Store, WrappingStore
+from deltasync.storage._grpc import GrpcStore
+
+MiB = 1 << 20
+
+
+def payloads(n: int, size: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def pack_all(packer: Packer, parts: list[bytes]) -> list[tuple[int, int]]:
+    where = [packer.add(p) for p in parts]
+    packer.finish()
+    return where
+
+
+def assert_readable(store: Store, packer: Packer, parts: list[bytes], where: list[tuple[int, int]]) -> None:
+    """Every pack is stored under the digest of its bytes, and every payload is where add() said."""
+    for pack in packer.packs:
+        data = store.get(pack.key)
+        assert pack.key == f"packs/{digest(data).hex()}.pack" and len(data) == pack.size
+    for part, (index, offset) in zip(parts, where, strict=True):
+        assert store.get(packer.packs[index].key, (offset, len(part))) == part
+    assert packer.stored == sum(len(p) for p in parts) == sum(p.size for p in packer.packs)
+    assert packer.created == {p.key for p in packer.packs}
+
+
+def test_local_stores_fill_packs_before_uploading(tmp_path: Path) -> None:
+    for store in (MemoryStore(), LocalStore(tmp_path / "repo")):
+        assert not store.overlap_uploads
+        packer = Packer(store, 64 * MiB)
+        parts = payloads(12, MiB)
+        where = pack_all(packer, parts)
+        assert [p.size for p in packer.packs] == [12 * MiB] and packer.early_flushes == 0
+        assert_readable(store, packer, parts, where)
+
+
+def test_remote_stores_overlap_uploads_and_wrappers_say_so(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret")
+    writable = GrpcStore("grpc://127.0.0.1:1", write_token_file=token)
+    read_only = GrpcStore("grpc://127.0.0.1:1")
+    try:
+        assert writable.overlap_uploads and not read_only.overlap_uploads
+        assert WrappingStore(writable).overlap_uploads and Packer(WrappingStore(writable), 64 * MiB).early
+    finally:
+        writable.close()
+        read_only.close()
+
+
+def test_early_flushes_start_uploads_with_a_floor_and_a_bounded_count() -> None:
+    store = MemoryStore()
+    packer = Packer(store, 64 * MiB, early=True)
+    parts = payloads(41, MiB // 2)  # a 20.5 MiB version in 512 KiB chunks
+    where = pack_all(packer, parts)
+    sizes = [p.size for p in packer.packs]
+    assert packer.early_flushes >= 4 and len(sizes) == packer.early_flushes + 1, sizes
+    assert all(s >= EARLY_MIN_BYTES for s in sizes[:-1]), sizes  # no tiny packs
+    flushed = 0
+    for s in sizes[:-1]:  # each early pack waited for a quarter of what went before
+        assert s >= flushed // 4, sizes
+        flushed += s
+    assert sizes[-1] < max(EARLY_MIN_BYTES, flushed // 4), sizes  # little left when encoding ends
+    assert_readable(store, packer, parts, where)
+
+
+def test_early_flushes_stop_after_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packs, "EARLY_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(packs, "MAX_EARLY_PACKS", 3)
+    store = WrappingStore(MemoryStore())
+    store.upload_concurrency = 8  # streams to spare: only the cap stops early flushes
+    packer = Packer(store, 4 * MiB, early=True)
+    parts = payloads(768, 16 << 10)  # 12 MiB in 16 KiB chunks
+    where = pack_all(packer, parts)
+    assert packer.early_flushes == 3
+    assert [p.size for p in packer.packs] == [64 << 10] * 3 + [4 * MiB] * 2 + [12 * MiB - 8 * MiB - (192 << 10)]
+    assert_readable(store, packer, parts, where)
+
+
+class Gate(WrappingStore):
+    """Pack puts wait until the gate opens; counts the puts done."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.upload_concurrency = 2
+        self.open = threading.Event()
+        self.done = 0
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        assert self.open.wait(30)
+        self.inner.put(key, data, if_absent=if_absent)
+        self.done += 1
+
+
+def test_no_early_flush_while_every_upload_stream_is_busy() -> None:
+    store = Gate(MemoryStore())
+    packer = Packer(store, 64 * MiB, early=True)
+    parts = payloads(9, MiB)
+    where = [packer.add(p) for p in parts[:2]]  # 2 MiB: the first early pack, uploading
+    where += [packer.add(p) for p in parts[2:4]]  # the second, on the second stream
+    assert [p.size for p in packer.packs] == [2 * MiB, 2 * MiB]
+    where += [packer.add(p) for p in parts[4:8]]  # both streams busy: the bytes wait
+    assert len(packer.packs) == 2
+    store.open.set()
+    deadline = time.monotonic() + 30
+    while store.done < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    where.append(packer.add(parts[8]))  # a stream is free: what waited goes now
+    assert [p.size for p in packer.packs] == [2 * MiB, 2 * MiB, 5 * MiB]
+    packer.finish()
+    assert_readable(store, packer, parts, where)
+
+
+def test_a_failed_early_upload_surfaces_and_abandon_removes_the_rest() -> None:
+    class Failing(WrappingStore):
+        def __init__(self, inner: Store) -> None:
+            super().__init__(inner)
+            self.puts = 0
+
+        def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+            self.puts += 1
+            if self.puts == 2:
+                raise OSError("link down")
+            self.inner.put(key, data, if_absent=if_absent)
+
+    inner = MemoryStore()
+    packer = Packer(Failing(inner), 64 * MiB, early=True)
+    with pytest.raises(OSError, match="link down"):
+        for p in payloads(16, MiB):
+            packer.add(p)
+        packer.finish()
+    packer.abandon()
+    assert list(inner.list("packs/")) == []
