@@ -1051,6 +1051,13 @@ def rl() -> None:
 @click.option("--live", is_flag=True, default=None,
               help="Train on feedback posted over HTTP (with simulated users unless the config turns them off).")
 @click.option("--feedback-port", type=click.IntRange(0, 65535), default=None, help="Port of the feedback endpoint (--live).")
+@click.option("--rollout", type=click.Choice(["exact", "kv_bf16", "vllm"]), default=None,
+              help="How workers generate: the trainer's own arithmetic (gap 0), incremental bf16 KV-cache decoding, "
+                   "or vLLM servers (scripts/install_vllm.sh) [default: exact].")
+@click.option("--experts", type=click.IntRange(min=0), default=None,
+              help="Mixture-of-experts policy with this many experts per layer (Mixtral-style, top-2) [default: 0, dense].")
+@click.option("--router-replay/--no-router-replay", default=None,
+              help="MoE: the trainer routes every token to the experts the worker reported [default: off].")
 @click.option("--force", is_flag=True, help="Replace the outputs of a previous run in --out [default: refuse].")
 @click.option("--no-warm-cache", is_flag=True,
               help="Always train the warm start [default: reuse the weights of an earlier run with the same model, "
@@ -1058,8 +1065,8 @@ def rl() -> None:
                    "~/.cache/deltasync/rl-warm-start].")
 @quiet_option
 def rl_run(config_file: Path | None, steps: int | None, workers: int | None, backend: str | None, out_dir: Path | None,
-           repo: str | None, seed: int | None, live: bool | None, feedback_port: int | None, force: bool,
-           no_warm_cache: bool, quiet: bool) -> None:
+           repo: str | None, seed: int | None, live: bool | None, feedback_port: int | None, rollout: str | None,
+           experts: int | None, router_replay: bool | None, force: bool, no_warm_cache: bool, quiet: bool) -> None:
     """Warm-start a small transformer on addition, then improve it with asynchronous RL.
 
     \b
@@ -1076,12 +1083,31 @@ def rl_run(config_file: Path | None, steps: int | None, workers: int | None, bac
     config = load_config(
         config_file, steps=steps, seed=seed, repo=repo,
         out_dir=str(out_dir) if out_dir is not None else None,
-        **{"workers.count": workers, "workers.backend": backend, "live.enabled": live, "live.port": feedback_port},
+        router_replay=router_replay,
+        **{"workers.count": workers, "workers.backend": backend, "live.enabled": live, "live.port": feedback_port,
+           "workers.inference": rollout, "model.num_local_experts": experts},
     )
     result = run(config, echo=click.echo, progress=False if quiet else None, force=force,
                  warm_start_cache=None if no_warm_cache else _cache_base() / "rl-warm-start")
     for line in result.lines():
         click.echo(line)
+
+
+@rl.command("compare")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.option("--label", "labels", multiple=True, help="A name per run, in order [default: the directory names].")
+@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False), default=Path("compare.png"),
+              show_default=True, help="PNG to write.")
+def rl_compare(runs: tuple[Path, ...], labels: tuple[str, ...], out_path: Path) -> None:
+    """Plot several runs' reward curves, log-prob gaps and routing mismatch on one figure."""
+    from deltasync.rl_integration.metrics import read_metrics
+    from deltasync.rl_integration.plot import plot_compare
+
+    if labels and len(labels) != len(runs):
+        raise click.UsageError(f"{len(labels)} --label for {len(runs)} runs")
+    names = list(labels) or [r.name for r in runs]
+    plot_compare({n: read_metrics(r / "metrics.jsonl") for n, r in zip(names, runs, strict=True)}, out_path)
+    click.echo(f"wrote {out_path}")
 
 
 def _mib(n: int) -> str:

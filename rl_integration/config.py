@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,8 +21,14 @@ from deltasync.errors import UsageError
 
 from .task import VOCAB_SIZE
 
-MODEL_TYPE = "deltasync-tiny-transformer"
-ARCHITECTURE = "TinyTransformerForCausalLM"
+#: Hugging Face model types the policy is saved as (dense, and with mixture-of-experts MLPs).
+MODEL_TYPE = "llama"
+MOE_MODEL_TYPE = "mixtral"
+ARCHITECTURE = "LlamaForCausalLM"
+MOE_ARCHITECTURE = "MixtralForCausalLM"
+
+
+INFERENCE_MODES = ("exact", "kv_bf16", "vllm")
 
 
 def _positive(section: str, **values: float) -> None:
@@ -33,7 +39,8 @@ def _positive(section: str, **values: float) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape of the policy (recorded in ``config.json``)."""
+    """Shape of the policy: a Llama-style decoder (``num_local_experts`` > 0: Mixtral-style
+    mixture-of-experts MLPs), recorded in ``config.json`` with Hugging Face's names."""
 
     vocab_size: int = 15
     """Token ids 0..vocab_size-1."""
@@ -41,30 +48,96 @@ class ModelConfig:
     """Width of the residual stream."""
     num_hidden_layers: int = 2
     """Transformer blocks."""
-    num_attention_heads: int = 4
-    """Heads per block; must divide hidden_size."""
+    num_attention_heads: int = 2
+    """Query heads per block; must divide hidden_size. (vLLM's CPU attention wants a head
+    size of 32, 64, 80, 96, 112, 128 or more: 64 / 2 = 32.)"""
+    num_key_value_heads: int = 0
+    """Key/value heads (grouped-query attention); 0: as many as query heads."""
     intermediate_size: int = 256
-    """Width of each block's MLP."""
+    """Width of each block's gated MLP (of each expert's, in the MoE variant)."""
     max_position_embeddings: int = 32
-    """Longest sequence (learned positions)."""
+    """Longest sequence (rotary positions)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding's frequencies."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of the RMS norms."""
+    num_local_experts: int = 0
+    """Experts per MoE MLP (0: a dense model, ``LlamaForCausalLM``; else ``MixtralForCausalLM``)."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k of the router's softmax, renormalized)."""
+    initializer_range: float = 0.1
+    """Standard deviation of the random init of every weight matrix and embedding (larger than
+    Llama's 0.02: with rotary positions only, a 0.02 init sits on a plateau for hundreds of
+    warm-start steps before attention finds the operand digits)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings"):
+                     "intermediate_size", "max_position_embeddings", "num_experts_per_tok"):
             if getattr(self, name) < 1:
                 raise UsageError(f"model {name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise UsageError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
             )
+        if self.num_key_value_heads < 0 or (self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads):
+            raise UsageError(f"num_key_value_heads {self.num_key_value_heads} must divide num_attention_heads "
+                             f"{self.num_attention_heads} (0: as many)")
+        if (self.head_dim % 2) != 0:
+            raise UsageError(f"head size {self.head_dim} must be even (rotary embedding)")
+        if self.num_local_experts < 0:
+            raise UsageError(f"model num_local_experts must be >= 0, got {self.num_local_experts}")
+        if self.num_local_experts and self.num_experts_per_tok > self.num_local_experts:
+            raise UsageError(f"model num_experts_per_tok {self.num_experts_per_tok} exceeds num_local_experts "
+                             f"{self.num_local_experts}")
+        _positive("model", rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
+                  initializer_range=self.initializer_range)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def moe(self) -> bool:
+        return self.num_local_experts > 0
 
     def to_hf(self, **extra: Any) -> dict[str, Any]:
-        return {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], **asdict(self), **extra}
+        """``config.json`` of a Hugging Face ``LlamaForCausalLM`` (``MixtralForCausalLM``)."""
+        from .task import BOS, EOS, PAD
+
+        cfg: dict[str, Any] = {
+            "model_type": MOE_MODEL_TYPE if self.moe else MODEL_TYPE,
+            "architectures": [MOE_ARCHITECTURE if self.moe else ARCHITECTURE],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "initializer_range": self.initializer_range, "use_cache": True, "bos_token_id": BOS, "eos_token_id": EOS,
+            "pad_token_id": PAD,
+        }
+        if self.moe:
+            cfg.update(num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       router_aux_loss_coef=0.0, output_router_logits=False, sliding_window=None)
+        return {**cfg, **extra}
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: int(v) for k, v in raw.items() if k in names})
+        kinds = (MODEL_TYPE, MOE_MODEL_TYPE)
+        if raw.get("model_type") not in kinds:
+            raise UsageError(f"model_type is {raw.get('model_type')!r}, not one of {kinds}")
+        floats = ("rope_theta", "rms_norm_eps", "initializer_range")
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in raw and raw[f.name] is not None:
+                out[f.name] = float(raw[f.name]) if f.name in floats else int(raw[f.name])
+        if out.get("num_key_value_heads") == out.get("num_attention_heads"):
+            out["num_key_value_heads"] = 0
+        return cls(**out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,12 +184,27 @@ class WorkersConfig:
     """Seconds between a worker's reads of ``refs/latest`` and ``refs/pin``."""
     torch_threads: int = 1
     """Intra-op threads per worker (1: deterministic kernels, no oversubscription)."""
+    inference: Literal["exact", "kv_bf16", "vllm"] = "exact"
+    """How workers generate. ``exact``: the trainer's own full-sequence fp32 arithmetic on the
+    published bf16 bits (the log-prob gap is 0 by construction). ``kv_bf16``: incremental
+    decoding with a KV cache, computing in bf16 (another inference path: a real gap, and in
+    MoE models tokens routed to other experts). ``vllm``: each worker is a vLLM server (from
+    the environment ``scripts/install_vllm.sh`` builds) whose weights move only through
+    deltasync's vLLM backend; behaviour log-probs (and, for MoE, the experts) come from vLLM."""
+    vllm_python: str | None = None
+    """Python of the environment with vLLM (``inference = "vllm"``); default:
+    ``$DELTASYNC_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the working directory."""
+    vllm_start_timeout: float = 600.0
+    """Seconds a vLLM worker may take to start."""
 
     def __post_init__(self) -> None:
         _positive("workers", count=self.count, prompts_per_batch=self.prompts_per_batch,
-                  queue_size=self.queue_size, poll_interval=self.poll_interval, torch_threads=self.torch_threads)
+                  queue_size=self.queue_size, poll_interval=self.poll_interval, torch_threads=self.torch_threads,
+                  vllm_start_timeout=self.vllm_start_timeout)
         if self.backend not in ("local", "ray"):
             raise UsageError(f"workers.backend must be 'local' or 'ray', got {self.backend!r}")
+        if self.inference not in INFERENCE_MODES:
+            raise UsageError(f"workers.inference must be one of {', '.join(INFERENCE_MODES)}, got {self.inference!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +290,12 @@ class RLConfig:
     """Every K-th version is stored as a snapshot."""
     keep_checkpoints: int = 3
     """Checkpoint directories kept on disk besides the pinned one (all versions stay in the repository)."""
+    router_replay: bool = False
+    """MoE policies: the trainer's forward (recompute and update) routes every position to the
+    experts the worker reported using, with gate weights from its own router."""
+    logprob_tolerance: float = 0.1
+    """Per-token |trainer log-prob - behaviour log-prob| above which a token counts in
+    ``gap_over_tolerance`` (the train-inference numerics the run accepts)."""
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=VOCAB_SIZE))
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
@@ -217,6 +311,10 @@ class RLConfig:
             raise UsageError(f"group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
         if self.max_staleness < 0:
             raise UsageError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.logprob_tolerance < 0:
+            raise UsageError(f"logprob_tolerance must be >= 0, got {self.logprob_tolerance}")
+        if self.router_replay and not self.model.moe:
+            raise UsageError("router_replay needs a mixture-of-experts policy (model.num_local_experts > 0)")
         if self.keep_checkpoints < 1:
             raise UsageError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.model.vocab_size != VOCAB_SIZE:

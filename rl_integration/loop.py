@@ -66,7 +66,7 @@ class RunResult:
 
 
 #: What a run writes in its directory (and what a rerun there would replace).
-RUN_OUTPUTS = ("repo", "checkpoints", "final", "metrics.jsonl", "plot.png")
+RUN_OUTPUTS = ("repo", "checkpoints", "final", "workers", "metrics.jsonl", "plot.png")
 
 
 def _prepare_out_dir(config: RLConfig, force: bool) -> Path:
@@ -76,7 +76,7 @@ def _prepare_out_dir(config: RLConfig, force: bool) -> Path:
         raise UsageError(f"{out} holds a previous run ({', '.join(previous)}): --force replaces it, "
                          f"--out DIR writes this run elsewhere")
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("repo", "checkpoints", "final"):  # only what a previous run wrote
+    for name in ("repo", "checkpoints", "final", "workers"):  # only what a previous run wrote
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("metrics.jsonl", "plot.png"):
         (out / name).unlink(missing_ok=True)
@@ -106,7 +106,9 @@ def run(config: RLConfig, *, echo: Echo = print, progress: bool | None = None, f
         WorkerSpec(worker_id=i, repo=config.repo_url, model=config.model, digits=config.digits,
                    group_size=config.group_size, prompts_per_batch=config.workers.prompts_per_batch, seed=config.seed,
                    poll_interval=config.workers.poll_interval, live=config.live.enabled,
-                   torch_threads=config.workers.torch_threads)
+                   torch_threads=config.workers.torch_threads, inference=config.workers.inference,
+                   work_dir=str((out / "workers").resolve()), vllm_python=config.workers.vllm_python,
+                   vllm_start_timeout=config.workers.vllm_start_timeout)
         for i in range(config.workers.count)
     ]
     state = _RunState(config, task, metrics, backend, echo)
@@ -176,6 +178,7 @@ class _RunState:
                     "swap", worker=item.worker, version=s.version, previous=s.previous, digest=s.digest,
                     expected=s.expected, bit_exact=s.bit_exact, served_unix=s.served_unix, pause_s=s.pause_s,
                     stage_s=s.stage_s, fetched_bytes=s.fetched_bytes, elements_changed=s.elements_changed,
+                    digest_of=s.digest_of,
                 )
                 self.swaps.setdefault(item.worker, []).append(rec)
                 if not s.bit_exact:  # the engine verifies every chunk, so this is a bug: stop the run
@@ -341,7 +344,13 @@ class _RunState:
             feedback = self.store.stats() if self.store is not None else None
             rec = metrics.log(
                 "step", step=step, version=version, kind=pub.kind, reward=stats.reward, exact=stats.exact,
-                loss=stats.loss, logprob_gap=stats.logprob_gap, is_weight=stats.is_weight, truncated=stats.truncated,
+                loss=stats.loss, logprob_gap=stats.logprob_gap, logprob_gap_mean=stats.logprob_gap_mean,
+                gap_over_tolerance=stats.gap_over_tolerance, gap_by_version=stats.by_version,
+                mismatch_is_std=stats.mismatch_is_std, mismatch_is_max=stats.mismatch_is_max,
+                is_weight_std=stats.is_weight_std, routing_mismatch=stats.routing_mismatch,
+                routing_mismatch_used=stats.routing_mismatch_used, router_replay=config.router_replay,
+                routing_mismatch_differing=stats.routing_mismatch_differing, routing_positions=stats.routing_positions,
+                is_weight=stats.is_weight, truncated=stats.truncated,
                 kl=stats.kl, samples=stats.samples, groups=stats.groups, groups_with_signal=stats.groups_with_signal,
                 grad_norm=stats.grad_norm, staleness={str(k): n for k, n in sorted(staleness.items())},
                 dropped=dict(self.dropped), raw_bytes=pub.raw_bytes, stored_bytes=pub.stored_bytes, ratio=pub.ratio,

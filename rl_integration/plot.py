@@ -23,8 +23,9 @@ def _legend_below(ax: Any, extra: Any = None) -> None:
 
 
 def plot_metrics(records: list[dict[str, Any]], path: str | Path) -> Path:
-    """Four panels over versions: reward; bytes stored per version and compression ratio;
-    time from publish to every worker serving it; engine pause per swap."""
+    """Six panels over versions: reward; bytes stored per version and compression ratio;
+    time from publish to every worker serving it; engine pause per swap; the trainer-vs-worker
+    log-prob gap; importance-weight spread and (MoE) routing mismatch."""
     fig = draw_metrics(records)
     out = Path(path)
     fig.savefig(out, dpi=110)
@@ -40,8 +41,9 @@ def draw_metrics(records: list[dict[str, Any]]) -> Any:
     warm = next((r for r in records if r["event"] == "warm_start"), None)
     summary = next((r for r in records if r["event"] == "summary"), None)
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9), constrained_layout=True)
+    fig, axes = plt.subplots(3, 2, figsize=(12, 13), constrained_layout=True)
     ax_r, ax_b, ax_l, ax_p = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
+    draw_numerics(axes[2, 0], axes[2, 1], steps)
 
     versions = [s["version"] for s in steps]
     ax_r.plot(versions, [s["reward"] for s in steps], color="0.7", lw=1, label="training batch reward")
@@ -107,3 +109,53 @@ def draw_metrics(records: list[dict[str, Any]]) -> Any:
             fontsize=11,
         )
     return fig
+
+
+def draw_numerics(ax_g: Any, ax_m: Any, steps: list[dict[str, Any]], label: str = "") -> None:
+    """Train-inference numerics per step: the log-prob gap (mean and max per token), and the
+    importance-weight spread with, for MoE policies, the fraction of positions routed to other experts."""
+    versions = [s["version"] for s in steps]
+    pre = f"{label}: " if label else ""
+    ax_g.plot(versions, [s.get("logprob_gap_mean", 0.0) for s in steps], lw=1.5, label=f"{pre}mean |gap| per token")
+    ax_g.plot(versions, [s["logprob_gap"] for s in steps], lw=1, ls="--", label=f"{pre}max |gap|")
+    ax_g.set(title="Log-prob gap, trainer vs worker (same version)", xlabel="version", ylabel="nats")
+    ax_g.set_ylim(bottom=0)
+    _legend_below(ax_g)
+    ax_g.grid(alpha=0.3)
+    ax_m.plot(versions, [s.get("mismatch_is_std", 0.0) for s in steps], lw=1.5,
+              label=f"{pre}std of exp(trainer - behaviour)")
+    ax_m.plot(versions, [s.get("is_weight_std", 0.0) for s in steps], lw=1, ls=":",
+              label=f"{pre}std of the importance weight")
+    routed = [s for s in steps if s.get("routing_mismatch") is not None]
+    if routed:
+        ax_m.plot([s["version"] for s in routed], [s["routing_mismatch"] for s in routed], lw=1.5, ls="--",
+                  label=f"{pre}positions routed to other experts (fraction)")
+    ax_m.set(title="Importance-weight spread and routing mismatch", xlabel="version")
+    ax_m.set_ylim(bottom=0)
+    _legend_below(ax_m)
+    ax_m.grid(alpha=0.3)
+
+
+def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
+    """Several runs on one figure (e.g. router replay on and off): held-out and training reward,
+    the log-prob gap, and the importance-weight spread with the routing mismatch."""
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9), constrained_layout=True)
+    ax_r, ax_t = axes[0, 0], axes[0, 1]
+    for label, records in runs.items():
+        steps = [r for r in records if r["event"] == "step"]
+        versions = [s["version"] for s in steps]
+        line = ax_r.plot(versions, [s["eval"]["reward"] for s in steps], lw=2, label=f"{label}: held-out reward")[0]
+        warm = next((r for r in records if r["event"] == "warm_start"), None)
+        if warm is not None:
+            ax_r.axhline(warm["eval"]["reward"], color=line.get_color(), ls="--", lw=1, label=f"{label}: warm start")
+        ax_t.plot(versions, [s["reward"] for s in steps], lw=1, label=f"{label}: training batch reward")
+        draw_numerics(axes[1, 0], axes[1, 1], steps, label)
+    ax_r.set(title="Held-out reward (gate)", xlabel="version", ylabel="reward (partial credit)")
+    ax_t.set(title="Training batch reward", xlabel="version", ylabel="reward (partial credit)")
+    for ax in (ax_r, ax_t):
+        _legend_below(ax)
+        ax.grid(alpha=0.3)
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

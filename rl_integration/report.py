@@ -66,7 +66,9 @@ def progress_line(metrics: MetricsLog, steps: int, rec: Mapping[str, Any], warm:
     return (
         f"rl {rec['step']}/{steps} v{rec['version']}  reward {rec['reward']:.3f}  "
         f"eval {last.score:.3f} (warm {warm.score:.3f})  stale {stale}  "
-        f"gap {rec['logprob_gap']:.1g}  {size}  sync {lat}"
+        f"gap {rec['logprob_gap']:.1g}" + (f" route {rec['routing_mismatch']:.1%}"
+                                            if rec.get("routing_mismatch") is not None else "")
+        + f"  {size}  sync {lat}"
     )
 
 
@@ -95,6 +97,13 @@ def summarize(metrics: MetricsLog, warm: Evaluation, final: Evaluation, *, rl_se
         "final_greedy_reward": final.greedy_reward,
         "final_greedy_exact": final.greedy_exact,
         "logprob_gap_max": max((s["logprob_gap"] for s in steps), default=math.nan),
+        "logprob_gap_mean": _mean(s.get("logprob_gap_mean") for s in steps),
+        "gap_over_tolerance": sum(s.get("gap_over_tolerance") or 0 for s in steps),
+        "mismatch_is_std_mean": _mean(s.get("mismatch_is_std") for s in steps),
+        "is_weight_std_mean": _mean(s.get("is_weight_std") for s in steps),
+        "routing_mismatch_mean": _mean(s.get("routing_mismatch") for s in steps),
+        "routing_mismatch_used": (sum(s.get("routing_mismatch_used") or 0 for s in steps)
+                                  if any(s.get("routing_mismatch_used") is not None for s in steps) else None),
         "delta_stored_bytes_mean": _mean(s["stored_bytes"] for s in deltas),
         "delta_raw_bytes": deltas[0]["raw_bytes"] if deltas else None,
         "delta_ratio_median": percentile((s["ratio"] for s in deltas), 0.5),
@@ -133,7 +142,12 @@ def format_summary(s: Mapping[str, Any], *, out_dir: Path, plot_path: Path | Non
         f"of which pinned -> serving p50 {ms(s['serve_latency_p50_s'])}; engine pause p50 {ms(s['pause_p50_s'])} "
         f"(max {ms(s['pause_max_s'])})",
         f"asynchrony: staleness of the batches trained on {s['staleness']}, dropped {s['dropped'] or 'none'}; "
-        f"largest trainer-vs-worker log-prob gap {s['logprob_gap_max']:.3g}",
+        f"largest trainer-vs-worker log-prob gap {s['logprob_gap_max']:.3g} (mean per token "
+        f"{s.get('logprob_gap_mean', math.nan):.3g}; train-inference ratio spread "
+        f"{s.get('mismatch_is_std_mean', math.nan):.3g})"
+        + (f"; MoE routing differs for {s['routing_mismatch_mean']:.2%} of positions, "
+           f"{s['routing_mismatch_used']} routed differently by the trainer"
+           if s.get("routing_mismatch_mean") is not None and math.isfinite(s["routing_mismatch_mean"]) else ""),
         f"bit-exact: {s['swaps_bit_exact']}/{s['swaps']} worker swaps served exactly the published bits",
     ]
     if s.get("feedback"):

@@ -24,6 +24,7 @@ import torch
 
 from deltasync import dtypes
 from deltasync.engines import TorchEngine
+from deltasync.errors import UsageError
 from deltasync.format.digest import digest, version_digest
 from deltasync.format.manifest import ManifestInfo
 from deltasync.format.tensors import tensor_bits
@@ -31,7 +32,7 @@ from deltasync.repo.repository import Repository
 
 from .config import ModelConfig
 from .model import TinyTransformer
-from .sampling import Generation, generate
+from .sampling import Generation, generate, generate_kv
 
 
 def served_digest(tensors: Mapping[str, torch.Tensor], info: ManifestInfo) -> bytes:
@@ -73,6 +74,9 @@ class SwapReport:
     """Seconds spent fetching, decoding, verifying and diffing before the pause."""
     fetched_bytes: int
     elements_changed: int
+    digest_of: str = "served module"
+    """What ``digest`` hashes: the served module's own bits, or (vLLM, whose CPU kernels
+    repack the weights) the directory copy the server loaded the version from."""
 
     @property
     def bit_exact(self) -> bool:
@@ -82,9 +86,13 @@ class SwapReport:
 class ServedPolicy:
     """A bf16 policy in this process, updated through :class:`TorchEngine`."""
 
-    def __init__(self, repo_url: str, model: ModelConfig, *, workers: int = 1) -> None:
+    def __init__(self, repo_url: str, model: ModelConfig, *, workers: int = 1, inference: str = "exact") -> None:
+        if inference not in ("exact", "kv_bf16"):
+            raise UsageError(f"an in-process policy generates 'exact' or 'kv_bf16', not {inference!r}")
         self.repo = Repository(repo_url)
-        self.model = TinyTransformer(model).to(torch.bfloat16).requires_grad_(False).eval()
+        self.inference = inference
+        compute = torch.float32 if inference == "exact" else torch.bfloat16
+        self.model = TinyTransformer(model, compute_dtype=compute).to(torch.bfloat16).requires_grad_(False).eval()
         self.engine = TorchEngine(self.model, self.repo, workers=workers)
 
     @property
@@ -114,7 +122,8 @@ class ServedPolicy:
             version = self.engine.version
             if version is None:
                 raise RuntimeError("no version is served yet")
-            return version, generate(self.model, prompts, answer_len, generator=generator, greedy=greedy)
+            how = generate if self.inference == "exact" else generate_kv
+            return version, how(self.model, prompts, answer_len, generator=generator, greedy=greedy)
 
     def close(self) -> None:
         self.engine.close()

@@ -85,6 +85,28 @@ class StepStats:
     groups: int
     grad_norm: float
     seconds: float
+    logprob_gap_mean: float = 0.0
+    """Mean |trainer log-prob - behaviour log-prob| per token (same version, as for ``logprob_gap``)."""
+    gap_over_tolerance: int = 0
+    """Tokens whose gap exceeds ``config.logprob_tolerance``."""
+    mismatch_is_std: float = 0.0
+    """Spread (standard deviation) of the train-inference ratio exp(trainer - behaviour) at the
+    same version, over the tokens: 0 when trainer and workers agree bit for bit."""
+    mismatch_is_max: float = 1.0
+    """Largest train-inference ratio exp(|trainer - behaviour|) over the tokens."""
+    is_weight_std: float = 0.0
+    """Standard deviation of the importance weight pi_theta / behaviour (before truncation)."""
+    routing_mismatch: float | None = None
+    """MoE: fraction of positions (fed to the model by the worker) for which the trainer's own
+    router, recomputing, picks other experts than the worker reported (in any layer)."""
+    routing_mismatch_differing: int | None = None
+    """MoE: positions counted in ``routing_mismatch`` (of ``routing_positions``)."""
+    routing_positions: int | None = None
+    """MoE: positions the worker reported experts for."""
+    routing_mismatch_used: int | None = None
+    """MoE: positions the trainer's forward actually routed differently from the worker (0 with router replay)."""
+    by_version: dict[str, dict[str, float]] | None = None
+    """Per version that generated the step's rollouts: gap mean and max, tokens."""
 
 
 class Trainer:
@@ -199,12 +221,16 @@ class Trainer:
         assert self.optimizer is not None, "start_rl() first"
         start = time.perf_counter()
         p = self.task.prompt_len
-        gap = 0.0
         tokens_l: list[torch.Tensor] = []
         mu_l: list[torch.Tensor] = []
         mask_l: list[torch.Tensor] = []
         adv_l: list[torch.Tensor] = []
+        replay_l: list[torch.Tensor] = []
+        diffs_l: list[torch.Tensor] = []
         rewards_l: list[npt.NDArray[np.float32]] = []
+        per_version: dict[int, list[torch.Tensor]] = {}
+        routed = routed_differently = used_differently = 0
+        moe = self.config.model.moe
         groups = with_signal = 0
         for b in batches:
             g = b.generation
@@ -212,10 +238,30 @@ class Trainer:
             b_tokens = torch.tensor(g.tokens)
             b_mu = torch.tensor(g.logprobs)
             b_mask = torch.tensor(g.mask & b.rated[:, None])
+            reported = torch.tensor(g.routing.astype(np.int64)) if moe and g.routing is not None else None
+            replay = reported if self.config.router_replay else None
+            scorer = self.scorers[b.version]
             with torch.no_grad():
-                recomputed = token_logprobs(self.scorers[b.version], b_tokens, p)
-            if b_mask.any():
-                gap = max(gap, float((recomputed - b_mu).abs()[b_mask].max()))
+                if reported is not None:
+                    valid = (reported >= 0).all(-1)  # (layers, batch, time)
+                    if replay is not None:  # what the router would have picked without replay
+                        scorer(b_tokens)
+                        assert scorer.routing is not None
+                        own = scorer.routing
+                    recomputed = token_logprobs(scorer, b_tokens, p, replay)
+                    used = scorer.routing
+                    assert used is not None
+                    if replay is None:
+                        own = used
+                    pos_valid = valid.all(0)
+                    routed += int(pos_valid.sum())
+                    routed_differently += int(((own != reported).any(-1).any(0) & pos_valid).sum())
+                    used_differently += int(((used != reported).any(-1).any(0) & pos_valid).sum())
+                else:
+                    recomputed = token_logprobs(scorer, b_tokens, p)
+            diff = (recomputed - b_mu)[b_mask]
+            diffs_l.append(diff)
+            per_version.setdefault(b.version, []).append(diff)
             b_adv, n_groups, n_signal = group_advantages(b.rewards, b.rated, b.group_size)
             groups += n_groups
             with_signal += n_signal
@@ -223,12 +269,15 @@ class Trainer:
             mu_l.append(b_mu)
             mask_l.append(b_mask)
             adv_l.append(torch.from_numpy(b_adv))
+            if replay is not None:
+                replay_l.append(replay)
             rewards_l.append(b.rewards[b.rated])
         tokens = torch.cat(tokens_l)
         mu = torch.cat(mu_l)
         mask = torch.cat(mask_l).float()
         adv = torch.cat(adv_l)
-        logp = token_logprobs(self.policy, tokens, p)
+        replay_all = torch.cat(replay_l, dim=1) if replay_l else None
+        logp = token_logprobs(self.policy, tokens, p, replay_all)
         log_ratio = (logp.detach() - mu) * mask
         rho = log_ratio.exp()
         weight = rho.clamp(max=self.config.is_truncation)
@@ -240,14 +289,30 @@ class Trainer:
         self.optimizer.step()
         rewards = np.concatenate(rewards_l) if rewards_l else np.zeros(0, np.float32)
         kl = ((rho - 1 - log_ratio) * mask).sum() / n_tokens
+        diffs = torch.cat(diffs_l) if diffs_l else torch.zeros(0)
+        gaps = diffs.abs()
+        rho_m = rho[mask.bool()]
+        mism = diffs.exp()
         return StepStats(
             reward=float(rewards.mean()) if rewards.size else math.nan,
             exact=float((rewards == 1).mean()) if rewards.size else math.nan,
-            loss=loss.item(), logprob_gap=gap,
+            loss=loss.item(), logprob_gap=float(gaps.max()) if gaps.numel() else 0.0,
             is_weight=float((rho * mask).sum() / n_tokens),
             truncated=float(((rho > self.config.is_truncation).float() * mask).sum() / n_tokens),
             kl=float(kl), samples=int(rewards.size), tokens=int(n_tokens), groups_with_signal=with_signal,
             groups=groups, grad_norm=grad_norm, seconds=time.perf_counter() - start,
+            logprob_gap_mean=float(gaps.mean()) if gaps.numel() else 0.0,
+            gap_over_tolerance=int((gaps > self.config.logprob_tolerance).sum()),
+            mismatch_is_std=float(mism.std()) if mism.numel() > 1 else 0.0,
+            mismatch_is_max=float(gaps.max().exp()) if gaps.numel() else 1.0,
+            is_weight_std=float(rho_m.std()) if rho_m.numel() > 1 else 0.0,
+            routing_mismatch=routed_differently / routed if routed else None,
+            routing_mismatch_used=used_differently if routed else None,
+            routing_mismatch_differing=routed_differently if routed else None,
+            routing_positions=routed if routed else None,
+            by_version={str(v): {"gap_mean": float(torch.cat(d).abs().mean()) if torch.cat(d).numel() else 0.0,
+                                 "gap_max": float(torch.cat(d).abs().max()) if torch.cat(d).numel() else 0.0,
+                                 "tokens": int(torch.cat(d).numel())} for v, d in sorted(per_version.items())},
         )
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,9 @@ from .config import ModelConfig
 from .sampling import Generation
 from .serving import ServedPolicy, SwapReport, serving_target
 from .task import AdditionTask
+
+if TYPE_CHECKING:
+    from .vllm_rollout import VllmPolicy
 
 
 class QueueLike(Protocol):
@@ -57,6 +60,12 @@ class WorkerSpec:
     poll_interval: float = 0.01
     live: bool = False
     torch_threads: int = 1
+    inference: str = "exact"
+    """``exact`` / ``kv_bf16`` (in-process engine) or ``vllm`` (a vLLM server per worker)."""
+    work_dir: str = ""
+    """Where a vLLM worker keeps its directory copy and its server's log."""
+    vllm_python: str | None = None
+    vllm_start_timeout: float = 600.0
 
 
 @dataclass
@@ -113,7 +122,13 @@ class RolloutWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.task = AdditionTask(spec.digits)
-        self.policy = ServedPolicy(spec.repo, spec.model)
+        self.policy: ServedPolicy | VllmPolicy
+        if spec.inference == "vllm":
+            from .vllm_rollout import VllmPolicy
+
+            self.policy = VllmPolicy(spec)
+        else:
+            self.policy = ServedPolicy(spec.repo, spec.model, inference=spec.inference)
         self.batches = 0
 
     def run(self, rollouts: QueueLike, reports: QueueLike, stop: StopFlag) -> int:

@@ -155,7 +155,8 @@ def test_checkpoint_pulled_by_deltasync_loads_directly(tmp_path: Path) -> None:
     assert (first.kind, second.kind) == ("snapshot", "delta")
     out = tmp_path / "pulled"
     Subscriber(config.repo_url).pull_to_dir(out, 2)
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["config.json", "generation_config.json",
+                                                                                       "model.safetensors"]
     loaded = TinyTransformer.from_pretrained(out)
     assert loaded.config == SMALL and loaded.lm_head.weight.dtype == torch.bfloat16
     tokens = torch.from_numpy(AdditionTask(2).eval_suite(8))
@@ -210,10 +211,14 @@ def test_rl_step_recomputes_and_truncates(tmp_path: Path) -> None:
 
 
 def _always_pad(model: TinyTransformer) -> None:
-    """Damage a model so that it answers PAD everywhere (reward 0)."""
+    """Damage a model so that it answers PAD everywhere (reward 0): a constant residual
+    stream (equal embeddings, attention and MLP outputs zeroed) that only PAD's row reads."""
     with torch.no_grad():
-        model.model.norm.weight.zero_()
-        model.model.norm.bias.fill_(1.0)
+        model.model.embed_tokens.weight.fill_(1.0)
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.zero_()
         model.lm_head.weight[PAD] = 1.0
 
