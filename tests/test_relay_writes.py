@@ -368,6 +368,57 @@ def test_a_killed_upload_leaves_nothing_visible(writer: tuple[GrpcStore, RelaySe
     assert origin.get(key) == data
 
 
+def test_large_uploads_spool_to_a_file_that_never_outlives_them(
+        writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    """An upload over SPOOL_BYTES goes to a file in the relay's cache tmp/ as it arrives (not
+    into memory); the file is gone once the upload is stored, refused or cut off."""
+    from deltasync.relay.server import SPOOL_BYTES
+
+    store, relay, origin = writer
+    assert relay.cache_dir is not None
+    spooled = relay.cache_dir / "tmp"
+
+    def spool_files() -> list[Path]:
+        return sorted(spooled.glob("upload-*"))
+
+    data = os.urandom(SPOOL_BYTES + 3 * MiB + 7)
+    store.put(pack_key(data), data, if_absent=True)
+    assert origin.get(pack_key(data)) == data and store.get(pack_key(data)) == data
+    with pytest.raises(CorruptObjectError, match="do not match the digest in its name"):
+        store.put(pack_key(data[:-1]), data)
+    assert not origin.exists(pack_key(data[:-1])) and spool_files() == []
+
+    other = os.urandom(SPOOL_BYTES + MiB)
+    sent, hold = threading.Event(), threading.Event()
+
+    def pieces() -> Iterator[pb.PutChunk]:
+        yield pb.PutChunk(key=pack_key(other), total_bytes=len(other), data=other[:CHUNK_BYTES])
+        yield pb.PutChunk(data=other[CHUNK_BYTES : 2 * CHUNK_BYTES])
+        yield pb.PutChunk(data=other[2 * CHUNK_BYTES : 3 * CHUNK_BYTES])
+        sent.set()
+        hold.wait(30)  # the client dies here, mid-upload
+
+    with grpc.insecure_channel(relay.address) as channel:
+        put = channel.stream_unary(method_path("Put"), request_serializer=pb.PutChunk.SerializeToString,
+                                   response_deserializer=pb.PutResponse.FromString)
+        future = put.future(pieces(), metadata=[("authorization", f"Bearer {WRITE}")], timeout=30)
+        assert sent.wait(10)
+        deadline = time.monotonic() + 10
+        while not (spool_files() and spool_files()[0].stat().st_size >= 2 * CHUNK_BYTES) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sizes = [f.stat().st_size for f in spool_files()]
+        assert len(sizes) == 1 and sizes[0] >= 2 * CHUNK_BYTES, sizes  # on disk as it arrives
+        future.cancel()
+        hold.set()
+    deadline = time.monotonic() + 10
+    while spool_files() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert spool_files() == [] and not origin.exists(pack_key(other))
+    store.put(pack_key(other), other, if_absent=True)
+    assert origin.get(pack_key(other)) == other and spool_files() == []
+
+
 # -- parallel and sharded uploads --------------------------------------------------------------------
 
 

@@ -18,9 +18,13 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
   so relays form trees across clusters.
 - **Put**/**Delete** (only with ``accept_writes``, only from clients carrying the write
   token): a publisher in another cluster writes the repository through the relay. An upload
-  streams in 1 MiB pieces into memory (bounded by ``max_object_bytes`` times ``max_uploads``), is
-  checked (its size, the digest its header announces, and for ``packs/<xxh3>.pack`` and
-  ``blobs/<xxh3>`` the digest in the key) and only then written with the upstream store's own
+  streams in 1 MiB pieces, into memory up to :data:`SPOOL_BYTES` (4 MiB) and, when larger, into
+  a file under the cache's ``tmp/`` as it arrives (mapped read-only for the checks and the
+  upstream put, removed after): at most ``max_uploads`` at once, so the relay's memory for
+  uploads stays under ``max_uploads`` times 4 MiB (and 1 MiB pieces), its disk in flight
+  under ``max_uploads`` times ``max_object_bytes``. It is checked (its size, the digest its
+  header announces, and for ``packs/<xxh3>.pack`` and ``blobs/<xxh3>`` the digest in the
+  key) and only then written with the upstream store's own
   atomic put, so nothing partial or corrupt is ever visible; ``if_absent`` passes through, so
   the conditional manifest put keeps exactly one winner. A manifest or squash is refused while
   a pack or blob it names is missing upstream.
@@ -38,6 +42,7 @@ import contextlib
 import functools
 import hmac
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -46,6 +51,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -597,7 +603,7 @@ class _RelayService:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
         assert self._upload_slots is not None
         key = ""
-        async with self._upload_slots:  # bounds memory: max_uploads objects held at once
+        async with self._upload_slots:  # bounds memory and spool: max_uploads objects received at once
             try:
                 first = await anext(aiter(requests), None)
                 if first is None:
@@ -614,17 +620,12 @@ class _RelayService:
                     )
                 if self.quota is not None:
                     self.quota.check(key, size)  # before receiving: a refused upload costs no memory
-                data = bytearray(first.data)
-                async for piece in requests:
-                    if len(data) + len(piece.data) > size:
-                        raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} sent more than its {size:,} bytes")
-                    data += piece.data
-                if len(data) != size:
-                    raise _Refused(
-                        grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {len(data):,} of {size:,} bytes"
-                    )
-                # The bytearray itself: a copy would double the memory an upload holds.
-                await self._in_thread(self._store_upload, key, data, first.if_absent, bytes(first.digest))
+                spool = await self._in_thread(_Spool, self.cache.root / "tmp") if size > SPOOL_BYTES else None
+                try:
+                    await self._receive(key, size, first, requests, spool)
+                finally:
+                    if spool is not None:
+                        await self._in_thread(spool.close)
             except _Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.warning("refused upload of %s: %s", key or "?", e.message)
@@ -637,7 +638,39 @@ class _RelayService:
         self.counters["uploaded_bytes"] += size
         return pb.PutResponse()
 
-    def _store_upload(self, key: str, data: bytearray, if_absent: bool, announced: bytes) -> None:
+    async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk],
+                       spool: _Spool | None) -> None:
+        """Take an upload's pieces (into memory, or into ``spool``), then check and store it."""
+        data = bytearray(first.data) if spool is None else None
+        if spool is not None:
+            await self._in_thread(spool.write, first.data)
+        received = len(first.data)
+        async for piece in requests:
+            if received + len(piece.data) > size:
+                raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} sent more than its {size:,} bytes")
+            received += len(piece.data)
+            if data is not None:
+                data += piece.data
+            else:
+                assert spool is not None
+                await self._in_thread(spool.write, piece.data)
+        if received != size:
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
+        if data is not None:  # the bytearray itself: a copy would double the memory an upload holds
+            await self._in_thread(self._store_upload, key, data, first.if_absent, bytes(first.digest))
+        else:
+            assert spool is not None
+            await self._in_thread(self._store_spooled, key, spool, first.if_absent, bytes(first.digest))
+
+    def _store_spooled(self, key: str, spool: _Spool, if_absent: bool, announced: bytes) -> None:
+        view = spool.view()
+        try:
+            self._store_upload(key, view, if_absent, announced)
+        finally:
+            with contextlib.suppress(BufferError):
+                view.release()
+
+    def _store_upload(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool, announced: bytes) -> None:
         """(Thread) Check a complete upload, then write it upstream in one atomic put."""
         if announced and digest(data) != announced:
             raise _Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} does not match the digest its header announced")
@@ -868,6 +901,38 @@ _BLOB_KEY = re.compile(r"^blobs/([0-9a-f]{32})$")
 _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
 
 
+#: Uploads larger than this are spooled to a file as they arrive rather than held in memory.
+SPOOL_BYTES = 4 << 20
+
+
+class _Spool:
+    """(Threads) One upload written to a new file under ``directory`` as its pieces arrive,
+    then mapped read-only (:meth:`view`) for the checks and the upstream put; :meth:`close`
+    removes it. The directory is the cache's ``tmp/``, cleared when a relay starts, so a
+    relay killed mid-upload leaves nothing behind for long."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"upload-{uuid.uuid4().hex}"
+        self._file = open(self.path, "x+b")  # noqa: SIM115 - closed by close(); readable, for mmap
+        self._map: mmap.mmap | None = None
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+
+    def view(self) -> memoryview:
+        self._file.flush()
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        return memoryview(self._map)
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held elsewhere: the mapping goes with it
+                self._map.close()
+        self._file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
 class _Refused(Exception):
     """An upload the relay will not write, with the status code that says why."""
 
@@ -877,7 +942,7 @@ class _Refused(Exception):
         self.message = message
 
 
-def content_problem(key: str, data: bytes | bytearray) -> str | None:
+def content_problem(key: str, data: bytes | bytearray | memoryview) -> str | None:
     """Why ``data`` cannot be the object named ``key``, for content-addressed keys (a pack's
     name is the xxh3-128 of its bytes; a blob's that of the zstd frame's content); None if it can."""
     m = _PACK_KEY.match(key)
@@ -896,7 +961,7 @@ def content_problem(key: str, data: bytes | bytearray) -> str | None:
     return None if digest(raw).hex() == m.group(1) else "its content does not match the digest in its name"
 
 
-def missing_references(upstream: Store, key: str, data: bytes | bytearray) -> list[str]:
+def missing_references(upstream: Store, key: str, data: bytes | bytearray | memoryview) -> list[str]:
     """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
     lacks, so a broken or hostile publisher cannot commit a version that cannot be pulled."""
     if not _MANIFEST_KEY.match(key):
@@ -942,7 +1007,7 @@ class _Quota:
         if self.used + size > self.limit:
             raise self._refusal(key, size)
 
-    def put(self, key: str, data: bytes | bytearray, if_absent: bool) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
         with self._lock:
             try:
                 old = self.upstream.size(key)
