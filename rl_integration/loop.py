@@ -242,8 +242,9 @@ class _RunState:
                     last_progress = time.monotonic()
                 else:
                     self.dropped[why] += 1
-            if time.monotonic() - last_progress > 120:
-                raise DeltasyncError("no usable rollouts for 120 s (are the workers serving a version?)")
+            limit = 120.0 + (self.config.workers.vllm_start_timeout if self.config.workers.inference == "vllm" else 0.0)
+            if time.monotonic() - last_progress > limit:
+                raise DeltasyncError(f"no usable rollouts for {limit:.0f} s (are the workers serving a version?)")
         self.backlog = got[need:]
         return got[:need], time.monotonic() - start
 

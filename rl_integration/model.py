@@ -53,8 +53,10 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight.to(x.dtype)
+        # In fp32 whatever the compute dtype, then back (as Hugging Face's and vLLM's kernels do).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * h.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,8 @@ class _Attention(nn.Module):
         scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        probs = torch.softmax(scores.float(), dim=-1).to(dt)  # softmax in fp32, as attention kernels do
+        out = (probs @ v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return F.linear(out, self.o_proj.weight.to(dt))
 
 

@@ -202,6 +202,8 @@ class VllmPolicy:
                                    max_model_len=self.spec.model.max_position_embeddings,
                                    start_timeout=self.spec.vllm_start_timeout).start()
         self.server = server
+        assert server.proc is not None
+        (self.root / "server.json").write_text(json.dumps({"url": server.url, "pid": server.proc.pid}) + "\n")
         self.engine = VllmEngine(server.url, self.repo, model_dir=self.copy, repo_url=self.spec.repo,
                                  pause_mode="wait", version=version)
         self._version = version
