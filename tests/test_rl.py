@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from deltasync import Publisher, Repository, Subscriber
-from deltasync.errors import UsageError
+from deltasync.errors import DeltasyncError, UsageError
 from deltasync.rl_integration import load_config
 from deltasync.rl_integration.config import ModelConfig, RLConfig
 from deltasync.rl_integration.feedback import FeedbackServer, FeedbackStore, SimulatedUsers, post_feedback
@@ -556,3 +556,45 @@ def test_plot_legends_cover_no_curve(rl_run: tuple[Any, list[dict[str, Any]]]) -
         assert legends == 6  # reward, bytes, sync, pause, log-prob gap, IS spread / routing
     finally:
         plt.close(fig)
+
+
+# -- the vLLM worker's pieces that need no vLLM --------------------------------------------------
+
+
+def test_vllm_completions_become_a_generation_and_the_tokenizer_is_the_tasks(tmp_path: Path) -> None:
+    from deltasync.rl_integration.vllm_rollout import to_generation, write_tokenizer
+
+    task = AdditionTask(2)
+    prompts = task.prompts(np.array([12, 3]), np.array([34, 99]))
+    choices = [  # vLLM's answer order is not the prompts' order; the second stops at EOS
+        {"index": 1, "token_ids": [2, 0, 1, EOS], "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3, -0.4]}},
+        {"index": 0, "token_ids": [6, 4, 0, EOS, 7], "logprobs": {"token_logprobs": [-1.0, -2.0, -3.0, -4.0, -5.0]}},
+    ]
+    gen = to_generation(prompts, task.answer_len, choices)
+    assert gen.mask.tolist() == [[True, True, True, True], [True, True, True, True]]
+    assert gen.completions.tolist() == [[6, 4, 0, EOS], [2, 0, 1, EOS]]
+    assert gen.logprobs[0].tolist() == pytest.approx([-1, -2, -3, -4])
+    assert task.reward(prompts, gen.completions).tolist() == [1.0, 1.0]  # 12+34=46, 3+99=102, reversed
+    short = [{"index": 0, "token_ids": [1, EOS], "logprobs": {"token_logprobs": [-0.5, -0.5]}},
+             {"index": 1, "token_ids": [1], "logprobs": {"token_logprobs": []}}]
+    with pytest.raises(DeltasyncError, match="returned 0 log-probs for 1 tokens"):
+        to_generation(prompts, task.answer_len, short)
+    with pytest.raises(DeltasyncError, match="1 completions for 2 prompts"):
+        to_generation(prompts, task.answer_len, short[:1])
+    tok = json.loads((write_tokenizer(tmp_path / "tok") / "tokenizer.json").read_text())
+    assert tok["model"]["vocab"] == {ch: i for i, ch in enumerate("0123456789+=^$_")}
+    cfg = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert cfg["eos_token"] == "$" and cfg["bos_token"] == "^"
+
+
+def test_vllm_workers_without_vllm_say_how_to_get_it(tmp_path: Path) -> None:
+    from deltasync.rl_integration.vllm_rollout import VllmPolicy
+    from deltasync.rl_integration.worker import WorkerSpec
+
+    spec = WorkerSpec(worker_id=0, repo=str(tmp_path / "repo"), model=SMALL, digits=2, group_size=2,
+                      prompts_per_batch=1, seed=0, inference="vllm", work_dir=str(tmp_path),
+                      vllm_python=str(tmp_path / "no-venv" / "bin" / "python"))
+    with pytest.raises(UsageError, match=r"install_vllm\.sh"):
+        VllmPolicy(spec)
+    with pytest.raises(UsageError, match="router_replay with vLLM workers"):
+        load_config(None, router_replay=True, **{"model.num_local_experts": 4, "workers.inference": "vllm"})
