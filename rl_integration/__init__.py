@@ -9,10 +9,12 @@ channel is a queue of rollouts. Run it with ``deltasync rl run`` or::
     if __name__ == "__main__":  # local workers are spawned processes: they import this module
         result = run(load_config(steps=100))
 
-Modules: ``task`` (addition, verifiable reward), ``model`` (the policy, HF-style
-checkpoints), ``sampling`` (generation with log-probs, rescoring), ``serving`` (a policy
-kept current by the engine), ``worker`` (rollout workers), ``trainer`` (warm start, GRPO
-with truncated importance sampling, publishing), ``gate`` (evaluation gate and pins),
+Modules: ``task`` (addition, verifiable reward), ``model`` (the policy: a Llama- or
+Mixtral-style decoder in plain torch, saved as Hugging Face checkpoints vLLM serves),
+``sampling`` (generation with log-probs, full-sequence or KV-cache bf16; rescoring, router
+replay), ``serving`` (a policy kept current by the engine), ``vllm_rollout`` (a vLLM server
+kept current by deltasync's vLLM backend), ``worker`` (rollout workers), ``trainer`` (warm
+start, GRPO with truncated importance sampling, publishing), ``gate`` (evaluation gate and pins),
 ``feedback`` (live feedback over HTTP), ``backends`` (local processes or Ray),
 ``metrics`` / ``plot`` (figures), ``loop`` (the run).
 

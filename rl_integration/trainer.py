@@ -7,10 +7,15 @@ per-token log-probs ``mu`` of their sampled tokens under that version:
 
 1. *Recompute.* The trainer keeps the bf16 weights of the versions it may still receive
    rollouts from and scores each batch with its version, on the same buffer the worker
-   generated into (``sampling.token_logprobs``). Same bits, same fp32 arithmetic, same
-   shapes, one thread: the result equals ``mu`` exactly. ``logprob_gap`` (the largest
-   |recomputed - mu| over the step's tokens) is logged; anything but 0 means the worker
-   did not serve the bits the trainer published.
+   generated into (``sampling.token_logprobs``), full sequence, fp32 arithmetic. With
+   ``exact`` workers (same bits, same arithmetic, same shapes, one thread) the result equals
+   ``mu`` exactly: anything but a 0 ``logprob_gap`` means the worker did not serve the bits
+   the trainer published. With ``kv_bf16`` or ``vllm`` workers the gap is the real
+   train-inference mismatch, logged per step and per version (mean and max per token), with
+   the spread of the ratio exp(trainer - behaviour). For MoE policies the workers report the
+   experts they used: ``routing_mismatch`` is the fraction of positions the trainer's own
+   router sends elsewhere, and with ``router_replay`` the trainer's forward (recompute and
+   update) uses the reported experts instead (``routing_mismatch_used`` is then 0).
 2. *Advantages* (GRPO): per group of samples of one prompt,
    ``A = (r - mean(r)) / (std(r) + 1e-6)``; a group whose rewards are all equal teaches
    nothing and gets A = 0. Only rated completions count (live feedback may be missing).
