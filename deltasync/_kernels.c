@@ -937,6 +937,358 @@ done:
     return result;
 }
 
+/* -- magnitude classes: the context of codec version 2 ---------------------------------- */
+
+/* An element's magnitude is its bits without the sign bit; class c holds the elements whose
+ * magnitude is in [lim[c - 1], lim[c]) (lim[-1] = 0, lim[B - 1] = infinity). The limits are
+ * ``threshold << shift`` for the thresholds the payload names (see codec.py). Both kernels
+ * below walk the base in blocks of 64 elements and build, per block, one 64-bit membership
+ * word per class (with AVX-512BW: one compare per threshold and 32 elements, straight to a
+ * mask register). */
+#define MAX_CLASSES 8
+
+typedef struct {
+    int B;
+    uint64_t lim[MAX_CLASSES - 1];
+} Classes;
+
+static inline uint64_t sign_off(int w) { return width_mask(w) >> 1; }
+
+/* words[c] from the B - 1 nested masks ge[t] (magnitude >= lim[t]) of a block of m elements. */
+static inline void words_from_ge(const uint64_t *ge, int nt, size_t m, uint64_t *words) {
+    uint64_t valid = m == 64 ? ~(uint64_t)0 : (((uint64_t)1 << m) - 1);
+    if (nt == 0) {
+        words[0] = valid;
+        return;
+    }
+    words[0] = valid & ~ge[0];
+    for (int c = 1; c < nt; c++) words[c] = ge[c - 1] & ~ge[c];
+    words[nt] = ge[nt - 1];
+}
+
+static inline void block_words(const uint8_t *x, size_t start, size_t m, int w, const Classes *cl, uint64_t *words) {
+    uint64_t ge[MAX_CLASSES - 1] = {0};
+    int nt = cl->B - 1;
+#if defined(__SSE2__) && !defined(DELTASYNC_PORTABLE)
+    if (w == 2 && m == 64) {
+        const __m128i mask = _mm_set1_epi16(0x7FFF);
+        __m128i v[8];
+        for (int q = 0; q < 8; q++) v[q] = _mm_and_si128(_mm_loadu_si128((const __m128i *)(x + 2 * (start + 8 * (size_t)q))), mask);
+        for (int t = 0; t < nt; t++) {
+            /* magnitudes and limits are at most 0x7FFF: signed 16-bit compares are exact */
+            const __m128i lim = _mm_set1_epi16((short)((int)cl->lim[t] - 1));
+            uint64_t word = 0;
+            for (int q = 0; q < 4; q++) {
+                __m128i a = _mm_cmpgt_epi16(v[2 * q], lim), b = _mm_cmpgt_epi16(v[2 * q + 1], lim);
+                word |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_packs_epi16(a, b)) << (16 * q);
+            }
+            ge[t] = word;
+        }
+        words_from_ge(ge, nt, m, words);
+        return;
+    }
+#endif
+    uint64_t off = sign_off(w);
+    for (size_t i = 0; i < m; i++) {
+        uint64_t mag = load_elem(x + (start + i) * (size_t)w, w) & off;
+        for (int t = 0; t < nt; t++) ge[t] |= (uint64_t)(mag >= cl->lim[t]) << i;
+    }
+    words_from_ge(ge, nt, m, words);
+}
+
+/* The position of the r-th (from 0) one bit of w; w has more than r one bits. */
+static inline int select64(uint64_t w, int r) {
+    for (int q = 0; q < 8; q++) {
+        uint32_t b = (uint32_t)(w >> (8 * q)) & 0xFF;
+        int pc = __builtin_popcount(b);
+        if (r < pc) {
+            for (; r > 0; r--) b &= b - 1;
+            return 8 * q + __builtin_ctz(b);
+        }
+        r -= pc;
+    }
+    return 64; /* not reached */
+}
+
+#if HAVE_AVX512
+#define AVX512_BMI2 __attribute__((target("avx512f,avx512bw,bmi2")))
+AVX512_BMI2 static inline void block_words_avx512(const uint8_t *x, size_t start, size_t m, int w, const Classes *cl,
+                                                 uint64_t *words) {
+    if (m < 64) {
+        block_words(x, start, m, w, cl, words);
+        return;
+    }
+    uint64_t ge[MAX_CLASSES - 1] = {0};
+    int nt = cl->B - 1;
+    const uint8_t *p = x + start * (size_t)w;
+    if (w == 1) {
+        __m512i v = _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(0x7F));
+        for (int t = 0; t < nt; t++) ge[t] = _mm512_cmpge_epu8_mask(v, _mm512_set1_epi8((char)cl->lim[t]));
+    } else if (w == 2) {
+        const __m512i mask = _mm512_set1_epi16(0x7FFF);
+        __m512i v0 = _mm512_and_si512(_mm512_loadu_si512(p), mask), v1 = _mm512_and_si512(_mm512_loadu_si512(p + 64), mask);
+        for (int t = 0; t < nt; t++) {
+            __m512i lim = _mm512_set1_epi16((short)cl->lim[t]);
+            ge[t] = (uint64_t)_mm512_cmpge_epu16_mask(v0, lim) | (uint64_t)_mm512_cmpge_epu16_mask(v1, lim) << 32;
+        }
+    } else if (w == 4) {
+        const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
+        __m512i v[4];
+        for (int q = 0; q < 4; q++) v[q] = _mm512_and_si512(_mm512_loadu_si512(p + 64 * q), mask);
+        for (int t = 0; t < nt; t++) {
+            __m512i lim = _mm512_set1_epi32((int)cl->lim[t]);
+            uint64_t word = 0;
+            for (int q = 0; q < 4; q++) word |= (uint64_t)_mm512_cmpge_epu32_mask(v[q], lim) << (16 * q);
+            ge[t] = word;
+        }
+    } else {
+        block_words(x, start, m, w, cl, words);
+        return;
+    }
+    words_from_ge(ge, nt, m, words);
+}
+
+AVX512_BMI2 static inline int select64_bmi2(uint64_t w, int r) { return __builtin_ctzll(_pdep_u64((uint64_t)1 << r, w)); }
+#endif
+
+/* The two loops, written once and compiled for each block_words/select64 pair (like scan). */
+#define DEFINE_CLASS_LOOPS(ATTR, SUFFIX, WORDS, SELECT) \
+ATTR static void ranks_loop##SUFFIX(const uint8_t *base, size_t n, int w, const Classes *cl, const uint32_t *idx, \
+                                    size_t k, uint8_t *cls, uint32_t *ranks, uint32_t *running) { \
+    size_t j = 0; \
+    uint64_t words[MAX_CLASSES]; \
+    for (size_t start = 0; start < n; start += 64) { \
+        size_t m = n - start < 64 ? n - start : 64; \
+        WORDS(base, start, m, w, cl, words); \
+        for (; j < k && idx[j] < start + m; j++) { \
+            int bit = (int)(idx[j] - start); \
+            int c = 0; \
+            while (!(words[c] >> bit & 1)) c++; \
+            cls[j] = (uint8_t)c; \
+            ranks[j] = running[c] + (uint32_t)__builtin_popcountll(words[c] & (((uint64_t)1 << bit) - 1)); \
+        } \
+        for (int c = 0; c < cl->B; c++) running[c] += (uint32_t)__builtin_popcountll(words[c]); \
+    } \
+} \
+ATTR static void select_loop##SUFFIX(const uint8_t *base, size_t n, int w, const Classes *cl, const uint32_t *ranks, \
+                                     size_t *ptr, const size_t *end, uint32_t *out, uint32_t *order, \
+                                     uint32_t *running) { \
+    uint64_t words[MAX_CLASSES]; \
+    uint32_t slot[64]; \
+    size_t o = 0; \
+    for (size_t start = 0; start < n; start += 64) { \
+        size_t m = n - start < 64 ? n - start : 64; \
+        WORDS(base, start, m, w, cl, words); \
+        uint64_t hits = 0; \
+        for (int c = 0; c < cl->B; c++) { \
+            uint32_t pc = (uint32_t)__builtin_popcountll(words[c]); \
+            /* ranks increase within a class (checked), so r >= running[c] always holds here */ \
+            for (; ptr[c] < end[c] && ranks[ptr[c]] - running[c] < pc; ptr[c]++) { \
+                int bit = SELECT(words[c], (int)(ranks[ptr[c]] - running[c])); \
+                hits |= (uint64_t)1 << bit; \
+                slot[bit] = (uint32_t)ptr[c]; \
+            } \
+            running[c] += pc; \
+        } \
+        for (; hits; hits &= hits - 1) { \
+            int bit = __builtin_ctzll(hits); \
+            out[o] = (uint32_t)(start + (size_t)bit); \
+            order[o++] = slot[bit]; \
+        } \
+    } \
+}
+
+DEFINE_CLASS_LOOPS(, , block_words, select64)
+#if HAVE_AVX512
+DEFINE_CLASS_LOOPS(AVX512_BMI2, _avx512, block_words_avx512, select64_bmi2)
+#endif
+
+/* Parses ``thresholds`` (u16 each, strictly increasing, 1 <= t <= max bin) into limits. */
+static int parse_classes(const Py_buffer *tb, int w, Classes *cl) {
+    static const int shift[9] = {0, 3, 7, 0, 23, 0, 0, 0, 52};
+    size_t nt = (size_t)tb->len / 2;
+    if (tb->len % 2 || nt > MAX_CLASSES - 1) {
+        PyErr_SetString(PyExc_ValueError, "bad class thresholds");
+        return 0;
+    }
+    uint64_t max_bin = sign_off(w) >> shift[w];
+    const uint8_t *p = (const uint8_t *)tb->buf;
+    uint64_t prev = 0;
+    cl->B = (int)nt + 1;
+    for (size_t t = 0; t < nt; t++) {
+        uint64_t th = (uint64_t)p[2 * t] | (uint64_t)p[2 * t + 1] << 8;
+        if (th <= prev || th > max_bin) {
+            PyErr_SetString(PyExc_ValueError, "class thresholds must increase from 1 to the largest bin");
+            return 0;
+        }
+        cl->lim[t] = th << shift[w];
+        prev = th;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(class_ranks_doc,
+             "class_ranks(base, width, thresholds, indices) -> (order, ranks, per_class, counts)\n\n"
+             "The changed elements (``indices``: increasing u32) class after class of their magnitude\n"
+             "in ``base``: ``order`` (u32 each) lists their places in ``indices`` class after class (in\n"
+             "increasing order within a class), ``ranks`` (u32 each, same order) their ranks among\n"
+             "the elements of their class; ``per_class`` (u32 per class) how many changed, ``counts``\n"
+             "(u32 per class) how many elements each class holds.");
+
+static PyObject *k_class_ranks(PyObject *self, PyObject *args) {
+    PyObject *bo, *to, *io;
+    int w;
+    if (!PyArg_ParseTuple(args, "OiOO:class_ranks", &bo, &w, &to, &io)) return NULL;
+    if (!check_width(w)) return NULL;
+    Py_buffer bb, tb, ib;
+    if (get_buffer(bo, &bb, 0) < 0) return NULL;
+    if (get_buffer(to, &tb, 0) < 0) {
+        PyBuffer_Release(&bb);
+        return NULL;
+    }
+    if (get_buffer(io, &ib, 0) < 0) {
+        PyBuffer_Release(&bb);
+        PyBuffer_Release(&tb);
+        return NULL;
+    }
+    PyObject *result = NULL, *oo = NULL, *ro = NULL, *po = NULL, *no = NULL;
+    uint8_t *cls = NULL;
+    uint32_t *raw = NULL;
+    Classes cl;
+    size_t n = (size_t)bb.len / (size_t)w, k = (size_t)ib.len / 4;
+    if (!parse_classes(&tb, w, &cl)) goto done;
+    if (bb.len % w || ib.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "class_ranks: buffers of mismatched sizes");
+        goto done;
+    }
+    oo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
+    ro = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
+    po = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * cl.B));
+    no = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * cl.B));
+    cls = (uint8_t *)malloc(k ? k : 1);
+    raw = (uint32_t *)malloc(4 * (k ? k : 1));
+    if (!oo || !ro || !po || !no || !cls || !raw) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    const uint32_t *idx = (const uint32_t *)ib.buf;
+    uint32_t *order = (uint32_t *)PyBytes_AS_STRING(oo), *ranks = (uint32_t *)PyBytes_AS_STRING(ro);
+    uint32_t running[MAX_CLASSES] = {0}, per[MAX_CLASSES] = {0};
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 1; i < k; i++) bad |= idx[i] <= idx[i - 1];
+    bad |= k && idx[k - 1] >= n;
+    if (!bad) {
+#if HAVE_AVX512
+        if (use_avx512)
+            ranks_loop_avx512((const uint8_t *)bb.buf, n, w, &cl, idx, k, cls, raw, running);
+        else
+#endif
+            ranks_loop((const uint8_t *)bb.buf, n, w, &cl, idx, k, cls, raw, running);
+        size_t at[MAX_CLASSES], total = 0; /* counting sort by class, stable */
+        for (size_t j = 0; j < k; j++) per[cls[j]]++;
+        for (int c = 0; c < cl.B; c++) {
+            at[c] = total;
+            total += per[c];
+        }
+        for (size_t j = 0; j < k; j++) {
+            size_t q = at[cls[j]]++;
+            order[q] = (uint32_t)j;
+            ranks[q] = raw[j];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "class_ranks: indices must be increasing and in range");
+        goto done;
+    }
+    memcpy(PyBytes_AS_STRING(po), per, 4 * (size_t)cl.B);
+    memcpy(PyBytes_AS_STRING(no), running, 4 * (size_t)cl.B);
+    result = PyTuple_Pack(4, oo, ro, po, no);
+done:
+    free(cls);
+    free(raw);
+    Py_XDECREF(oo);
+    Py_XDECREF(ro);
+    Py_XDECREF(po);
+    Py_XDECREF(no);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&ib);
+    return result;
+}
+
+PyDoc_STRVAR(class_select_doc,
+             "class_select(base, width, thresholds, counts, ranks, per_class) -> (indices, order)\n\n"
+             "Inverse of class_ranks: ``ranks`` (u32) holds, class after class, the increasing ranks of\n"
+             "the changed elements of each class (``per_class[c]`` of them, u32 each). Returns their\n"
+             "element indices in increasing order (u32) and, for each, its place in ``ranks`` (u32).\n"
+             "ValueError unless ``counts`` (u32 per class) is the number of elements of each class\n"
+             "and every rank is increasing within its class and below its class's count.");
+
+static PyObject *k_class_select(PyObject *self, PyObject *args) {
+    PyObject *bo, *to, *no, *ro, *po;
+    int w;
+    if (!PyArg_ParseTuple(args, "OiOOOO:class_select", &bo, &w, &to, &no, &ro, &po)) return NULL;
+    if (!check_width(w)) return NULL;
+    Py_buffer bufs[5];
+    PyObject *objs[5] = {bo, to, no, ro, po};
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_buffer(objs[got], &bufs[got], 0) < 0) break;
+    PyObject *result = NULL, *io = NULL, *oo = NULL;
+    if (got < 5) goto done;
+    Py_buffer *bb = &bufs[0], *nb = &bufs[2], *rb = &bufs[3], *pb = &bufs[4];
+    Classes cl;
+    if (!parse_classes(&bufs[1], w, &cl)) goto done;
+    size_t n = (size_t)bb->len / (size_t)w, k = (size_t)rb->len / 4;
+    if (bb->len % w || rb->len % 4 || nb->len != 4 * cl.B || pb->len != 4 * cl.B) {
+        PyErr_SetString(PyExc_ValueError, "class_select: buffers of mismatched sizes");
+        goto done;
+    }
+    const uint32_t *counts = (const uint32_t *)nb->buf, *ranks = (const uint32_t *)rb->buf;
+    const uint32_t *per = (const uint32_t *)pb->buf;
+    size_t ptr[MAX_CLASSES], end[MAX_CLASSES], total = 0;
+    for (int c = 0; c < cl.B; c++) {
+        ptr[c] = total;
+        total += per[c];
+        end[c] = total;
+    }
+    if (total != k) {
+        PyErr_SetString(PyExc_ValueError, "class_select: per-class counts do not add up to the ranks");
+        goto done;
+    }
+    io = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
+    oo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
+    if (!io || !oo) goto done;
+    uint32_t *out = (uint32_t *)PyBytes_AS_STRING(io), *order = (uint32_t *)PyBytes_AS_STRING(oo);
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int c = 0; c < cl.B && !bad; c++)
+        for (size_t i = ptr[c] + 1; i < end[c]; i++) bad |= ranks[i] <= ranks[i - 1];
+    if (!bad) {
+        uint32_t running[MAX_CLASSES] = {0};
+#if HAVE_AVX512
+        if (use_avx512)
+            select_loop_avx512((const uint8_t *)bb->buf, n, w, &cl, ranks, ptr, end, out, order, running);
+        else
+#endif
+            select_loop((const uint8_t *)bb->buf, n, w, &cl, ranks, ptr, end, out, order, running);
+        for (int c = 0; c < cl.B; c++) bad |= running[c] != counts[c] || ptr[c] != end[c];
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "class positions do not match the base (ranks or class counts)");
+        goto done;
+    }
+    result = PyTuple_Pack(2, io, oo);
+done:
+    Py_XDECREF(io);
+    Py_XDECREF(oo);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    return result;
+}
+
 /* -- module ------------------------------------------------------------------------------ */
 
 static PyMethodDef methods[] = {
@@ -946,6 +1298,8 @@ static PyMethodDef methods[] = {
     {"pack2", k_pack2, METH_VARARGS, pack2_doc},
     {"unpack2", k_unpack2, METH_VARARGS, unpack2_doc},
     {"scatter", k_scatter, METH_VARARGS, scatter_doc},
+    {"class_ranks", k_class_ranks, METH_VARARGS, class_ranks_doc},
+    {"class_select", k_class_select, METH_VARARGS, class_select_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,3 +19,7 @@ def scatter(
 
 simd: str
 """The compare instructions the scan uses: "avx512bw", "sse2" or "none" (chosen at import)."""
+def class_ranks(base: _Data, width: int, thresholds: _Data, indices: _Data, /) -> tuple[bytes, bytes, bytes, bytes]: ...
+def class_select(
+    base: _Data, width: int, thresholds: _Data, counts: _Data, ranks: _Data, per_class: _Data, /
+) -> tuple[bytes, bytes]: ...

@@ -258,3 +258,69 @@ def scatter(
         o[idx] ^= v
     else:
         o[idx] += unzigzag(v)
+
+
+MAX_CLASSES = 8
+BIN_SHIFT: dict[int, int] = {1: 3, 2: 7, 4: 23, 8: 52}
+"""Magnitude bins: an element's bits without the sign bit, shifted right by this (for bf16 and
+fp32 the exponent, for fp8 e4m3 too); class thresholds are bins."""
+
+
+def _classes(base: Data, width: int, thresholds: Data) -> tuple[npt.NDArray[np.intp], int]:
+    """The magnitude class of every element of ``base``, and the number of classes."""
+    th = np.frombuffer(thresholds, dtype=np.uint16).astype(np.uint64)
+    if len(thresholds) % 2 or len(th) > MAX_CLASSES - 1:
+        raise ValueError("bad class thresholds")
+    max_bin = (int(np.iinfo(UINT[width]).max) >> 1) >> BIN_SHIFT[width]
+    if len(th) and (th[0] < 1 or (len(th) > 1 and (np.diff(th.astype(np.int64)) <= 0).any()) or th[-1] > max_bin):
+        raise ValueError("class thresholds must increase from 1 to the largest bin")
+    u = UINT[width]
+    mag = _elems(base, width) & u(int(np.iinfo(u).max) >> 1)
+    lim = (th << np.uint64(BIN_SHIFT[width])).astype(u)
+    return np.searchsorted(lim, mag, side="right"), len(th) + 1
+
+
+def class_ranks(base: Data, width: int, thresholds: Data, indices: Data, /) -> tuple[bytes, bytes, bytes, bytes]:
+    if len(indices) % 4 or len(base) % width:
+        raise ValueError("class_ranks: buffers of mismatched sizes")
+    cls, nclasses = _classes(base, width, thresholds)
+    idx = np.frombuffer(indices, dtype=np.uint32).astype(np.int64)
+    if len(idx) and ((np.diff(idx) <= 0).any() or idx[-1] >= len(cls)):
+        raise ValueError("class_ranks: indices must be increasing and in range")
+    ranks = np.empty(len(idx), dtype=np.uint32)
+    of = cls[idx]
+    for c in range(nclasses):
+        before = np.cumsum(cls == c) - 1  # rank of each element of class c
+        ranks[of == c] = before[idx[of == c]]
+    order = np.argsort(of, kind="stable")
+    per = np.bincount(of, minlength=nclasses).astype(np.uint32)
+    counts = np.bincount(cls, minlength=nclasses).astype(np.uint32)
+    return order.astype(np.uint32).tobytes(), ranks[order].tobytes(), per.tobytes(), counts.tobytes()
+
+
+def class_select(
+    base: Data, width: int, thresholds: Data, counts: Data, ranks: Data, per_class: Data, /
+) -> tuple[bytes, bytes]:
+    cls, nclasses = _classes(base, width, thresholds)
+    if len(base) % width or len(ranks) % 4 or len(counts) != 4 * nclasses or len(per_class) != 4 * nclasses:
+        raise ValueError("class_select: buffers of mismatched sizes")
+    per = np.frombuffer(per_class, dtype=np.uint32).astype(np.int64)
+    r = np.frombuffer(ranks, dtype=np.uint32).astype(np.int64)
+    if int(per.sum()) != len(r):
+        raise ValueError("class_select: per-class counts do not add up to the ranks")
+    bounds = np.concatenate(([0], np.cumsum(per)))
+    out = np.empty(len(r), dtype=np.int64)
+    bad = False
+    for c in range(nclasses):
+        rc = r[bounds[c] : bounds[c + 1]]
+        if len(rc) > 1 and (np.diff(rc) <= 0).any():
+            raise ValueError("class positions do not match the base (ranks or class counts)")
+        members = np.flatnonzero(cls == c)
+        if len(rc) and rc[-1] >= len(members):
+            bad = True
+            break
+        out[bounds[c] : bounds[c + 1]] = members[rc]
+    if bad or (np.bincount(cls, minlength=nclasses) != np.frombuffer(counts, dtype=np.uint32)).any():
+        raise ValueError("class positions do not match the base (ranks or class counts)")
+    order = np.argsort(out, kind="stable")
+    return out[order].astype(np.uint32).tobytes(), order.astype(np.uint32).tobytes()

@@ -123,7 +123,7 @@ def counting(run: Run) -> CountingStore:
 
 
 def test_decode_reverse_inverts_decode_for_every_reversible_encoding() -> None:
-    codec = PlanesZstdCodec()
+    codec = PlanesZstdCodec(max_classes=0)  # codec version 1: no chunk depends on its base's magnitudes
     rng = np.random.default_rng(0)
     seen: set[tuple[int, int | None]] = set()
     for trial in range(240):

@@ -25,12 +25,14 @@ from deltasync.format.codec import (
     DENSE,
     ENCODING_NAMES,
     FULL,
+    MAX_CLASSES,
     SAME,
     SPARSE,
     EncodedChunk,
     Encoding,
     PlanesZstdCodec,
     codec_from_spec,
+    decode_reverse,
     planes,
     unplanes,
 )
@@ -702,15 +704,20 @@ def test_bad_codec_parameters_are_usage_errors(kwargs: dict[str, Any]) -> None:
 
 
 def test_codec_from_spec() -> None:
-    name, version = PlanesZstdCodec.name, PlanesZstdCodec.codec_version
+    name, version = PlanesZstdCodec.name, PlanesZstdCodec().codec_version
+    assert version == 2
     codec = codec_from_spec(name, version, 5, 4096, 2)
-    assert codec == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2)
+    assert codec == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2, max_classes=MAX_CLASSES)
+    # Version 1 manifests: context-free chunks only (a class-coded payload in one is refused).
+    assert codec_from_spec(name, 1, 5, 4096, 2) == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2,
+                                                                    max_classes=0)
+    assert PlanesZstdCodec(max_classes=1).codec_version == 1
     # Manifests from before full_zstd_level was recorded hold 0 (unset): full payloads used zstd_level.
     assert codec_from_spec(name, version, 5, 4096, 0).full_zstd_level == 5
     with pytest.raises(CorruptObjectError, match="unknown codec"):
         codec_from_spec("someone.else", 1, 3, 4096, 1)
     with pytest.raises(CorruptObjectError, match="unknown codec"):
-        codec_from_spec(name, 2, 3, 4096, 1)
+        codec_from_spec(name, 3, 3, 4096, 1)
     with pytest.raises(CorruptObjectError, match="bad codec parameters"):
         codec_from_spec(name, 1, 3, 100, 1)
     with pytest.raises(CorruptObjectError, match="bad codec parameters"):
@@ -934,3 +941,86 @@ def test_escape_order_is_the_cheapest(width: int) -> None:
         for impl in KERNEL_IMPLS:
             _, k, _, _ = impl.pack2(tv, bv, width)
             assert costs[k] == costs[best] and k == best, (impl.__name__, es, k, best)
+
+
+# -- codec version 2: positions in magnitude classes of the base --------------------------------
+
+
+def _weights_step(rng: np.random.Generator, n: int, changed: float, width: int = 2) -> tuple[Bytes, Bytes]:
+    """bf16 (or fp32) weights of mixed magnitudes and a step that changes small ones more often, as
+    an AdamW step of a bf16 cast does (the chance of a change grows as the ulp shrinks)."""
+    w32 = (rng.normal(0, 1, n) * np.exp(rng.normal(-4, 1.5, n))).astype(np.float32)
+    step = w32 + rng.normal(0, changed * 1e-5, n).astype(np.float32)
+    if width == 2:
+        base = (w32.view(np.uint32) >> 16).astype(np.uint16)
+        target = (step.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        keep = np.uint32(0xFFFF)  # the low bits stay: changes as coarse as a bf16 cast's
+        base, target = w32.view(np.uint32), (step.view(np.uint32) & ~keep) | (w32.view(np.uint32) & keep)
+    return target.view(np.uint8).copy(), base.view(np.uint8).copy()
+
+
+def test_magnitude_classes_code_positions_of_weight_like_changes() -> None:
+    rng = np.random.default_rng(3)
+    for width in (2, 4):
+        target, base = _weights_step(rng, 200_000, 0.5, width)
+        v2, v1 = PlanesZstdCodec(), PlanesZstdCodec(max_classes=0)
+        enc2, enc1 = v2.encode(target, base, width), v1.encode(target, base, width)
+        assert enc2.encoding == enc1.encoding == SPARSE
+        assert _sparse_header(enc2.payload)[1] == 3, "magnitude classes chosen"
+        assert _sparse_header(enc1.payload)[1] != 3
+        assert len(enc2.payload) < 0.9 * len(enc1.payload)
+        for impl in KERNEL_IMPLS:
+            with kernels(impl):
+                assert v2.encode(target, base, width) == enc2  # both kernels write the same bytes
+                assert v2.decode(enc2, base, width, len(base)).tobytes() == target.tobytes()
+                out = base.copy()
+                v2.decode_into(enc2, out, out, width)  # in place
+                assert out.tobytes() == target.tobytes()
+        # version 1 payloads still decode with a version 2 codec; a version 1 codec refuses classes
+        assert v2.decode(enc1, base, width, len(base)).tobytes() == target.tobytes()
+        with pytest.raises(CorruptObjectError, match="codec version 1"):
+            v1.decode(enc2, base, width, len(base))
+        # against another base the classes differ: refused or caught by the chunk digest, never silent
+        other = base.copy()
+        other[::7] ^= 0x40
+        try:
+            wrong = v2.decode(enc2, other, width, len(base))
+        except CorruptObjectError:
+            pass
+        else:
+            assert wrong.tobytes() != target.tobytes()
+        with pytest.raises(UsageError, match="does not determine"):
+            decode_reverse(v2, enc2, target, width)
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5000), changed=st.floats(0.01, 5.0),
+       max_classes=st.integers(0, MAX_CLASSES), exhaustive=st.booleans())
+def test_magnitude_classes_round_trip(seed: int, n: int, changed: float, max_classes: int, exhaustive: bool) -> None:
+    target, base = _weights_step(np.random.default_rng(seed), n, changed)
+    codec = PlanesZstdCodec(max_classes=max_classes, exhaustive=exhaustive)
+    encs = []
+    for impl in KERNEL_IMPLS:
+        with kernels(impl):
+            enc = codec.encode(target, base, 2)
+            encs.append(enc)
+            assert codec.decode(enc, base, 2, len(base)).tobytes() == target.tobytes()
+    assert all(e == encs[0] for e in encs)
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_corrupt_class_payloads_are_refused_or_decode_to_other_bytes(seed: int, data: st.DataObject) -> None:
+    target, base = _weights_step(np.random.default_rng(seed), 4000, 2.0)
+    codec = PlanesZstdCodec()
+    enc = codec.encode(target, base, 2)
+    bad = EncodedChunk(enc.encoding, _mutate(enc.payload, data))
+    results = []
+    for impl in KERNEL_IMPLS:
+        with kernels(impl):
+            try:
+                results.append(codec.decode(bad, base, 2, len(base)).tobytes())
+            except CorruptObjectError:
+                results.append(None)
+    assert results[0] == results[-1]  # both kernels refuse the same inputs

@@ -71,7 +71,14 @@ FULL = pb.FULL
 ENCODING_NAMES: dict[Encoding, str] = {SAME: "same", SPARSE: "sparse", DENSE: "dense", FULL: "full"}
 
 _XOR, _ZIGZAG, _ZIGZAG2 = 0, 1, 2
-_BITMAP, _GAPS, _RICE = 0, 1, 2
+_BITMAP, _GAPS, _RICE, _CLASSES = 0, 1, 2, 3
+_CLASS_RICE, _CLASS_BITMAP = 0, 1
+_CLASS_STREAM = struct.Struct("<IBBI")  # changes in the class, method, Rice k, stream length
+_CLASS_OVERHEAD_BITS = 8 * (_CLASS_STREAM.size + 6)
+"""What one more class costs in a payload (its stream header, threshold and count), in bits."""
+MAX_CLASSES = _kernels_py.MAX_CLASSES
+CODEC_VERSIONS = (1, 2)
+"""Codec versions this build decodes; it writes the last one unless ``max_classes`` < 2."""
 _MAX_RICE_K = 31
 _SPARSE_HEADER = struct.Struct("<BBBBQQ")
 _DENSE_HEADER = struct.Struct("<B")
@@ -104,6 +111,10 @@ class _Kernels(Protocol):
     def pack2(self, target_values: Data, base_values: Data, width: int, /) -> tuple[bytes, int, bytes, bytes]: ...
     def unpack2(self, symbols: Data, count: int, k: int, prefix: Data, suffix: Data, width: int, /) -> bytes: ...
     def scatter(self, out: Bytes, base: Data | None, indices: Data, values: Data, width: int, transform: int, /) -> None: ...
+    def class_ranks(self, base: Data, width: int, thresholds: Data, indices: Data, /) -> tuple[bytes, bytes, bytes, bytes]: ...
+    def class_select(
+        self, base: Data, width: int, thresholds: Data, counts: Data, ranks: Data, per_class: Data, /
+    ) -> tuple[bytes, bytes]: ...
 
 
 def _load_kernels() -> tuple[_Kernels, str]:
@@ -206,7 +217,6 @@ class PlanesZstdCodec:
     """
 
     name: ClassVar[str] = "deltasync.planes-zstd"
-    codec_version: ClassVar[int] = 1
 
     zstd_level: int = 3
     """zstd level for sparse and dense payloads (1 fastest … 19 smallest)."""
@@ -221,6 +231,15 @@ class PlanesZstdCodec:
     """Fraction of changed elements above which a dense payload is also tried."""
     full_min_density: float = 0.25
     """Fraction of changed elements above which a full payload is also tried."""
+    max_classes: int = 4
+    """Most magnitude classes a sparse chunk's positions are coded in (codec version 2; the
+    context every decoder has: the base). 0 or 1: context-free chunks only (codec version 1,
+    whose sparse and dense chunks also decode backwards, for rollbacks without downloads)."""
+
+    @property
+    def codec_version(self) -> int:
+        """The payload layout version written to manifests: 2 with magnitude classes, else 1."""
+        return 2 if self.max_classes > 1 else 1
 
     def __post_init__(self) -> None:
         for name in ("zstd_level", "full_zstd_level"):
@@ -233,6 +252,8 @@ class PlanesZstdCodec:
             raise UsageError(f"chunk_bytes must be 64 bytes to {MAX_CHUNK_BYTES >> 20} MiB, got {self.chunk_bytes}")
         if self.chunk_bytes % 8:
             raise UsageError(f"chunk_bytes must be a multiple of 8, got {self.chunk_bytes}")
+        if not 0 <= self.max_classes <= MAX_CLASSES:
+            raise UsageError(f"max_classes must be in 0..{MAX_CLASSES}, got {self.max_classes}")
 
     # -- public API: validation, then the private hooks -------------------------------------
 
@@ -316,7 +337,7 @@ class PlanesZstdCodec:
         elif enc == DENSE:
             self._decode_dense(chunk.payload, base, out, width)
         elif enc == SPARSE:
-            indices, values, mode = self._decode_sparse(chunk.payload, width, nbytes // width)
+            indices, values, mode = self._decode_sparse(chunk.payload, width, nbytes // width, base)
             _K.scatter(out, None if in_place else base, indices, values, width, mode)
         else:
             raise CorruptObjectError("chunk", f"unknown encoding {enc}")
@@ -345,7 +366,7 @@ class PlanesZstdCodec:
         density = count / n
         candidates: list[EncodedChunk] = []
         if indices is not None and tv is not None and bv is not None:
-            sparse, transform = self._encode_sparse(indices, tv, bv, width, n)
+            sparse, transform = self._encode_sparse(indices, tv, bv, width, n, base)
             candidates.append(EncodedChunk(SPARSE, sparse))
         else:
             head = slice(0, min(n, 1 << 16))  # a sample of the changes, from the chunk's start
@@ -383,10 +404,51 @@ class PlanesZstdCodec:
         body = _compressor(self.zstd_level).compress(planes(self._changes(t, b, transform, width), width))
         return _DENSE_HEADER.pack(transform) + body
 
-    def _encode_sparse(self, indices: bytes, tv: bytes, bv: bytes, width: int, n: int) -> tuple[bytes, int]:
+    def _encode_sparse(
+        self, indices: bytes, tv: bytes, bv: bytes, width: int, n: int, base: Bytes
+    ) -> tuple[bytes, int]:
         """Payload of the changes at ``indices`` (u32) from ``bv`` to ``tv`` (their elements' bytes),
         and the better byte-plane transform (XOR or zigzag) for a dense payload of the chunk."""
         count = len(indices) // 4
+        density = count / n
+        positions: list[tuple[int, int, bytes]] = []  # (coding, parameter, section)
+        order: npt.NDArray[np.uint32] | None = None
+        if self.max_classes > 1:
+            found = self._encode_classes(indices, bv, width, n, base)
+            if found is not None:
+                nclasses, section, order = found
+                positions.append((_CLASSES, nclasses, section))
+        # Classes are chosen only where they beat one class, which the Rice code below is.
+        if order is None or self.exhaustive:
+            if density <= _RICE_MAX_DENSITY or self.exhaustive:
+                k, rice = _K.rice_encode(indices)
+                positions.append((_RICE, k, rice))
+            if density >= _BITMAP_MIN_DENSITY or self.exhaustive:
+                mask = np.zeros(n, dtype=np.bool_)
+                mask[np.frombuffer(indices, dtype=np.uint32)] = True
+                bitmap = np.packbits(mask, bitorder="little").tobytes()
+                positions.append((_BITMAP, 0, _compressor(self.zstd_level).compress(bitmap)))
+        if self.exhaustive:
+            idx = np.frombuffer(indices, dtype=np.uint32).astype(np.int64)
+            positions.append((_GAPS, 1, self._encode_gaps(np.diff(idx, prepend=-1) - 1)))
+        classes = [p for p in positions if p[0] == _CLASSES]
+        others = [p for p in positions if p[0] != _CLASSES]
+        done: list[tuple[bytes, int]] = []
+        if classes and order is not None:  # values follow the classes, class after class
+            u = _UINT[width]
+            ordered_tv = np.frombuffer(tv, dtype=u)[order].tobytes()
+            ordered_bv = np.frombuffer(bv, dtype=u)[order].tobytes()
+            done.append(self._sparse_payload(classes[0], ordered_tv, ordered_bv, width, count))
+        if others:
+            done.append(self._sparse_payload(min(others, key=lambda o: len(o[2])), tv, bv, width, count))
+        return min(done, key=lambda d: len(d[0]))
+
+    def _sparse_payload(
+        self, position: tuple[int, int, bytes], tv: bytes, bv: bytes, width: int, count: int
+    ) -> tuple[bytes, int]:
+        """A sparse payload from its position section and the changed values in its order, and
+        the better byte-plane transform (XOR or zigzag) for a dense payload of the chunk."""
+        coding, pos_param, section = position
         if self.exhaustive or count <= _SAMPLE:
             options = [self._encode_values(tv, bv, width, tr) for tr in (_XOR, _ZIGZAG, _ZIGZAG2)]
             sizes = [len(o[0]) for o in options]
@@ -398,23 +460,40 @@ class PlanesZstdCodec:
             transform = sizes.index(min(sizes))
             values, value_param = self._encode_values(tv, bv, width, transform)
         planes_transform = _ZIGZAG if sizes[_ZIGZAG] < sizes[_XOR] else _XOR
-
-        density = count / n
-        positions: list[tuple[int, int, bytes]] = []  # (coding, parameter, section)
-        if density <= _RICE_MAX_DENSITY or self.exhaustive:
-            k, rice = _K.rice_encode(indices)
-            positions.append((_RICE, k, rice))
-        if density >= _BITMAP_MIN_DENSITY or self.exhaustive:
-            mask = np.zeros(n, dtype=np.bool_)
-            mask[np.frombuffer(indices, dtype=np.uint32)] = True
-            bitmap = np.packbits(mask, bitorder="little").tobytes()
-            positions.append((_BITMAP, 0, _compressor(self.zstd_level).compress(bitmap)))
-        if self.exhaustive:
-            idx = np.frombuffer(indices, dtype=np.uint32).astype(np.int64)
-            positions.append((_GAPS, 1, self._encode_gaps(np.diff(idx, prepend=-1) - 1)))
-        coding, pos_param, section = min(positions, key=lambda o: len(o[2]))
         header = _SPARSE_HEADER.pack(transform, coding, pos_param, value_param, count, len(section))
         return header + section + values, planes_transform
+
+    def _encode_classes(
+        self, indices: bytes, bv: bytes, width: int, n: int, base: Bytes
+    ) -> tuple[int, bytes, npt.NDArray[np.uint32]] | None:
+        """The magnitude-class position section (its class count, the section, and the order of
+        the changes class after class), or None when one class is best."""
+        thresholds = _class_thresholds(base, bv, width, self.max_classes)
+        if not thresholds:
+            return None
+        th = np.asarray(thresholds, dtype=np.uint16).tobytes()
+        order_b, ranks_b, per_b, counts = _K.class_ranks(base, width, th, indices)
+        ranks = np.frombuffer(ranks_b, dtype=np.uint32)
+        heads: list[bytes] = []
+        streams: list[bytes] = []
+        at = 0
+        for k_c, n_c in zip(np.frombuffer(per_b, dtype=np.uint32).tolist(),
+                            np.frombuffer(counts, dtype=np.uint32).tolist(), strict=True):
+            r = ranks[at : at + k_c]
+            at += k_c
+            method, param, stream = _CLASS_RICE, 0, b""
+            if k_c:
+                param, stream = _K.rice_encode(r.tobytes())
+                if k_c >= n_c * _BITMAP_MIN_DENSITY:
+                    mask = np.zeros(n_c, dtype=np.bool_)
+                    mask[r] = True
+                    bitmap = _compressor(self.zstd_level).compress(np.packbits(mask, bitorder="little").tobytes())
+                    if len(bitmap) < 0.97 * len(stream):  # a bitmap decodes in O(class), Rice in O(changes)
+                        method, param, stream = _CLASS_BITMAP, 0, bitmap
+            heads.append(_CLASS_STREAM.pack(k_c, method, param, len(stream)))
+            streams.append(stream)
+        section = th + counts + b"".join(heads) + b"".join(streams)
+        return len(thresholds) + 1, section, np.frombuffer(order_b, dtype=np.uint32)
 
     def _encode_values(self, tv: bytes, bv: bytes, width: int, transform: int) -> tuple[bytes, int]:
         """The value section for one transform, and its value parameter."""
@@ -452,7 +531,7 @@ class PlanesZstdCodec:
         else:
             np.add(base.view(u), unzigzag(c), out=out.view(u))
 
-    def _decode_sparse(self, payload: bytes, width: int, n: int) -> tuple[bytes, Data, int]:
+    def _decode_sparse(self, payload: bytes, width: int, n: int, base: Bytes) -> tuple[bytes, Data, int]:
         """(u32 indices, values as elements, scatter transform) of a sparse payload, all checked."""
         if len(payload) < _SPARSE_HEADER.size:
             raise CorruptObjectError("sparse chunk", "truncated header")
@@ -467,13 +546,75 @@ class PlanesZstdCodec:
         pos_raw = _take(body, 0, pos_len, "position section")
         val_raw = body[pos_len:]
         try:
-            indices = self._decode_positions(pos_raw, coding, pos_param, count, n)
+            order: npt.NDArray[np.uint32] | None = None
+            if coding == _CLASSES:
+                if self.max_classes < 2:
+                    raise CorruptObjectError("sparse chunk", "magnitude classes in a codec version 1 chunk")
+                indices, order = self._decode_classes(pos_raw, pos_param, count, n, base, width)
+            else:
+                indices = self._decode_positions(pos_raw, coding, pos_param, count, n)
             if transform == _ZIGZAG2:
-                return indices, self._decode_zigzag2(val_raw, count, value_param, width), _ZIGZAG
-            values = unplanes(_unzstd(val_raw, count * width, "sparse chunk values"), width)
+                values: Data = self._decode_zigzag2(val_raw, count, value_param, width)
+                transform = _ZIGZAG
+            else:
+                values = unplanes(_unzstd(val_raw, count * width, "sparse chunk values"), width)
+            if order is not None:  # values come class after class; the indices increase
+                values = np.frombuffer(values, dtype=_UINT[width])[order].view(np.uint8)
             return indices, values, transform
         except ValueError as e:  # the kernels refuse malformed streams
             raise CorruptObjectError("sparse chunk", str(e)) from None
+
+    def _decode_classes(
+        self, data: memoryview, nclasses: int, count: int, n: int, base: Bytes, width: int
+    ) -> tuple[bytes, npt.NDArray[np.uint32]]:
+        """Increasing indices of a magnitude-class position section, and for each the place of
+        its value in the value section."""
+        if not 2 <= nclasses <= MAX_CLASSES:
+            raise CorruptObjectError("sparse chunk", f"bad class count {nclasses}")
+        th = _take(data, 0, 2 * (nclasses - 1), "class thresholds")
+        counts = _take(data, len(th), 4 * nclasses, "class counts")
+        at = len(th) + len(counts)
+        heads = [_CLASS_STREAM.unpack(_take(data, at + i * _CLASS_STREAM.size, _CLASS_STREAM.size, "class header"))
+                 for i in range(nclasses)]
+        at += nclasses * _CLASS_STREAM.size
+        class_n = np.frombuffer(counts, dtype=np.uint32)
+        if int(class_n.astype(np.int64).sum()) != n:
+            raise CorruptObjectError("sparse chunk", "class counts do not add up to the chunk")
+        parts: list[bytes] = []
+        per: list[int] = []
+        for (k_c, method, param, length), n_c in zip(heads, class_n.tolist(), strict=True):
+            stream = _take(data, at, length, "class stream")
+            at += length
+            if k_c > n_c:
+                raise CorruptObjectError("sparse chunk", f"{k_c} changes in a class of {n_c} elements")
+            per.append(k_c)
+            if k_c == 0:
+                if method != _CLASS_RICE or param or length:
+                    raise CorruptObjectError("sparse chunk", "empty class with a stream")
+                continue
+            if method == _CLASS_RICE:
+                if param > _MAX_RICE_K:
+                    raise CorruptObjectError("sparse chunk", f"bad Rice parameter {param}")
+                parts.append(_K.rice_decode(stream, k_c, param, n_c))
+            elif method == _CLASS_BITMAP:
+                if param != 0:
+                    raise CorruptObjectError("sparse chunk", f"bad bitmap parameter {param}")
+                bits = np.unpackbits(np.frombuffer(_unzstd(stream, (n_c + 7) // 8, "class bitmap"), dtype=np.uint8),
+                                     bitorder="little")
+                if bits[n_c:].any():
+                    raise CorruptObjectError("sparse chunk", "bitmap padding is not zero")
+                ranks = np.flatnonzero(bits)
+                if len(ranks) != k_c:
+                    raise CorruptObjectError("sparse chunk", "class bitmap holds another number of changes")
+                parts.append(ranks.astype(np.uint32).tobytes())
+            else:
+                raise CorruptObjectError("sparse chunk", f"unknown class coding {method}")
+        if at != len(data):
+            raise CorruptObjectError("sparse chunk", "position section longer than its classes")
+        if sum(per) != count:
+            raise CorruptObjectError("sparse chunk", "class changes do not add up to the count")
+        indices, order = _K.class_select(base, width, th, counts, b"".join(parts), np.asarray(per, np.uint32).tobytes())
+        return indices, np.frombuffer(order, dtype=np.uint32)
 
     def _decode_positions(self, data: memoryview, coding: int, param: int, count: int, n: int) -> bytes:
         if coding == _RICE:
@@ -520,6 +661,53 @@ class PlanesZstdCodec:
         return _K.unpack2(symbols, count, k, prefix, data[at + _U32.size + prefix_len :], width)
 
 
+def _class_thresholds(base: Bytes, bv: bytes, width: int, max_classes: int) -> list[int]:
+    """Magnitude bins that split a chunk into at most ``max_classes`` classes of elements whose
+    chance of changing differs most: the split of the bins (from a sample of the base, every
+    16th element, and every change) that minimises ``sum n_c H(k_c / n_c)``, the position cost,
+    plus what each class costs to describe. Empty: one class is best."""
+    u = _UINT[width]
+    shift = u(_kernels_py.BIN_SHIFT[width])
+    mag = u(int(np.iinfo(u).max) >> 1)
+    nbins = (int(mag) >> int(shift)) + 1
+    sample = np.frombuffer(base, dtype=u)[::16]
+    n_bins = np.bincount((sample & mag) >> shift, minlength=nbins).astype(np.float64) * 16
+    k_bins = np.bincount((np.frombuffer(bv, dtype=u) & mag) >> shift, minlength=nbins).astype(np.float64)
+    present = np.flatnonzero((n_bins > 0) | (k_bins > 0))
+    if len(present) < 2:
+        return []
+    if len(present) > 64:  # keep the DP small: merge the emptiest neighbours' bins into runs
+        present = present[np.linspace(0, len(present) - 1, 64).astype(np.int64)]
+    # cum[j]: totals of the bins before present[j] (a class is a run present[i] .. present[j] - 1)
+    edges = np.concatenate((present, [nbins]))
+    cum_n = np.concatenate(([0.0], np.cumsum(n_bins)))[edges]
+    cum_k = np.concatenate(([0.0], np.cumsum(k_bins)))[edges]
+    cum_n[0] = cum_k[0] = 0.0
+    m = len(present)
+    nn = cum_n[None, :] - cum_n[:, None]  # [i, j]: bins present[i] .. present[j] - 1
+    kk = np.minimum(cum_k[None, :] - cum_k[:, None], nn)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(nn > 0, kk / nn, 0.0)
+        h = -(p * np.log2(np.where(p > 0, p, 1.0)) + (1 - p) * np.log2(np.where(p < 1, 1 - p, 1.0)))
+    cost = np.where(np.triu(np.ones((m + 1, m + 1), dtype=bool), 1), nn * h, np.inf)
+    best = cost[0].copy()  # best[j]: first j runs in one class
+    choices = [best]
+    back: list[npt.NDArray[np.intp]] = []
+    for _ in range(1, max_classes):
+        total = choices[-1][:, None] + cost
+        arg = np.argmin(total, axis=0)
+        choices.append(total[arg, np.arange(m + 1)])
+        back.append(arg)
+    totals = [c[m] + g * _CLASS_OVERHEAD_BITS for g, c in enumerate(choices)]
+    g = int(np.argmin(totals))
+    cuts: list[int] = []
+    j = m
+    for level in range(g, 0, -1):
+        j = int(back[level - 1][j])
+        cuts.append(int(present[j]))
+    return sorted(cuts)
+
+
 def _check_width(width: int) -> None:
     if width not in _UINT:
         raise UsageError(f"element width must be 1, 2, 4 or 8, got {width}")
@@ -532,12 +720,13 @@ def codec_from_spec(
     name: str, codec_version: int, zstd_level: int, chunk_bytes: int, full_zstd_level: int
 ) -> PlanesZstdCodec:
     """The codec a manifest was written with; refuses codecs this build cannot decode."""
-    if name != PlanesZstdCodec.name or codec_version != PlanesZstdCodec.codec_version:
+    if name != PlanesZstdCodec.name or codec_version not in CODEC_VERSIONS:
         raise CorruptObjectError("manifest", f"unknown codec {name!r} version {codec_version}")
     # 0 is protobuf's "unset": manifests written before full_zstd_level existed used zstd_level.
     full_zstd_level = full_zstd_level or zstd_level
     try:
-        return PlanesZstdCodec(zstd_level=zstd_level, chunk_bytes=chunk_bytes, full_zstd_level=full_zstd_level)
+        return PlanesZstdCodec(zstd_level=zstd_level, chunk_bytes=chunk_bytes, full_zstd_level=full_zstd_level,
+                               max_classes=MAX_CLASSES if codec_version >= 2 else 0)
     except UsageError as e:
         raise CorruptObjectError("manifest", f"bad codec parameters: {e}") from None
 
@@ -553,6 +742,8 @@ def decode_reverse(codec: PlanesZstdCodec, chunk: EncodedChunk, target: Bytes, w
         return codec.decode(chunk, target, width, len(target)).copy()
     if not chunk.payload:
         raise CorruptObjectError("chunk", "delta chunk without a payload")
+    if chunk.encoding == SPARSE and len(chunk.payload) > 1 and chunk.payload[1] == _CLASSES:
+        raise UsageError("a chunk coded in magnitude classes of its base does not determine that base")
     # Decoded against a base of zeros, a payload yields its change alone (0 ^ c, 0 + d).
     change = codec.decode(chunk, np.zeros(len(target), dtype=np.uint8), width, len(target))
     u = _UINT[width]
