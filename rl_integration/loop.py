@@ -351,6 +351,8 @@ class _RunState:
                 is_weight_std=stats.is_weight_std, routing_mismatch=stats.routing_mismatch,
                 routing_mismatch_used=stats.routing_mismatch_used, router_replay=config.router_replay,
                 routing_mismatch_differing=stats.routing_mismatch_differing, routing_positions=stats.routing_positions,
+                rerouted_tokens=stats.rerouted_tokens, rerouted_gap_mean=stats.rerouted_gap_mean,
+                rerouted_gap_max=stats.rerouted_gap_max,
                 is_weight=stats.is_weight, truncated=stats.truncated,
                 kl=stats.kl, samples=stats.samples, groups=stats.groups, groups_with_signal=stats.groups_with_signal,
                 grad_norm=stats.grad_norm, staleness={str(k): n for k, n in sorted(staleness.items())},

@@ -102,6 +102,8 @@ def summarize(metrics: MetricsLog, warm: Evaluation, final: Evaluation, *, rl_se
         "mismatch_is_std_mean": _mean(s.get("mismatch_is_std") for s in steps),
         "is_weight_std_mean": _mean(s.get("is_weight_std") for s in steps),
         "routing_mismatch_mean": _mean(s.get("routing_mismatch") for s in steps),
+        "rerouted_tokens": sum(s.get("rerouted_tokens") or 0 for s in steps),
+        "rerouted_gap_mean": _weighted(steps, "rerouted_gap_mean", "rerouted_tokens"),
         "routing_mismatch_used": (sum(s.get("routing_mismatch_used") or 0 for s in steps)
                                   if any(s.get("routing_mismatch_used") is not None for s in steps) else None),
         "delta_stored_bytes_mean": _mean(s["stored_bytes"] for s in deltas),
@@ -146,7 +148,8 @@ def format_summary(s: Mapping[str, Any], *, out_dir: Path, plot_path: Path | Non
         f"{s.get('logprob_gap_mean', math.nan):.3g}; train-inference ratio spread "
         f"{s.get('mismatch_is_std_mean', math.nan):.3g})"
         + (f"; MoE routing differs for {s['routing_mismatch_mean']:.2%} of positions, "
-           f"{s['routing_mismatch_used']} routed differently by the trainer"
+           f"{s['routing_mismatch_used']} routed differently by the trainer; mean gap on the "
+           f"{s['rerouted_tokens']} tokens after one {s['rerouted_gap_mean'] or 0:.3g}"
            if s.get("routing_mismatch_mean") is not None and math.isfinite(s["routing_mismatch_mean"]) else ""),
         f"bit-exact: {s['swaps_bit_exact']}/{s['swaps']} worker swaps served exactly the published bits",
     ]
@@ -162,6 +165,13 @@ def format_summary(s: Mapping[str, Any], *, out_dir: Path, plot_path: Path | Non
 def eval_dict(ev: Evaluation) -> dict[str, Any]:
     return {"version": ev.version, "reward": ev.score, "exact": ev.exact, "greedy_reward": ev.greedy_reward,
             "greedy_exact": ev.greedy_exact, "seconds": ev.seconds}
+
+
+def _weighted(steps: list[dict[str, Any]], value: str, weight: str) -> float | None:
+    """Mean of ``value`` over the steps, weighted by ``weight`` (None where no step has one)."""
+    pairs = [(s[value], s[weight]) for s in steps if s.get(value) is not None and s.get(weight)]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
 
 
 def _mean(values: Any) -> float:

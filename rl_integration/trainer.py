@@ -108,6 +108,12 @@ class StepStats:
     """MoE: positions counted in ``routing_mismatch`` (of ``routing_positions``)."""
     routing_positions: int | None = None
     """MoE: positions the worker reported experts for."""
+    rerouted_tokens: int | None = None
+    """MoE: answer tokens at or after a position the trainer's own router routes differently
+    from the worker (the tokens router replay is for)."""
+    rerouted_gap_mean: float | None = None
+    """MoE: mean |trainer - behaviour| over those tokens (with replay: what replay left of it)."""
+    rerouted_gap_max: float | None = None
     routing_mismatch_used: int | None = None
     """MoE: positions the trainer's forward actually routed differently from the worker (0 with router replay)."""
     by_version: dict[str, dict[str, float]] | None = None
@@ -234,6 +240,7 @@ class Trainer:
         diffs_l: list[torch.Tensor] = []
         rewards_l: list[npt.NDArray[np.float32]] = []
         per_version: dict[int, list[torch.Tensor]] = {}
+        affected_l: list[torch.Tensor] = []
         routed = routed_differently = used_differently = 0
         moe = self.config.model.moe
         groups = with_signal = 0
@@ -260,7 +267,13 @@ class Trainer:
                         own = used
                     pos_valid = valid.all(0)
                     routed += int(pos_valid.sum())
-                    routed_differently += int(((own != reported).any(-1).any(0) & pos_valid).sum())
+                    differs = (own != reported).any(-1).any(0) & pos_valid  # (batch, time)
+                    routed_differently += int(differs.sum())
+                    # An answer token is affected when its position, or one before it (through
+                    # attention), is routed differently by the trainer's own router.
+                    upto = differs.cumsum(dim=1) > 0
+                    affected = upto[:, p - 1 : p - 1 + b_mu.shape[1]]
+                    affected_l.append(((recomputed - b_mu)[b_mask & affected]).abs())
                     used_differently += int(((used != reported).any(-1).any(0) & pos_valid).sum())
                 else:
                     recomputed = token_logprobs(scorer, b_tokens, p)
@@ -298,6 +311,7 @@ class Trainer:
         gaps = diffs.abs()
         rho_m = rho[mask.bool()]
         mism = diffs.exp()
+        affected_gaps = torch.cat(affected_l) if affected_l else torch.zeros(0)
         return StepStats(
             reward=float(rewards.mean()) if rewards.size else math.nan,
             exact=float((rewards == 1).mean()) if rewards.size else math.nan,
@@ -315,6 +329,9 @@ class Trainer:
             routing_mismatch_used=used_differently if routed else None,
             routing_mismatch_differing=routed_differently if routed else None,
             routing_positions=routed if routed else None,
+            rerouted_tokens=int(affected_gaps.numel()) if routed else None,
+            rerouted_gap_mean=float(affected_gaps.mean()) if affected_gaps.numel() else None,
+            rerouted_gap_max=float(affected_gaps.max()) if affected_gaps.numel() else None,
             by_version={str(v): {"gap_mean": float(torch.cat(d).abs().mean()) if torch.cat(d).numel() else 0.0,
                                  "gap_max": float(torch.cat(d).abs().max()) if torch.cat(d).numel() else 0.0,
                                  "tokens": int(torch.cat(d).numel())} for v, d in sorted(per_version.items())},

@@ -165,6 +165,7 @@ def test_without_replay_the_trainer_routes_by_itself(moe_runs: dict[str, tuple[A
     for s in steps:  # what it used is its own router's choice: every mismatch is a position routed differently
         assert s["routing_mismatch_used"] == s["routing_mismatch_differing"]
         assert 0 <= s["routing_mismatch"] < 0.5
+        assert (s["rerouted_tokens"] > 0) == (s["rerouted_gap_mean"] is not None)
     assert result.summary["routing_mismatch_mean"] is not None
 
 
