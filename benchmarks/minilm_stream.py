@@ -113,7 +113,7 @@ def _corpus() -> str:
             continue
         try:
             mod = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 — platform-specific modules
+        except Exception:  # platform-specific modules
             continue
         doc = getattr(mod, "__doc__", None)
         if doc:

@@ -231,7 +231,7 @@ class PlanesZstdCodec:
     """Fraction of changed elements above which a dense payload is also tried."""
     full_min_density: float = 0.25
     """Fraction of changed elements above which a full payload is also tried."""
-    max_classes: int = 4
+    max_classes: int = 6
     """Most magnitude classes a sparse chunk's positions are coded in (codec version 2; the
     context every decoder has: the base). 0 or 1: context-free chunks only (codec version 1,
     whose sparse and dense chunks also decode backwards, for rollbacks without downloads)."""
