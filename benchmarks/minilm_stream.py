@@ -16,6 +16,7 @@ import math
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -52,14 +53,14 @@ class _Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        att = self.attention["self"]
+        att = cast(nn.ModuleDict, self.attention["self"])
 
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
 
         q, k, v = split(att["query"](x)), split(att["key"](x)), split(att["value"](x))
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, h)
-        out = self.attention["output"]
+        out = cast(nn.ModuleDict, self.attention["output"])
         x = out["LayerNorm"](x + out["dense"](y))
         z = self.output["dense"](F.gelu(self.intermediate["dense"](x)))
         return self.output["LayerNorm"](x + z)  # type: ignore[no-any-return]
@@ -87,7 +88,7 @@ class MiniLM(nn.Module):
         pos = torch.arange(tokens.shape[1])
         x = e["word_embeddings"](tokens) + e["position_embeddings"](pos) + e["token_type_embeddings"](torch.zeros_like(tokens))
         x = e["LayerNorm"](x)
-        for layer in self.encoder["layer"]:
+        for layer in cast(nn.ModuleList, self.encoder["layer"]):
             x = layer(x)
         return x @ e["word_embeddings"].weight.T  # type: ignore[no-any-return]
 

@@ -1016,7 +1016,7 @@ def test_corrupt_class_payloads_are_refused_or_decode_to_other_bytes(seed: int, 
     codec = PlanesZstdCodec()
     enc = codec.encode(target, base, 2)
     bad = EncodedChunk(enc.encoding, _mutate(enc.payload, data))
-    results = []
+    results: list[bytes | None] = []
     for impl in KERNEL_IMPLS:
         with kernels(impl):
             try:

@@ -4,7 +4,8 @@ Everything works on bit patterns (unsigned integer views of the raw bytes), neve
 float values, which is what makes it lossless: -0.0 vs +0.0 and NaN payloads survive.
 The element width (1, 2, 4 or 8 bytes) only decides the byte-plane split.
 
-Payload layouts (``codec_version`` 1), all integers little-endian:
+Payload layouts (``codec_version`` 1; version 2 adds position coding 3 below), all integers
+little-endian:
 
 * ``SAME``   — empty.
 * ``FULL``   — zstd(planes(target)).
@@ -21,6 +22,18 @@ Position codings, with their position parameter; a gap is ``index - previous ind
   zstd(planes(gap - 255 as u32 for every gap >= 255)).
 * 2, Rice [k <= 31] — the unary stream of ``gap >> k`` for every change, then the k low bits
   of every gap (exactly ``ceil(count * k / 8)`` bytes).
+* 3, magnitude classes [B, 2 <= B <= 8] (codec version 2) — the context is the base, which
+  every decoder holds: an element's magnitude is its bits without the sign bit, its bin that
+  shifted right by 3, 7, 23 or 52 for widths 1, 2, 4, 8 (the exponent of fp8 e4m3, bf16,
+  fp32, fp64), and B - 1 thresholds split the bins into B classes; the encoder picks them per
+  chunk so that classes differ most in how often their elements change (small weights change
+  more often: their ulp is smaller). The section: B - 1 u16 thresholds (increasing, from 1),
+  B u32 counts of the chunk's elements in each class, B class headers (u32 changes, u8 method,
+  u8 parameter, u32 stream length), then the streams. A class's changes are coded by their
+  ranks among its elements: method 0, Rice [k] as in coding 2 over the ranks; method 1, a
+  bitmap [0] as in coding 0 over the class's elements. The value section then holds the
+  changes class after class (within a class, in index order). Such a chunk does not decode
+  backwards (its classes come from the base); rollbacks rebuild it from the forward chain.
 
 Transforms of the changed elements, with their value parameter:
 
