@@ -137,22 +137,42 @@ def draw_numerics(ax_g: Any, ax_m: Any, steps: list[dict[str, Any]], label: str 
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
-    """Several runs on one figure (e.g. router replay on and off): held-out and training reward,
-    the log-prob gap, and the importance-weight spread with the routing mismatch."""
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9), constrained_layout=True)
-    ax_r, ax_t = axes[0, 0], axes[0, 1]
-    for label, records in runs.items():
+    """Several runs on one figure (e.g. router replay on and off), one color per run: held-out
+    and training reward; the log-prob gap (mean and max per token); the spread of the
+    train-inference ratio; and, for MoE runs, the positions the trainer's own router sends to
+    other experts and those its forward actually routed differently (0 with replay)."""
+    fig, axes = plt.subplots(3, 2, figsize=(12, 13), constrained_layout=True)
+    (ax_r, ax_t), (ax_gm, ax_gx), (ax_s, ax_m) = axes
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, records) in enumerate(runs.items()):
+        c = colors[i % len(colors)]
         steps = [r for r in records if r["event"] == "step"]
-        versions = [s["version"] for s in steps]
-        line = ax_r.plot(versions, [s["eval"]["reward"] for s in steps], lw=2, label=f"{label}: held-out reward")[0]
+        v = [s["version"] for s in steps]
+        ax_r.plot(v, [s["eval"]["reward"] for s in steps], color=c, lw=2, label=f"{label}: held-out reward")
         warm = next((r for r in records if r["event"] == "warm_start"), None)
         if warm is not None:
-            ax_r.axhline(warm["eval"]["reward"], color=line.get_color(), ls="--", lw=1, label=f"{label}: warm start")
-        ax_t.plot(versions, [s["reward"] for s in steps], lw=1, label=f"{label}: training batch reward")
-        draw_numerics(axes[1, 0], axes[1, 1], steps, label)
+            ax_r.axhline(warm["eval"]["reward"], color=c, ls="--", lw=1, label=f"{label}: warm start")
+        ax_t.plot(v, [s["reward"] for s in steps], color=c, lw=1, label=f"{label}: training batch reward")
+        ax_gm.plot(v, [s.get("logprob_gap_mean", 0.0) for s in steps], color=c, lw=1.5, label=label)
+        ax_gx.plot(v, [s["logprob_gap"] for s in steps], color=c, lw=1, label=label)
+        ax_s.plot(v, [s.get("mismatch_is_std", 0.0) for s in steps], color=c, lw=1.5,
+                  label=f"{label}: std of exp(trainer - behaviour)")
+        routed = [s for s in steps if s.get("routing_mismatch") is not None]
+        if routed:
+            rv = [s["version"] for s in routed]
+            ax_m.plot(rv, [100 * s["routing_mismatch"] for s in routed], color=c, lw=1.5,
+                      label=f"{label}: own router picks other experts")
+            ax_m.plot(rv, [100 * s["routing_mismatch_used"] / max(s["routing_positions"] or 1, 1) for s in routed],
+                      color=c, lw=1, ls=":", label=f"{label}: routed differently by the trainer's forward")
     ax_r.set(title="Held-out reward (gate)", xlabel="version", ylabel="reward (partial credit)")
     ax_t.set(title="Training batch reward", xlabel="version", ylabel="reward (partial credit)")
-    for ax in (ax_r, ax_t):
+    ax_gm.set(title="Mean |log-prob gap| per token, trainer vs worker", xlabel="version", ylabel="nats")
+    ax_gx.set(title="Max |log-prob gap| per step", xlabel="version", ylabel="nats")
+    ax_s.set(title="Spread of the train-inference ratio", xlabel="version")
+    ax_m.set(title="MoE routing mismatch", xlabel="version", ylabel="% of positions")
+    for ax in (ax_r, ax_t, ax_gm, ax_gx, ax_s, ax_m):
+        if ax is not ax_r and ax is not ax_t:
+            ax.set_ylim(bottom=0)
         _legend_below(ax)
         ax.grid(alpha=0.3)
     out = Path(path)
