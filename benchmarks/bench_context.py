@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lrs", default="1e-5,1e-6")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    v1, v2 = PlanesZstdCodec(max_classes=0), PlanesZstdCodec()
+    v1, v2 = PlanesZstdCodec(), PlanesZstdCodec(max_classes=6)
     for lr in (float(x) for x in args.lrs.split(",")):
         models = list(minilm_stream(lr, args.steps))
         bits = [m.bits for m in models]

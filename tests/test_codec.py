@@ -704,8 +704,8 @@ def test_bad_codec_parameters_are_usage_errors(kwargs: dict[str, Any]) -> None:
 
 
 def test_codec_from_spec() -> None:
-    name, version = PlanesZstdCodec.name, PlanesZstdCodec().codec_version
-    assert version == 2
+    name, version = PlanesZstdCodec.name, PlanesZstdCodec(max_classes=6).codec_version
+    assert version == 2 and PlanesZstdCodec().codec_version == 1
     codec = codec_from_spec(name, version, 5, 4096, 2)
     assert codec == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2, max_classes=MAX_CLASSES)
     # Version 1 manifests: context-free chunks only (a class-coded payload in one is refused).
@@ -964,7 +964,7 @@ def test_magnitude_classes_code_positions_of_weight_like_changes() -> None:
     rng = np.random.default_rng(3)
     for width in (2, 4):
         target, base = _weights_step(rng, 200_000, 0.5, width)
-        v2, v1 = PlanesZstdCodec(), PlanesZstdCodec(max_classes=0)
+        v2, v1 = PlanesZstdCodec(max_classes=6), PlanesZstdCodec()
         enc2, enc1 = v2.encode(target, base, width), v1.encode(target, base, width)
         assert enc2.encoding == enc1.encoding == SPARSE
         assert _sparse_header(enc2.payload)[1] == 3, "magnitude classes chosen"
@@ -1013,7 +1013,7 @@ def test_magnitude_classes_round_trip(seed: int, n: int, changed: float, max_cla
 @given(seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_corrupt_class_payloads_are_refused_or_decode_to_other_bytes(seed: int, data: st.DataObject) -> None:
     target, base = _weights_step(np.random.default_rng(seed), 4000, 2.0)
-    codec = PlanesZstdCodec()
+    codec = PlanesZstdCodec(max_classes=6)
     enc = codec.encode(target, base, 2)
     bad = EncodedChunk(enc.encoding, _mutate(enc.payload, data))
     results: list[bytes | None] = []
