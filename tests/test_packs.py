@@ -14,6 +14,7 @@ from deltasync.publish import packs
 from deltasync.publish.packs import EARLY_MIN_BYTES, Packer
 from deltasync.storage import LocalStore, MemoryStore, Store, WrappingStore
 from deltasync.storage._grpc import GrpcStore
+from deltasync.storage._s3 import S3Store
 
 MiB = 1 << 20
 
@@ -55,12 +56,15 @@ def test_remote_stores_overlap_uploads_and_wrappers_say_so(tmp_path: Path) -> No
     token.write_text("secret")
     writable = GrpcStore("grpc://127.0.0.1:1", write_token_file=token)
     read_only = GrpcStore("grpc://127.0.0.1:1")
+    s3 = S3Store("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1", region="us-east-1")  # no request made
     try:
-        assert writable.overlap_uploads and not read_only.overlap_uploads
+        assert writable.overlap_uploads and not read_only.overlap_uploads and s3.overlap_uploads
         assert WrappingStore(writable).overlap_uploads and Packer(WrappingStore(writable), 64 * MiB).early
+        assert not Packer(read_only, 64 * MiB).early
     finally:
         writable.close()
         read_only.close()
+        s3.close()
 
 
 def test_early_flushes_start_uploads_with_a_floor_and_a_bounded_count() -> None:
