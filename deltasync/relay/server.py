@@ -620,12 +620,15 @@ class _RelayService:
                     )
                 if self.quota is not None:
                     self.quota.check(key, size)  # before receiving: a refused upload costs no memory
-                spool = await self._in_thread(_Spool, self.cache.root / "tmp") if size > SPOOL_BYTES else None
+                # Created and removed on the event loop itself (a file open and an unlink): an
+                # executor job can be cancelled before it runs when the client cancels the
+                # upload, which would leave the spool file behind.
+                spool = _Spool(self.cache.root / "tmp") if size > SPOOL_BYTES else None
                 try:
                     await self._receive(key, size, first, requests, spool)
                 finally:
                     if spool is not None:
-                        await self._in_thread(spool.close)
+                        spool.close()
             except _Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.warning("refused upload of %s: %s", key or "?", e.message)
