@@ -5,6 +5,7 @@ Run from the repository root::
     python -m benchmarks.bench_codec            # full: >= 1 GiB synthetic, ~3 min on 2 cores, < 5 GB RSS
     python -m benchmarks.bench_codec --quick    # smoke test: small sizes, seconds
     python -m benchmarks.bench_codec --size-gib 2 --steps 5 --workers 4 --json out.json
+    python -m benchmarks.bench_codec --max-classes 6   # codec version 2 (magnitude classes)
 
 For each learning rate (1e-6 and 1e-5) it
 
@@ -70,7 +71,7 @@ import torch
 import zstandard
 from typing_extensions import Buffer
 
-from deltasync.format.codec import ENCODING_NAMES, EncodedChunk, PlanesZstdCodec
+from deltasync.format.codec import ENCODING_NAMES, MAX_CLASSES, EncodedChunk, PlanesZstdCodec
 from deltasync.format.digest import digest
 from deltasync.v1 import manifest_pb2 as pb
 
@@ -495,6 +496,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tmpdir", default=None, help="where the patch-from baseline writes its two checkpoint files")
     p.add_argument("--json", type=Path, default=None, help="also write all measurements as JSON here")
     p.add_argument("--check", action="store_true", help="exit 1 if a target on the first lr is missed")
+    p.add_argument("--max-classes", type=int, default=PlanesZstdCodec.max_classes,
+                   help="the codec's max_classes: magnitude classes of a sparse chunk's positions (2..8: codec "
+                        f"version 2; default {PlanesZstdCodec.max_classes}, the codec's default)")
     a = p.parse_args(argv)
     a.size_gib = a.size_gib if a.size_gib is not None else (1 / 64 if a.quick else 1.0)
     a.steps = a.steps if a.steps is not None else (1 if a.quick else 3)
@@ -502,6 +506,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else (3 if a.quick else 20)
     if min(a.steps, a.real_steps, a.repeats) < 1 or a.warmup < 0 or a.size_gib <= 0 or a.workers < 1:
         p.error("--steps, --real-steps and --repeats must be >= 1, --warmup >= 0, --size-gib > 0, --workers >= 1")
+    if not 0 <= a.max_classes <= MAX_CLASSES:
+        p.error(f"--max-classes must be in 0..{MAX_CLASSES}")
     return a
 
 
@@ -509,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     argv_list = list(sys.argv[1:] if argv is None else argv)
     wall0 = time.perf_counter()
-    codec = PlanesZstdCodec()
+    codec = PlanesZstdCodec(max_classes=args.max_classes)
     tiny = QUICK_TINY if args.quick else TinyConfig()
     cli = None if args.no_cli else shutil.which("zstd")
     patch_label = "zstd --patch-from -3 (zstd CLI)" if cli else "patch-from -3 (python-zstandard raw dict + LDM)"

@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,13 +38,32 @@ static inline uint64_t load64(const uint8_t *p) {
 
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 
+/* One w-byte element. A switch, not memcpy(.., w): where w is not a constant, that is a call
+ * into libc per element; the switch is a branch that always goes the same way. */
 static inline uint64_t load_elem(const uint8_t *p, int w) {
-    uint64_t v = 0;
-    memcpy(&v, p, (size_t)w);
-    return v;
+    uint8_t v1;
+    uint16_t v2;
+    uint32_t v4;
+    uint64_t v8;
+    switch (w) {
+    case 1: memcpy(&v1, p, 1); return v1;
+    case 2: memcpy(&v2, p, 2); return v2;
+    case 4: memcpy(&v4, p, 4); return v4;
+    default: memcpy(&v8, p, 8); return v8;
+    }
 }
 
-static inline void store_elem(uint8_t *p, uint64_t v, int w) { memcpy(p, &v, (size_t)w); }
+static inline void store_elem(uint8_t *p, uint64_t v, int w) {
+    uint8_t v1 = (uint8_t)v;
+    uint16_t v2 = (uint16_t)v;
+    uint32_t v4 = (uint32_t)v;
+    switch (w) {
+    case 1: memcpy(p, &v1, 1); break;
+    case 2: memcpy(p, &v2, 2); break;
+    case 4: memcpy(p, &v4, 4); break;
+    default: memcpy(p, &v, 8); break;
+    }
+}
 
 static inline int bitlen(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
@@ -114,6 +134,14 @@ static inline uint64_t get_bits57(const uint8_t *buf, uint64_t pos, int n) {
 static inline uint64_t get_bits(const uint8_t *buf, uint64_t pos, int n) {
     if (n > 32) return get_bits57(buf, pos, 32) | (get_bits57(buf, pos + 32, n - 32) << 32);
     return get_bits57(buf, pos, n);
+}
+
+/* n <= 64 bits at bit ``pos``, without a branch (reads 9 bytes from byte pos / 8). */
+static inline uint64_t get_bits64(const uint8_t *buf, uint64_t pos, int n) {
+    const uint8_t *p = buf + (pos >> 3);
+    int s = (int)(pos & 7);
+    uint64_t v = (load64(p) >> s) | (((uint64_t)p[8] << 1) << (63 - s));
+    return n >= 64 ? v : v & (((uint64_t)1 << n) - 1);
 }
 
 /* A copy of ``src`` followed by PAD zero bytes (bit readers load 8 bytes at a time). */
@@ -444,6 +472,36 @@ PyDoc_STRVAR(rice_encode_doc,
              "previous of the first is -1) with the cheapest k (the smallest among equals): the\n"
              "unary stream of gap >> k, then the k low bits of every gap.");
 
+/* The Rice code of m >= 1 strictly increasing positions with the cheapest k: a malloc'd
+ * buffer of *len bytes (the unary stream, then the low bits). NULL with *bad set when the
+ * positions do not increase, NULL alone when out of memory. Runs without the GIL. */
+static uint8_t *rice_write(const uint32_t *idx, size_t m, int *k_out, size_t *len, int *bad) {
+    int k = 0;
+    uint64_t sum_q = 0;
+    *bad = 0;
+    if (!rice_choose(idx, m, &k, &sum_q)) {
+        *bad = 1;
+        return NULL;
+    }
+    uint64_t ulen = (sum_q + m + 7) / 8, llen = ((uint64_t)m * (uint64_t)k + 7) / 8;
+    uint8_t *buf = (uint8_t *)calloc(ulen + llen + PAD, 1);
+    if (!buf) return NULL;
+    BitWriter unary = {buf, 0, 0}, low = {buf + ulen, 0, 0};
+    uint64_t mask = ((uint64_t)1 << k) - 1;
+    int64_t prev = -1;
+    for (size_t i = 0; i < m; i++) {
+        uint64_t g = (uint64_t)((int64_t)idx[i] - prev - 1);
+        prev = idx[i];
+        bw_unary(&unary, g >> k);
+        bw_put(&low, g & mask, k); /* k <= 31 */
+    }
+    bw_flush(&unary);
+    bw_flush(&low);
+    *k_out = k;
+    *len = (size_t)(ulen + llen);
+    return buf;
+}
+
 static PyObject *k_rice_encode(PyObject *self, PyObject *args) {
     PyObject *io;
     if (!PyArg_ParseTuple(args, "O:rice_encode", &io)) return NULL;
@@ -456,40 +514,20 @@ static PyObject *k_rice_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     const uint32_t *idx = (const uint32_t *)ib.buf;
-    size_t m = (size_t)ib.len / 4;
-    int k = 0, ok = 1, oom = 0;
-    uint64_t sum_q = 0, ulen = 0, llen = 0;
+    size_t m = (size_t)ib.len / 4, len = 0;
+    int k = 0, bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (m) ok = rice_choose(idx, m, &k, &sum_q);
-    if (m && ok) {
-        ulen = (sum_q + m + 7) / 8;
-        llen = ((uint64_t)m * (uint64_t)k + 7) / 8;
-        buf = (uint8_t *)calloc(ulen + llen + PAD, 1);
-        oom = !buf;
-    }
-    if (buf) {
-        BitWriter unary = {buf, 0, 0}, low = {buf + ulen, 0, 0};
-        uint64_t mask = ((uint64_t)1 << k) - 1;
-        int64_t prev = -1;
-        for (size_t i = 0; i < m; i++) {
-            uint64_t g = (uint64_t)((int64_t)idx[i] - prev - 1);
-            prev = idx[i];
-            bw_unary(&unary, g >> k);
-            bw_put(&low, g & mask, k); /* k <= 31 */
-        }
-        bw_flush(&unary);
-        bw_flush(&low);
-    }
+    if (m) buf = rice_write(idx, m, &k, &len, &bad);
     Py_END_ALLOW_THREADS
-    if (!ok) {
+    if (bad) {
         PyErr_SetString(PyExc_ValueError, "indices must be strictly increasing");
         goto done;
     }
-    if (oom) {
+    if (m && !buf) {
         PyErr_NoMemory();
         goto done;
     }
-    result = Py_BuildValue("(iy#)", k, buf ? (const char *)buf : "", (Py_ssize_t)(ulen + llen));
+    result = Py_BuildValue("(iy#)", k, buf ? (const char *)buf : "", (Py_ssize_t)len);
 done:
     free(buf);
     PyBuffer_Release(&ib);
@@ -501,38 +539,24 @@ PyDoc_STRVAR(rice_decode_doc,
              "Inverse of rice_encode: ``count`` u32 positions, each < n. ValueError unless ``data``\n"
              "is exactly what rice_encode writes for some positions.");
 
-static PyObject *k_rice_decode(PyObject *self, PyObject *args) {
-    PyObject *dobj;
-    Py_ssize_t count, n;
-    int k;
-    if (!PyArg_ParseTuple(args, "Onin:rice_decode", &dobj, &count, &k, &n)) return NULL;
-    if (k < 0 || k > MAX_RICE_K) return PyErr_Format(PyExc_ValueError, "bad Rice parameter %d", k);
-    if (count < 1 || n < 1 || count > n || (uint64_t)n > UINT32_MAX)
-        return PyErr_Format(PyExc_ValueError, "bad count %zd for %zd elements", count, n);
-    Py_buffer db;
-    if (get_buffer(dobj, &db, 0) < 0) return NULL;
-    PyObject *result = NULL;
-    const char *err = NULL;
-    size_t m = (size_t)count;
+static const char RICE_OOM[] = "out of memory";
+
+/* Decodes m >= 1 Rice-coded positions, each < n, from a ``len``-byte stream into idx: NULL,
+ * or the reason the stream is not exactly what rice_write writes (RICE_OOM when out of
+ * memory). k <= MAX_RICE_K. Runs without the GIL. */
+static const char *rice_read(const uint8_t *data, size_t len, size_t m, int k, uint64_t n, uint32_t *idx) {
     uint64_t lbits = (uint64_t)m * (uint64_t)k, llen = (lbits + 7) / 8;
-    uint8_t *buf = NULL, *low = NULL;
-    uint32_t *idx = NULL;
-    if ((uint64_t)db.len < llen + 1) {
-        PyErr_SetString(PyExc_ValueError, "Rice stream too short");
+    if ((uint64_t)len < llen + 1) return "Rice stream too short";
+    uint64_t ulen = (uint64_t)len - llen;
+    uint8_t *buf = padded_copy(data, (size_t)ulen), *low = padded_copy(data + ulen, (size_t)llen);
+    const char *err = NULL;
+    if (!buf || !low) {
+        err = RICE_OOM;
         goto done;
     }
-    uint64_t ulen = (uint64_t)db.len - llen;
-    buf = padded_copy(db.buf, (size_t)ulen);
-    low = padded_copy((const uint8_t *)db.buf + ulen, (size_t)llen);
-    idx = (uint32_t *)malloc(m * sizeof(uint32_t));
-    if (!buf || !low || !idx) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
     /* Pass 1: the unary parts, from the positions of the one bits (word by word, so codes do
      * not wait on each other); q goes into idx for now. */
-    const uint64_t qmax = (uint64_t)n >> k, words = (ulen + 7) / 8;
+    const uint64_t qmax = n >> k, words = (ulen + 7) / 8;
     uint64_t last = UINT64_MAX; /* position of the previous one bit; the first "previous" is -1 */
     size_t j = 0;
     for (uint64_t wi = 0; wi < words && j < m; wi++) {
@@ -554,20 +578,48 @@ static PyObject *k_rice_decode(PyObject *self, PyObject *args) {
     uint64_t pos = UINT64_MAX;
     for (size_t i = 0; i < m && !err; i++) {
         pos += 1 + (((uint64_t)idx[i] << k) | get_bits57(low, (uint64_t)i * (uint64_t)k, k));
-        if (pos >= (uint64_t)n) err = "position past the end of the chunk";
+        if (pos >= n) err = "position past the end of the chunk";
         idx[i] = (uint32_t)pos;
     }
     if (!err && !exact_padding(buf, (size_t)ulen, last + 1)) err = "Rice stream has trailing data";
     if (!err && !exact_padding(low, (size_t)llen, lbits)) err = "Rice low bits have trailing data";
+done:
+    free(buf);
+    free(low);
+    return err;
+}
+
+static PyObject *k_rice_decode(PyObject *self, PyObject *args) {
+    PyObject *dobj;
+    Py_ssize_t count, n;
+    int k;
+    if (!PyArg_ParseTuple(args, "Onin:rice_decode", &dobj, &count, &k, &n)) return NULL;
+    if (k < 0 || k > MAX_RICE_K) return PyErr_Format(PyExc_ValueError, "bad Rice parameter %d", k);
+    if (count < 1 || n < 1 || count > n || (uint64_t)n > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "bad count %zd for %zd elements", count, n);
+    Py_buffer db;
+    if (get_buffer(dobj, &db, 0) < 0) return NULL;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    size_t m = (size_t)count;
+    uint32_t *idx = (uint32_t *)malloc(m * sizeof(uint32_t));
+    if (!idx) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    err = rice_read((const uint8_t *)db.buf, (size_t)db.len, m, k, (uint64_t)n, idx);
     Py_END_ALLOW_THREADS
+    if (err == RICE_OOM) {
+        PyErr_NoMemory();
+        goto done;
+    }
     if (err) {
         PyErr_SetString(PyExc_ValueError, err);
         goto done;
     }
     result = PyBytes_FromStringAndSize((const char *)idx, (Py_ssize_t)(m * 4));
 done:
-    free(buf);
-    free(low);
     free(idx);
     PyBuffer_Release(&db);
     return result;
@@ -956,14 +1008,21 @@ static inline uint64_t sign_off(int w) { return width_mask(w) >> 1; }
 
 /* words[c] from the B - 1 nested masks ge[t] (magnitude >= lim[t]) of a block of m elements. */
 static inline void words_from_ge(const uint64_t *ge, int nt, size_t m, uint64_t *words) {
-    uint64_t valid = m == 64 ? ~(uint64_t)0 : (((uint64_t)1 << m) - 1);
-    if (nt == 0) {
-        words[0] = valid;
-        return;
+    /* A chained loop on purpose: vectorized, it reloads the masks just stored one by one as a
+     * vector, which stalls on store forwarding in every block. */
+    uint64_t above = m == 64 ? ~(uint64_t)0 : (((uint64_t)1 << m) - 1);
+    for (int t = 0; t < nt; t++) {
+        words[t] = above & ~ge[t];
+        above = ge[t];
     }
-    words[0] = valid & ~ge[0];
-    for (int c = 1; c < nt; c++) words[c] = ge[c - 1] & ~ge[c];
-    words[nt] = ge[nt - 1];
+    words[nt] = above;
+}
+
+/* The class of a magnitude: how many limits it reaches (unused limits are UINT64_MAX). */
+static inline unsigned class_of(uint64_t mag, const Classes *cl) {
+    unsigned c = 0;
+    for (int t = 0; t < MAX_CLASSES - 1; t++) c += mag >= cl->lim[t];
+    return c;
 }
 
 static inline void block_words(const uint8_t *x, size_t start, size_t m, int w, const Classes *cl, uint64_t *words) {
@@ -996,18 +1055,20 @@ static inline void block_words(const uint8_t *x, size_t start, size_t m, int w, 
     words_from_ge(ge, nt, m, words);
 }
 
-/* The position of the r-th (from 0) one bit of w; w has more than r one bits. */
-static inline int select64(uint64_t w, int r) {
-    for (int q = 0; q < 8; q++) {
-        uint32_t b = (uint32_t)(w >> (8 * q)) & 0xFF;
-        int pc = __builtin_popcount(b);
-        if (r < pc) {
-            for (; r > 0; r--) b &= b - 1;
-            return 8 * q + __builtin_ctz(b);
-        }
-        r -= pc;
+/* The low popcount(mask) bits of src, deposited at the one bits of mask (BMI2's pdep). */
+static inline uint64_t pdep_soft(uint64_t src, uint64_t mask) {
+    uint64_t out = 0;
+    for (; mask && src; mask &= mask - 1, src >>= 1) out |= (0 - (src & 1)) & (mask & (0 - mask));
+    return out;
+}
+
+static inline void copy_elem(uint8_t *dst, const uint8_t *src, int w) {
+    switch (w) { /* constant sizes: a load and a store, not a call */
+    case 1: *dst = *src; break;
+    case 2: memcpy(dst, src, 2); break;
+    case 4: memcpy(dst, src, 4); break;
+    default: memcpy(dst, src, 8); break;
     }
-    return 64; /* not reached */
 }
 
 #if HAVE_AVX512
@@ -1048,243 +1109,544 @@ AVX512_BMI2 static inline void block_words_avx512(const uint8_t *x, size_t start
     words_from_ge(ge, nt, m, words);
 }
 
-AVX512_BMI2 static inline int select64_bmi2(uint64_t w, int r) { return __builtin_ctzll(_pdep_u64((uint64_t)1 << r, w)); }
+AVX512_BMI2 static inline uint64_t pdep_bmi2(uint64_t src, uint64_t mask) { return _pdep_u64(src, mask); }
 #endif
 
-/* The two loops, written once and compiled for each block_words/select64 pair (like scan). */
-#define DEFINE_CLASS_LOOPS(ATTR, SUFFIX, WORDS, SELECT) \
+/* The two loops, written once and compiled for each block_words/pdep pair (like scan).
+ *
+ * ranks_loop: for every changed element (its class known) its rank among the class's
+ * elements, and its place among the class's changes, where its rank and values go. Both are
+ * popcounts of the block's membership words, so no change waits on another (a per-class
+ * counter would, and a search for the class mispredicts on about every change).
+ *
+ * select_loop, its inverse: each class's changes as a bitmap over the class's ranks; the
+ * bits of it that cover this block's members of the class, deposited at those members'
+ * places (pdep), are the block's changed elements of that class; no loop per change but the
+ * one that writes them out, in index order, each with its value from the class-ordered
+ * values. Returns 0 when the base holds more elements of a class than ``counts`` says. */
+#define DEFINE_CLASS_LOOPS(ATTR, SUFFIX, WORDS, PDEP) \
 ATTR static void ranks_loop##SUFFIX(const uint8_t *base, size_t n, int w, const Classes *cl, const uint32_t *idx, \
-                                    size_t k, uint8_t *cls, uint32_t *ranks, uint32_t *running) { \
+                                    size_t k, const uint8_t *cls, const uint8_t *tv, const uint8_t *bv, size_t *vat, \
+                                    uint32_t *ranks, uint8_t *tv_out, uint8_t *bv_out, uint32_t *running) { \
     size_t j = 0; \
     uint64_t words[MAX_CLASSES]; \
     for (size_t start = 0; start < n; start += 64) { \
-        size_t m = n - start < 64 ? n - start : 64; \
+        size_t m = n - start < 64 ? n - start : 64, j0 = j; \
         WORDS(base, start, m, w, cl, words); \
-        for (; j < k && idx[j] < start + m; j++) { \
-            int bit = (int)(idx[j] - start); \
-            int c = 0; \
-            while (!(words[c] >> bit & 1)) c++; \
-            cls[j] = (uint8_t)c; \
-            ranks[j] = running[c] + (uint32_t)__builtin_popcountll(words[c] & (((uint64_t)1 << bit) - 1)); \
+        uint64_t changed = 0; \
+        for (; j < k && idx[j] < start + m; j++) changed |= (uint64_t)1 << (idx[j] - start); \
+        for (size_t i = j0; i < j; i++) { \
+            uint64_t below = ((uint64_t)1 << (idx[i] - start)) - 1; \
+            unsigned c = cls[i]; \
+            size_t q = vat[c] + (size_t)__builtin_popcountll(words[c] & changed & below); \
+            ranks[q] = running[c] + (uint32_t)__builtin_popcountll(words[c] & below); \
+            copy_elem(tv_out + q * (size_t)w, tv + i * (size_t)w, w); \
+            copy_elem(bv_out + q * (size_t)w, bv + i * (size_t)w, w); \
         } \
-        for (int c = 0; c < cl->B; c++) running[c] += (uint32_t)__builtin_popcountll(words[c]); \
+        for (int c = 0; c < cl->B; c++) { \
+            running[c] += (uint32_t)__builtin_popcountll(words[c]); \
+            vat[c] += (size_t)__builtin_popcountll(words[c] & changed); \
+        } \
     } \
 } \
-ATTR static void select_loop##SUFFIX(const uint8_t *base, size_t n, int w, const Classes *cl, const uint32_t *ranks, \
-                                     size_t *ptr, const size_t *end, uint32_t *out, uint32_t *order, \
-                                     uint32_t *running) { \
-    uint64_t words[MAX_CLASSES]; \
-    uint32_t slot[64]; \
+ATTR static int select_loop##SUFFIX(const uint8_t *base, size_t n, int w, const Classes *cl, uint8_t *const *bitmaps, \
+                                    const uint32_t *counts, const uint8_t *values, size_t *vat, uint32_t *out, \
+                                    uint8_t *out_values, uint64_t *running) { \
+    uint64_t words[MAX_CLASSES], dep[MAX_CLASSES], off = sign_off(w); \
     size_t o = 0; \
     for (size_t start = 0; start < n; start += 64) { \
         size_t m = n - start < 64 ? n - start : 64; \
         WORDS(base, start, m, w, cl, words); \
         uint64_t hits = 0; \
         for (int c = 0; c < cl->B; c++) { \
-            uint32_t pc = (uint32_t)__builtin_popcountll(words[c]); \
-            /* ranks increase within a class (checked), so r >= running[c] always holds here */ \
-            for (; ptr[c] < end[c] && ranks[ptr[c]] - running[c] < pc; ptr[c]++) { \
-                int bit = SELECT(words[c], (int)(ranks[ptr[c]] - running[c])); \
-                hits |= (uint64_t)1 << bit; \
-                slot[bit] = (uint32_t)ptr[c]; \
-            } \
-            running[c] += pc; \
+            int pc = __builtin_popcountll(words[c]); \
+            if (running[c] + (uint64_t)pc > counts[c]) return 0; /* the bitmap holds counts[c] bits */ \
+            dep[c] = PDEP(get_bits64(bitmaps[c], running[c], pc), words[c]); \
+            hits |= dep[c]; \
+            running[c] += (uint64_t)pc; \
         } \
         for (; hits; hits &= hits - 1) { \
             int bit = __builtin_ctzll(hits); \
+            unsigned c = class_of(load_elem(base + (start + (size_t)bit) * (size_t)w, w) & off, cl); \
+            size_t slot = vat[c] + (size_t)__builtin_popcountll(dep[c] & (((uint64_t)1 << bit) - 1)); \
             out[o] = (uint32_t)(start + (size_t)bit); \
-            order[o++] = slot[bit]; \
+            copy_elem(out_values + o * (size_t)w, values + slot * (size_t)w, w); \
+            o++; \
         } \
+        for (int c = 0; c < cl->B; c++) vat[c] += (size_t)__builtin_popcountll(dep[c]); \
     } \
+    return 1; \
 }
 
-DEFINE_CLASS_LOOPS(, , block_words, select64)
+DEFINE_CLASS_LOOPS(, , block_words, pdep_soft)
 #if HAVE_AVX512
-DEFINE_CLASS_LOOPS(AVX512_BMI2, _avx512, block_words_avx512, select64_bmi2)
+DEFINE_CLASS_LOOPS(AVX512_BMI2, _avx512, block_words_avx512, pdep_bmi2)
 #endif
+
+static const int BIN_SHIFT[9] = {0, 3, 7, 0, 23, 0, 0, 0, 52};
 
 /* Parses ``thresholds`` (u16 each, strictly increasing, 1 <= t <= max bin) into limits. */
 static int parse_classes(const Py_buffer *tb, int w, Classes *cl) {
-    static const int shift[9] = {0, 3, 7, 0, 23, 0, 0, 0, 52};
     size_t nt = (size_t)tb->len / 2;
     if (tb->len % 2 || nt > MAX_CLASSES - 1) {
         PyErr_SetString(PyExc_ValueError, "bad class thresholds");
         return 0;
     }
-    uint64_t max_bin = sign_off(w) >> shift[w];
+    uint64_t max_bin = sign_off(w) >> BIN_SHIFT[w];
     const uint8_t *p = (const uint8_t *)tb->buf;
     uint64_t prev = 0;
     cl->B = (int)nt + 1;
+    for (int t = 0; t < MAX_CLASSES - 1; t++) cl->lim[t] = UINT64_MAX;
     for (size_t t = 0; t < nt; t++) {
         uint64_t th = (uint64_t)p[2 * t] | (uint64_t)p[2 * t + 1] << 8;
         if (th <= prev || th > max_bin) {
             PyErr_SetString(PyExc_ValueError, "class thresholds must increase from 1 to the largest bin");
             return 0;
         }
-        cl->lim[t] = th << shift[w];
+        cl->lim[t] = th << BIN_SHIFT[w];
         prev = th;
     }
     return 1;
 }
 
-PyDoc_STRVAR(class_ranks_doc,
-             "class_ranks(base, width, thresholds, indices) -> (order, ranks, per_class, counts)\n\n"
-             "The changed elements (``indices``: increasing u32) class after class of their magnitude\n"
-             "in ``base``: ``order`` (u32 each) lists their places in ``indices`` class after class (in\n"
-             "increasing order within a class), ``ranks`` (u32 each, same order) their ranks among\n"
-             "the elements of their class; ``per_class`` (u32 per class) how many changed, ``counts``\n"
-             "(u32 per class) how many elements each class holds.");
+/* -- choosing the thresholds -- */
 
-static PyObject *k_class_ranks(PyObject *self, PyObject *args) {
-    PyObject *bo, *to, *io;
-    int w;
-    if (!PyArg_ParseTuple(args, "OiOO:class_ranks", &bo, &w, &to, &io)) return NULL;
+#define MAX_RUNS 64 /* bins the DP splits at most; more present bins are thinned to 64 */
+
+/* The twin computes the same costs with numpy's exactly rounded + - * / and Python's
+ * math.log2, which is this libm's log2: a fused multiply-add here would round differently and
+ * could flip a near tie between two splits. */
+#if defined(__clang__)
+#define FP_STRICT_FN
+#define FP_STRICT_BODY _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define FP_STRICT_FN __attribute__((optimize("fp-contract=off")))
+#define FP_STRICT_BODY
+#else
+#define FP_STRICT_FN
+#define FP_STRICT_BODY
+#endif
+
+/* nn * H(kk / nn): the bits of which of nn elements are the kk that changed, at their rate. */
+FP_STRICT_FN static double class_cost(double nn, double kk) {
+    FP_STRICT_BODY
+    double p = nn > 0 ? kk / nn : 0.0;
+    double lp = log2(p > 0 ? p : 1.0), lq = log2(p < 1 ? 1.0 - p : 1.0);
+    double h = -(p * lp + (1.0 - p) * lq);
+    return nn * h;
+}
+
+/* The thresholds (bins, increasing) of the best split of a chunk into at most G classes, as
+ * documented at class_thresholds below; returns their number, or -1 when out of memory. */
+static int choose_thresholds(const uint8_t *base, size_t n, const uint8_t *vals, size_t k, int w, int G,
+                             double overhead, uint16_t *out) {
+    const int shift = BIN_SHIFT[w];
+    const uint64_t off = sign_off(w);
+    const size_t nbins = (size_t)(off >> shift) + 1;
+    uint64_t *hn = (uint64_t *)calloc(2 * nbins + 1, sizeof(uint64_t)), *hk = hn + nbins;
+    uint32_t *present = (uint32_t *)malloc(nbins * sizeof(uint32_t));
+    uint32_t *sub = (uint32_t *)calloc(8 * nbins, sizeof(uint32_t)); /* 4 histograms of each */
+    double *cost = (double *)malloc((MAX_RUNS + 1) * (MAX_RUNS + 1) * sizeof(double));
+    int found = -1;
+    if (!hn || !present || !sub || !cost) goto done;
+    /* Four interleaved histograms: changes crowd into a few bins, and one array of counters
+     * would make every increment wait for the previous one to the same bin. */
+#define HISTOGRAMS(T)                                                                                      \
+    for (size_t i = 0; i < n; i += 16) {                                                                   \
+        T v;                                                                                               \
+        memcpy(&v, base + i * sizeof(T), sizeof(T));                                                       \
+        sub[(i >> 4 & 3) * nbins + (size_t)((v & off) >> shift)]++;                                        \
+    }                                                                                                      \
+    for (size_t j = 0; j < k; j++) {                                                                       \
+        T v;                                                                                               \
+        memcpy(&v, vals + j * sizeof(T), sizeof(T));                                                       \
+        sub[(4 + (j & 3)) * nbins + (size_t)((v & off) >> shift)]++;                                       \
+    }
+    switch (w) {
+    case 1: HISTOGRAMS(uint8_t) break;
+    case 2: HISTOGRAMS(uint16_t) break;
+    case 4: HISTOGRAMS(uint32_t) break;
+    default: HISTOGRAMS(uint64_t) break;
+    }
+#undef HISTOGRAMS
+    for (size_t b = 0; b < nbins; b++) {
+        hn[b] = (uint64_t)sub[b] + sub[nbins + b] + sub[2 * nbins + b] + sub[3 * nbins + b];
+        hk[b] = (uint64_t)sub[4 * nbins + b] + sub[5 * nbins + b] + sub[6 * nbins + b] + sub[7 * nbins + b];
+    }
+    size_t L = 0;
+    for (size_t b = 0; b < nbins; b++)
+        if (hn[b] || hk[b]) present[L++] = (uint32_t)b;
+    found = 0;
+    if (L < 2 || G < 2) goto done;
+    if (L > MAX_RUNS) { /* numpy's linspace(0, L - 1, 64) truncated: i * step, the last exact */
+        double step = (double)(L - 1) / (double)(MAX_RUNS - 1);
+        for (size_t i = 0; i < MAX_RUNS - 1; i++) present[i] = present[(size_t)((double)i * step)];
+        present[MAX_RUNS - 1] = present[L - 1];
+        L = MAX_RUNS;
+    }
+    /* cn[i], ck[i]: elements (the sample's count times 16) and changes in bins before run i */
+    size_t m = L;
+    double cn[MAX_RUNS + 1], ck[MAX_RUNS + 1];
+    uint64_t sn = 0, sk = 0;
+    size_t r = 0;
+    for (size_t b = 0; b <= nbins && r <= m; b++) {
+        if (b == (r < m ? present[r] : nbins)) {
+            cn[r] = r ? (double)(16 * sn) : 0.0;
+            ck[r] = r ? (double)sk : 0.0;
+            r++;
+        }
+        if (b < nbins) sn += hn[b], sk += hk[b];
+    }
+    for (size_t i = 0; i < m; i++)
+        for (size_t j = i + 1; j <= m; j++) {
+            double nn = cn[j] - cn[i], kk = ck[j] - ck[i];
+            cost[i * (m + 1) + j] = class_cost(nn, kk < nn ? kk : nn);
+        }
+    double prev[MAX_RUNS + 1], cur[MAX_RUNS + 1], totals[MAX_CLASSES];
+    uint8_t back[MAX_CLASSES - 1][MAX_RUNS + 1];
+    prev[0] = INFINITY;
+    for (size_t j = 1; j <= m; j++) prev[j] = cost[j];
+    totals[0] = prev[m];
+    for (int g = 1; g < G; g++) {
+        for (size_t j = 0; j <= m; j++) {
+            double best = INFINITY;
+            size_t arg = 0;
+            for (size_t i = 0; i < j; i++) { /* the first of equals, like numpy's argmin */
+                double v = prev[i] + cost[i * (m + 1) + j];
+                if (v < best) best = v, arg = i;
+            }
+            cur[j] = j ? best : INFINITY;
+            back[g - 1][j] = (uint8_t)arg;
+        }
+        memcpy(prev, cur, sizeof(prev));
+        totals[g] = prev[m] + (double)g * overhead;
+    }
+    int g = 0;
+    for (int q = 1; q < G; q++)
+        if (totals[q] < totals[g]) g = q;
+    size_t j = m;
+    for (int level = g; level > 0; level--) {
+        j = back[level - 1][j];
+        out[level - 1] = (uint16_t)present[j];
+    }
+    found = g;
+done:
+    free(hn);
+    free(present);
+    free(sub);
+    free(cost);
+    return found;
+}
+
+PyDoc_STRVAR(class_thresholds_doc,
+             "class_thresholds(base, width, values, max_classes, overhead_bits) -> thresholds\n\n"
+             "The bins (u16 each, increasing; empty: one class is best) that split a chunk into at\n"
+             "most ``max_classes`` magnitude classes of elements whose chance of changing differs\n"
+             "most. Elements per bin come from a sample of ``base`` (every 16th element, times 16),\n"
+             "changes per bin from ``values`` (the changed elements of the base). Bins present in\n"
+             "either are cut into runs (at most 64: linspace over them, truncated); the split into\n"
+             "runs minimises sum over classes of n H(k / n) (k capped at n) plus ``overhead_bits``\n"
+             "per class after the first (dynamic programming in float64, the first of equals).");
+
+static PyObject *k_class_thresholds(PyObject *self, PyObject *args) {
+    PyObject *bo, *vo;
+    int w, G, overhead;
+    if (!PyArg_ParseTuple(args, "OiOii:class_thresholds", &bo, &w, &vo, &G, &overhead)) return NULL;
     if (!check_width(w)) return NULL;
-    Py_buffer bb, tb, ib;
+    if (G < 1 || G > MAX_CLASSES || overhead < 0) return PyErr_Format(PyExc_ValueError, "bad class count %d", G);
+    Py_buffer bb, vb;
     if (get_buffer(bo, &bb, 0) < 0) return NULL;
-    if (get_buffer(to, &tb, 0) < 0) {
+    if (get_buffer(vo, &vb, 0) < 0) {
         PyBuffer_Release(&bb);
         return NULL;
     }
-    if (get_buffer(io, &ib, 0) < 0) {
-        PyBuffer_Release(&bb);
-        PyBuffer_Release(&tb);
-        return NULL;
-    }
-    PyObject *result = NULL, *oo = NULL, *ro = NULL, *po = NULL, *no = NULL;
-    uint8_t *cls = NULL;
-    uint32_t *raw = NULL;
-    Classes cl;
-    size_t n = (size_t)bb.len / (size_t)w, k = (size_t)ib.len / 4;
-    if (!parse_classes(&tb, w, &cl)) goto done;
-    if (bb.len % w || ib.len % 4) {
-        PyErr_SetString(PyExc_ValueError, "class_ranks: buffers of mismatched sizes");
+    PyObject *result = NULL;
+    uint16_t th[MAX_CLASSES - 1];
+    int found = 0;
+    if (bb.len % w || vb.len % w) {
+        PyErr_SetString(PyExc_ValueError, "class_thresholds: buffers of whole elements expected");
         goto done;
     }
-    oo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
-    ro = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
-    po = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * cl.B));
-    no = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * cl.B));
+    Py_BEGIN_ALLOW_THREADS
+    found = choose_thresholds((const uint8_t *)bb.buf, (size_t)bb.len / (size_t)w, (const uint8_t *)vb.buf,
+                              (size_t)vb.len / (size_t)w, w, G, (double)overhead, th);
+    Py_END_ALLOW_THREADS
+    if (found < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize((const char *)th, 2 * (Py_ssize_t)found); /* little-endian host */
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&vb);
+    return result;
+}
+
+/* -- encoding: ranks, values and streams of every class -- */
+
+PyDoc_STRVAR(class_encode_doc,
+             "class_encode(base, width, thresholds, indices, target_values, base_values)\n"
+             "    -> (counts, per_class, target_values, base_values, classes)\n\n"
+             "The changed elements (``indices``: increasing u32; the values: their elements' bytes)\n"
+             "in the magnitude classes of ``base``: ``counts`` (u32 per class) how many elements each\n"
+             "class holds, ``per_class`` (u32 per class) how many of them changed, both values\n"
+             "reordered class after class (in index order within a class), and per class a tuple\n"
+             "``(rice_k, rice, bitmap)``: the changes' ranks among the class's elements Rice-coded as\n"
+             "rice_encode does ((0, b'') for none) and, when at least 1/8 of the class changed, the\n"
+             "bitmap of those ranks (LSB-first, zero padding), else None.");
+
+static PyObject *k_class_encode(PyObject *self, PyObject *args) {
+    PyObject *objs[5];
+    int w;
+    if (!PyArg_ParseTuple(args, "OiOOOO:class_encode", &objs[0], &w, &objs[1], &objs[2], &objs[3], &objs[4]))
+        return NULL;
+    if (!check_width(w)) return NULL;
+    Py_buffer bufs[5];
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_buffer(objs[got], &bufs[got], 0) < 0) break;
+    PyObject *result = NULL, *tvo = NULL, *bvo = NULL, *classes = NULL;
+    uint8_t *cls = NULL, *rice[MAX_CLASSES] = {0}, *bitmap[MAX_CLASSES] = {0};
+    uint32_t *sorted = NULL;
+    if (got < 5) goto done;
+    Py_buffer *bb = &bufs[0], *ib = &bufs[2], *tb = &bufs[3], *vb = &bufs[4];
+    Classes cl;
+    if (!parse_classes(&bufs[1], w, &cl)) goto done;
+    size_t n = (size_t)bb->len / (size_t)w, k = (size_t)ib->len / 4;
+    if (bb->len % w || ib->len % 4 || (size_t)tb->len != k * (size_t)w || (size_t)vb->len != k * (size_t)w) {
+        PyErr_SetString(PyExc_ValueError, "class_encode: buffers of mismatched sizes");
+        goto done;
+    }
+    tvo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(k * (size_t)w));
+    bvo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(k * (size_t)w));
     cls = (uint8_t *)malloc(k ? k : 1);
-    raw = (uint32_t *)malloc(4 * (k ? k : 1));
-    if (!oo || !ro || !po || !no || !cls || !raw) {
+    sorted = (uint32_t *)malloc(4 * (k ? k : 1));
+    if (!tvo || !bvo || !cls || !sorted) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
-    const uint32_t *idx = (const uint32_t *)ib.buf;
-    uint32_t *order = (uint32_t *)PyBytes_AS_STRING(oo), *ranks = (uint32_t *)PyBytes_AS_STRING(ro);
+    const uint32_t *idx = (const uint32_t *)ib->buf;
+    const uint8_t *tv = (const uint8_t *)tb->buf, *bv = (const uint8_t *)vb->buf;
+    uint8_t *tv_out = (uint8_t *)PyBytes_AS_STRING(tvo), *bv_out = (uint8_t *)PyBytes_AS_STRING(bvo);
     uint32_t running[MAX_CLASSES] = {0}, per[MAX_CLASSES] = {0};
-    int bad = 0;
+    size_t rice_len[MAX_CLASSES] = {0};
+    int rice_k[MAX_CLASSES] = {0}, bad = 0, oom = 0;
     Py_BEGIN_ALLOW_THREADS
     for (size_t i = 1; i < k; i++) bad |= idx[i] <= idx[i - 1];
     bad |= k && idx[k - 1] >= n;
     if (!bad) {
-#if HAVE_AVX512
-        if (use_avx512)
-            ranks_loop_avx512((const uint8_t *)bb.buf, n, w, &cl, idx, k, cls, raw, running);
-        else
-#endif
-            ranks_loop((const uint8_t *)bb.buf, n, w, &cl, idx, k, cls, raw, running);
-        size_t at[MAX_CLASSES], total = 0; /* counting sort by class, stable */
-        for (size_t j = 0; j < k; j++) per[cls[j]]++;
+        const uint8_t *bp = (const uint8_t *)bb->buf;
+        const uint64_t off = sign_off(w);
+        for (size_t j = 0; j < k; j++) cls[j] = (uint8_t)class_of(load_elem(bp + (size_t)idx[j] * (size_t)w, w) & off, &cl);
+        for (int c = 0; c < cl.B; c++) { /* one count per class: no chain through a counter array */
+            uint32_t count = 0;
+            for (size_t j = 0; j < k; j++) count += cls[j] == c;
+            per[c] = count;
+        }
+        size_t vat[MAX_CLASSES], total = 0;
         for (int c = 0; c < cl.B; c++) {
-            at[c] = total;
+            vat[c] = total;
             total += per[c];
         }
-        for (size_t j = 0; j < k; j++) {
-            size_t q = at[cls[j]]++;
-            order[q] = (uint32_t)j;
-            ranks[q] = raw[j];
+#if HAVE_AVX512
+        if (use_avx512)
+            ranks_loop_avx512(bp, n, w, &cl, idx, k, cls, tv, bv, vat, sorted, tv_out, bv_out, running);
+        else
+#endif
+            ranks_loop(bp, n, w, &cl, idx, k, cls, tv, bv, vat, sorted, tv_out, bv_out, running);
+        const uint32_t *ranks = sorted;
+        for (int c = 0; c < cl.B && !oom; ranks += per[c], c++) {
+            if (!per[c]) continue;
+            int not_increasing = 0; /* cannot happen: ranks within a class increase with the index */
+            rice[c] = rice_write(ranks, per[c], &rice_k[c], &rice_len[c], &not_increasing);
+            oom |= !rice[c];
+            if (!oom && 8 * (uint64_t)per[c] >= running[c]) { /* the bitmap: unary codes of the gaps */
+                bitmap[c] = (uint8_t *)calloc((running[c] + 7) / 8 + PAD, 1);
+                oom |= !bitmap[c];
+                if (!oom) {
+                    BitWriter bw = {bitmap[c], 0, 0};
+                    int64_t prev = -1;
+                    for (uint32_t i = 0; i < per[c]; i++) {
+                        bw_unary(&bw, (uint64_t)((int64_t)ranks[i] - prev - 1));
+                        prev = ranks[i];
+                    }
+                    bw_flush(&bw);
+                }
+            }
         }
     }
     Py_END_ALLOW_THREADS
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "class_ranks: indices must be increasing and in range");
+        PyErr_SetString(PyExc_ValueError, "class_encode: indices must be increasing and in range");
         goto done;
     }
-    memcpy(PyBytes_AS_STRING(po), per, 4 * (size_t)cl.B);
-    memcpy(PyBytes_AS_STRING(no), running, 4 * (size_t)cl.B);
-    result = PyTuple_Pack(4, oo, ro, po, no);
+    if (oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    classes = PyTuple_New(cl.B);
+    if (!classes) goto done;
+    for (int c = 0; c < cl.B; c++) {
+        PyObject *item;
+        if (bitmap[c])
+            item = Py_BuildValue("(iy#y#)", rice_k[c], (const char *)rice[c], (Py_ssize_t)rice_len[c],
+                                 (const char *)bitmap[c], (Py_ssize_t)((running[c] + 7) / 8));
+        else
+            item = Py_BuildValue("(iy#O)", rice_k[c], rice[c] ? (const char *)rice[c] : "", (Py_ssize_t)rice_len[c],
+                                 Py_None);
+        if (!item) goto done;
+        PyTuple_SET_ITEM(classes, c, item);
+    }
+    result = Py_BuildValue("(y#y#OOO)", (const char *)running, (Py_ssize_t)(4 * cl.B), (const char *)per,
+                           (Py_ssize_t)(4 * cl.B), tvo, bvo, classes);
 done:
+    for (int c = 0; c < MAX_CLASSES; c++) {
+        free(rice[c]);
+        free(bitmap[c]);
+    }
     free(cls);
-    free(raw);
-    Py_XDECREF(oo);
-    Py_XDECREF(ro);
-    Py_XDECREF(po);
-    Py_XDECREF(no);
-    PyBuffer_Release(&bb);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&ib);
+    free(sorted);
+    Py_XDECREF(tvo);
+    Py_XDECREF(bvo);
+    Py_XDECREF(classes);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     return result;
 }
 
+/* -- decoding -- */
+
+#define CLASS_HEAD 10 /* u32 changes, u8 method, u8 parameter, u32 stream length */
+
 PyDoc_STRVAR(class_select_doc,
-             "class_select(base, width, thresholds, counts, ranks, per_class) -> (indices, order)\n\n"
-             "Inverse of class_ranks: ``ranks`` (u32) holds, class after class, the increasing ranks of\n"
-             "the changed elements of each class (``per_class[c]`` of them, u32 each). Returns their\n"
-             "element indices in increasing order (u32) and, for each, its place in ``ranks`` (u32).\n"
-             "ValueError unless ``counts`` (u32 per class) is the number of elements of each class\n"
-             "and every rank is increasing within its class and below its class's count.");
+             "class_select(base, width, thresholds, counts, heads, streams, values) -> (indices, values)\n\n"
+             "Inverse of class_encode. ``counts``: u32 per class; ``heads``: per class the payload's\n"
+             "header (u32 changes, u8 method, u8 parameter, u32 stream length); ``streams``: per\n"
+             "class a buffer, for method 0 the Rice code of the class's ranks (parameter k, as\n"
+             "rice_decode reads it), for method 1 their bitmap, decompressed; ``values``: the changes'\n"
+             "elements, class after class. Returns the changed elements' indices (increasing u32)\n"
+             "and their values in that order. ValueError unless every stream is exactly what\n"
+             "class_encode writes for ranks below its class's count (an empty class: method 0,\n"
+             "parameter 0, no stream; a Rice stream: as long as its header says), the changes add\n"
+             "up to the values and the classes of ``base`` hold ``counts`` elements.");
 
 static PyObject *k_class_select(PyObject *self, PyObject *args) {
-    PyObject *bo, *to, *no, *ro, *po;
+    PyObject *objs[5], *so;
     int w;
-    if (!PyArg_ParseTuple(args, "OiOOOO:class_select", &bo, &w, &to, &no, &ro, &po)) return NULL;
+    if (!PyArg_ParseTuple(args, "OiOOOOO:class_select", &objs[0], &w, &objs[1], &objs[2], &objs[3], &so, &objs[4]))
+        return NULL;
     if (!check_width(w)) return NULL;
-    Py_buffer bufs[5];
-    PyObject *objs[5] = {bo, to, no, ro, po};
-    int got = 0;
+    Py_buffer bufs[5], sb[MAX_CLASSES];
+    int got = 0, got_s = 0;
     for (; got < 5; got++)
         if (get_buffer(objs[got], &bufs[got], 0) < 0) break;
-    PyObject *result = NULL, *io = NULL, *oo = NULL;
+    PyObject *result = NULL, *io = NULL, *vo = NULL, *seq = NULL;
+    uint8_t *maps = NULL;
+    uint32_t *scratch = NULL;
+    const char *err = NULL;
     if (got < 5) goto done;
-    Py_buffer *bb = &bufs[0], *nb = &bufs[2], *rb = &bufs[3], *pb = &bufs[4];
+    Py_buffer *bb = &bufs[0], *nb = &bufs[2], *hb = &bufs[3], *vb = &bufs[4];
     Classes cl;
     if (!parse_classes(&bufs[1], w, &cl)) goto done;
-    size_t n = (size_t)bb->len / (size_t)w, k = (size_t)rb->len / 4;
-    if (bb->len % w || rb->len % 4 || nb->len != 4 * cl.B || pb->len != 4 * cl.B) {
+    seq = PySequence_Fast(so, "class_select: streams must be a sequence");
+    if (!seq) goto done;
+    if (bb->len % w || vb->len % w || nb->len != 4 * cl.B || hb->len != CLASS_HEAD * cl.B ||
+        PySequence_Fast_GET_SIZE(seq) != cl.B) {
         PyErr_SetString(PyExc_ValueError, "class_select: buffers of mismatched sizes");
         goto done;
     }
-    const uint32_t *counts = (const uint32_t *)nb->buf, *ranks = (const uint32_t *)rb->buf;
-    const uint32_t *per = (const uint32_t *)pb->buf;
-    size_t ptr[MAX_CLASSES], end[MAX_CLASSES], total = 0;
-    for (int c = 0; c < cl.B; c++) {
-        ptr[c] = total;
-        total += per[c];
-        end[c] = total;
+    for (; got_s < cl.B; got_s++)
+        if (get_buffer(PySequence_Fast_GET_ITEM(seq, got_s), &sb[got_s], 0) < 0) goto done;
+    size_t n = (size_t)bb->len / (size_t)w, k = (size_t)vb->len / (size_t)w;
+    const uint8_t *h = (const uint8_t *)hb->buf;
+    uint32_t counts[MAX_CLASSES], per[MAX_CLASSES];
+    uint64_t sum_n = 0, sum_k = 0, map_bytes = 0, most = 1;
+    uint8_t method[MAX_CLASSES], param[MAX_CLASSES];
+    memcpy(counts, nb->buf, 4 * (size_t)cl.B);
+    for (int c = 0; c < cl.B && !err; c++) {
+        uint32_t length;
+        memcpy(&per[c], h + CLASS_HEAD * c, 4);
+        method[c] = h[CLASS_HEAD * c + 4], param[c] = h[CLASS_HEAD * c + 5];
+        memcpy(&length, h + CLASS_HEAD * c + 6, 4);
+        uint64_t n_c = counts[c], k_c = per[c], len = (uint64_t)sb[c].len;
+        sum_n += n_c, sum_k += k_c;
+        map_bytes += (n_c + 7) / 8 + PAD;
+        if (k_c > most) most = k_c;
+        if (k_c > n_c) err = "more changes than elements in a class";
+        else if (k_c == 0 && (method[c] != 0 || param[c] != 0 || length != 0 || len != 0)) err = "empty class with a stream";
+        else if (k_c && method[c] == 0 && (param[c] > MAX_RICE_K || len != length)) err = "bad Rice class stream";
+        else if (k_c && method[c] == 1 && (param[c] != 0 || len != (n_c + 7) / 8)) err = "bad class bitmap";
+        else if (method[c] > 1) err = "unknown class coding";
     }
-    if (total != k) {
-        PyErr_SetString(PyExc_ValueError, "class_select: per-class counts do not add up to the ranks");
+    if (!err && sum_n != n) err = "class counts do not add up to the chunk";
+    if (!err && sum_k != k) err = "class changes do not add up to the values";
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
         goto done;
     }
     io = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
-    oo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
-    if (!io || !oo) goto done;
-    uint32_t *out = (uint32_t *)PyBytes_AS_STRING(io), *order = (uint32_t *)PyBytes_AS_STRING(oo);
-    int bad = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (int c = 0; c < cl.B && !bad; c++)
-        for (size_t i = ptr[c] + 1; i < end[c]; i++) bad |= ranks[i] <= ranks[i - 1];
-    if (!bad) {
-        uint32_t running[MAX_CLASSES] = {0};
-#if HAVE_AVX512
-        if (use_avx512)
-            select_loop_avx512((const uint8_t *)bb->buf, n, w, &cl, ranks, ptr, end, out, order, running);
-        else
-#endif
-            select_loop((const uint8_t *)bb->buf, n, w, &cl, ranks, ptr, end, out, order, running);
-        for (int c = 0; c < cl.B; c++) bad |= running[c] != counts[c] || ptr[c] != end[c];
-    }
-    Py_END_ALLOW_THREADS
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "class positions do not match the base (ranks or class counts)");
+    vo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(k * (size_t)w));
+    maps = (uint8_t *)malloc((size_t)map_bytes);
+    scratch = (uint32_t *)malloc(4 * (size_t)most);
+    if (!io || !vo || !maps || !scratch) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
-    result = PyTuple_Pack(2, io, oo);
+    uint32_t *out = (uint32_t *)PyBytes_AS_STRING(io);
+    uint8_t *out_values = (uint8_t *)PyBytes_AS_STRING(vo);
+    Py_BEGIN_ALLOW_THREADS
+    uint8_t *bitmaps[MAX_CLASSES];
+    size_t vat[MAX_CLASSES], at = 0, map_at = 0;
+    for (int c = 0; c < cl.B && !err; c++) {
+        size_t bytes = ((size_t)counts[c] + 7) / 8;
+        uint8_t *bm = bitmaps[c] = maps + map_at;
+        map_at += bytes + PAD;
+        vat[c] = at;
+        at += per[c];
+        if (per[c] && method[c] == 1) {
+            memcpy(bm, sb[c].buf, bytes);
+            memset(bm + bytes, 0, PAD);
+            uint64_t ones = 0;
+            for (size_t i = 0; i < bytes; i += 8) ones += (uint64_t)__builtin_popcountll(load64(bm + i));
+            if (!exact_padding(bm, bytes, counts[c])) err = "class bitmap padding is not zero";
+            else if (ones != per[c]) err = "class bitmap holds another number of changes";
+            continue;
+        }
+        memset(bm, 0, bytes + PAD);
+        if (!per[c]) continue;
+        err = rice_read((const uint8_t *)sb[c].buf, (size_t)sb[c].len, per[c], param[c], counts[c], scratch);
+        for (uint32_t i = 0; !err && i < per[c]; i++) bm[scratch[i] >> 3] |= (uint8_t)(1u << (scratch[i] & 7));
+    }
+    if (!err) {
+        uint64_t running[MAX_CLASSES] = {0};
+        int ok;
+#if HAVE_AVX512
+        if (use_avx512)
+            ok = select_loop_avx512((const uint8_t *)bb->buf, n, w, &cl, bitmaps, counts, (const uint8_t *)vb->buf,
+                                    vat, out, out_values, running);
+        else
+#endif
+            ok = select_loop((const uint8_t *)bb->buf, n, w, &cl, bitmaps, counts, (const uint8_t *)vb->buf, vat,
+                             out, out_values, running);
+        for (int c = 0; c < cl.B; c++) ok &= running[c] == counts[c];
+        if (!ok) err = "class positions do not match the base (ranks or class counts)";
+    }
+    Py_END_ALLOW_THREADS
+    if (err == RICE_OOM) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    result = PyTuple_Pack(2, io, vo);
 done:
+    free(maps);
+    free(scratch);
     Py_XDECREF(io);
-    Py_XDECREF(oo);
+    Py_XDECREF(vo);
+    for (int i = 0; i < got_s; i++) PyBuffer_Release(&sb[i]);
+    Py_XDECREF(seq);
     for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     return result;
 }
@@ -1298,7 +1660,8 @@ static PyMethodDef methods[] = {
     {"pack2", k_pack2, METH_VARARGS, pack2_doc},
     {"unpack2", k_unpack2, METH_VARARGS, unpack2_doc},
     {"scatter", k_scatter, METH_VARARGS, scatter_doc},
-    {"class_ranks", k_class_ranks, METH_VARARGS, class_ranks_doc},
+    {"class_thresholds", k_class_thresholds, METH_VARARGS, class_thresholds_doc},
+    {"class_encode", k_class_encode, METH_VARARGS, class_encode_doc},
     {"class_select", k_class_select, METH_VARARGS, class_select_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -1,6 +1,8 @@
 """Type stub of the C extension ``deltasync._kernels`` (source: ``_kernels.c``; pure-numpy twin:
 ``_kernels_py.py``, which documents the same functions)."""
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -19,7 +21,10 @@ def scatter(
 
 simd: str
 """The compare instructions the scan uses: "avx512bw", "sse2" or "none" (chosen at import)."""
-def class_ranks(base: _Data, width: int, thresholds: _Data, indices: _Data, /) -> tuple[bytes, bytes, bytes, bytes]: ...
+def class_thresholds(base: _Data, width: int, values: _Data, max_classes: int, overhead_bits: int, /) -> bytes: ...
+def class_encode(
+    base: _Data, width: int, thresholds: _Data, indices: _Data, target_values: _Data, base_values: _Data, /
+) -> tuple[bytes, bytes, bytes, bytes, tuple[tuple[int, bytes, bytes | None], ...]]: ...
 def class_select(
-    base: _Data, width: int, thresholds: _Data, counts: _Data, ranks: _Data, per_class: _Data, /
+    base: _Data, width: int, thresholds: _Data, counts: _Data, heads: _Data, streams: Sequence[_Data], values: _Data, /
 ) -> tuple[bytes, bytes]: ...

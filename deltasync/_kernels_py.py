@@ -9,6 +9,10 @@ every stream is padded with zero bits to whole bytes.
 
 from __future__ import annotations
 
+import math
+import struct
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -280,47 +284,147 @@ def _classes(base: Data, width: int, thresholds: Data) -> tuple[npt.NDArray[np.i
     return np.searchsorted(lim, mag, side="right"), len(th) + 1
 
 
-def class_ranks(base: Data, width: int, thresholds: Data, indices: Data, /) -> tuple[bytes, bytes, bytes, bytes]:
-    if len(indices) % 4 or len(base) % width:
-        raise ValueError("class_ranks: buffers of mismatched sizes")
+MAX_RUNS = 64
+"""Most runs of bins the threshold DP splits; more present bins are thinned to this many."""
+CLASS_HEAD = struct.Struct("<IBBI")
+"""A class's header in the payload: changes, method, parameter, stream length."""
+
+
+def _bins(x: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np.intp]:
+    u = UINT[width]
+    bins: npt.NDArray[np.unsignedinteger] = (x & u(int(np.iinfo(u).max) >> 1)) >> u(BIN_SHIFT[width])
+    return bins.astype(np.intp)
+
+
+def class_thresholds(base: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /) -> bytes:
+    if width not in UINT:
+        raise ValueError(f"element width must be 1, 2, 4 or 8, got {width}")
+    if not 1 <= max_classes <= MAX_CLASSES or overhead_bits < 0:
+        raise ValueError(f"bad class count {max_classes}")
+    if len(base) % width or len(values) % width:
+        raise ValueError("class_thresholds: buffers of whole elements expected")
+    nbins = ((int(np.iinfo(UINT[width]).max) >> 1) >> BIN_SHIFT[width]) + 1
+    n_bins = np.bincount(_bins(_elems(base, width)[::16], width), minlength=nbins).astype(np.float64) * 16
+    k_bins = np.bincount(_bins(_elems(values, width), width), minlength=nbins).astype(np.float64)
+    present = np.flatnonzero((n_bins > 0) | (k_bins > 0))
+    if len(present) < 2 or max_classes < 2:
+        return b""
+    if len(present) > MAX_RUNS:
+        at = (np.arange(MAX_RUNS, dtype=np.float64) * ((len(present) - 1) / (MAX_RUNS - 1))).astype(np.int64)
+        at[-1] = len(present) - 1
+        present = present[at]
+    # cum[r]: totals of the bins before present[r] (a class is a run present[i] .. present[j] - 1)
+    edges = np.concatenate((present, [nbins]))
+    cum_n = np.concatenate(([0.0], np.cumsum(n_bins)))[edges]
+    cum_k = np.concatenate(([0.0], np.cumsum(k_bins)))[edges]
+    cum_n[0] = cum_k[0] = 0.0
+    m = len(present)
+    i, j = np.triu_indices(m + 1, 1)
+    nn = cum_n[j] - cum_n[i]
+    kk = np.minimum(cum_k[j] - cum_k[i], nn)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(nn > 0, kk / nn, 0.0)
+    # math.log2 is the C library's log2, which the C kernel calls: numpy's may round otherwise
+    lp = np.array([math.log2(x) for x in np.where(p > 0, p, 1.0).tolist()], dtype=np.float64)
+    lq = np.array([math.log2(x) for x in np.where(p < 1, 1 - p, 1.0).tolist()], dtype=np.float64)
+    cost = np.full((m + 1, m + 1), np.inf)
+    cost[i, j] = nn * -(p * lp + (1 - p) * lq)
+    choices = [cost[0].copy()]  # choices[g][j]: the first j runs in g + 1 classes
+    back: list[npt.NDArray[np.intp]] = []
+    for _ in range(1, max_classes):
+        total = choices[-1][:, None] + cost
+        arg = np.argmin(total, axis=0)
+        choices.append(total[arg, np.arange(m + 1)])
+        back.append(arg)
+    totals = [c[m] + g * overhead_bits for g, c in enumerate(choices)]
+    g = int(np.argmin(totals))
+    cuts: list[int] = []
+    at_run = m
+    for level in range(g, 0, -1):
+        at_run = int(back[level - 1][at_run])
+        cuts.append(int(present[at_run]))
+    return np.array(sorted(cuts), dtype="<u2").tobytes()
+
+
+def class_encode(
+    base: Data, width: int, thresholds: Data, indices: Data, target_values: Data, base_values: Data, /
+) -> tuple[bytes, bytes, bytes, bytes, tuple[tuple[int, bytes, bytes | None], ...]]:
     cls, nclasses = _classes(base, width, thresholds)
-    idx = np.frombuffer(indices, dtype=np.uint32).astype(np.int64)
+    idx = np.frombuffer(indices, dtype=np.uint32).astype(np.int64) if len(indices) % 4 == 0 else None
+    if idx is None or len(base) % width or len(target_values) != len(idx) * width or len(base_values) != len(target_values):
+        raise ValueError("class_encode: buffers of mismatched sizes")
     if len(idx) and ((np.diff(idx) <= 0).any() or idx[-1] >= len(cls)):
-        raise ValueError("class_ranks: indices must be increasing and in range")
-    ranks = np.empty(len(idx), dtype=np.uint32)
+        raise ValueError("class_encode: indices must be increasing and in range")
     of = cls[idx]
+    ranks = np.empty(len(idx), dtype=np.int64)
     for c in range(nclasses):
         before = np.cumsum(cls == c) - 1  # rank of each element of class c
         ranks[of == c] = before[idx[of == c]]
     order = np.argsort(of, kind="stable")
-    per = np.bincount(of, minlength=nclasses).astype(np.uint32)
-    counts = np.bincount(cls, minlength=nclasses).astype(np.uint32)
-    return order.astype(np.uint32).tobytes(), ranks[order].tobytes(), per.tobytes(), counts.tobytes()
+    per = np.bincount(of, minlength=nclasses)
+    counts = np.bincount(cls, minlength=nclasses)
+    ranks = ranks[order]
+    classes: list[tuple[int, bytes, bytes | None]] = []
+    at = 0
+    for k_c, n_c in zip(per.tolist(), counts.tolist(), strict=True):
+        r = ranks[at : at + k_c]
+        at += k_c
+        rice_k, rice = rice_encode(r.astype(np.uint32).tobytes())
+        bitmap = None
+        if k_c and 8 * k_c >= n_c:
+            mask = np.zeros(n_c, dtype=np.uint8)
+            mask[r] = 1
+            bitmap = _pack(mask)
+        classes.append((rice_k, rice, bitmap))
+    tv, bv = _elems(target_values, width)[order].tobytes(), _elems(base_values, width)[order].tobytes()
+    return counts.astype(np.uint32).tobytes(), per.astype(np.uint32).tobytes(), tv, bv, tuple(classes)
 
 
 def class_select(
-    base: Data, width: int, thresholds: Data, counts: Data, ranks: Data, per_class: Data, /
+    base: Data, width: int, thresholds: Data, counts: Data, heads: Data, streams: Sequence[Data], values: Data, /
 ) -> tuple[bytes, bytes]:
     cls, nclasses = _classes(base, width, thresholds)
-    if len(base) % width or len(ranks) % 4 or len(counts) != 4 * nclasses or len(per_class) != 4 * nclasses:
+    if (len(base) % width or len(values) % width or len(counts) != 4 * nclasses
+            or len(heads) != CLASS_HEAD.size * nclasses or len(streams) != nclasses):
         raise ValueError("class_select: buffers of mismatched sizes")
-    per = np.frombuffer(per_class, dtype=np.uint32).astype(np.int64)
-    r = np.frombuffer(ranks, dtype=np.uint32).astype(np.int64)
-    if int(per.sum()) != len(r):
-        raise ValueError("class_select: per-class counts do not add up to the ranks")
-    bounds = np.concatenate(([0], np.cumsum(per)))
-    out = np.empty(len(r), dtype=np.int64)
-    bad = False
-    for c in range(nclasses):
-        rc = r[bounds[c] : bounds[c + 1]]
-        if len(rc) > 1 and (np.diff(rc) <= 0).any():
-            raise ValueError("class positions do not match the base (ranks or class counts)")
-        members = np.flatnonzero(cls == c)
-        if len(rc) and rc[-1] >= len(members):
-            bad = True
-            break
-        out[bounds[c] : bounds[c + 1]] = members[rc]
-    if bad or (np.bincount(cls, minlength=nclasses) != np.frombuffer(counts, dtype=np.uint32)).any():
+    n_c = np.frombuffer(counts, dtype=np.uint32).astype(np.int64).tolist()
+    head = list(CLASS_HEAD.iter_unpack(bytes(heads)))
+    for (k_c, method, param, length), n, stream in zip(head, n_c, streams, strict=True):
+        if k_c > n:
+            raise ValueError("more changes than elements in a class")
+        if k_c == 0 and (method or param or length or len(stream)):
+            raise ValueError("empty class with a stream")
+        if k_c and method == 0 and (param > MAX_RICE_K or len(stream) != length):
+            raise ValueError("bad Rice class stream")
+        if k_c and method == 1 and (param or len(stream) != (n + 7) // 8):
+            raise ValueError("bad class bitmap")
+        if method > 1:
+            raise ValueError("unknown class coding")
+    if sum(n_c) != len(cls):
+        raise ValueError("class counts do not add up to the chunk")
+    if sum(h[0] for h in head) != len(values) // width:
+        raise ValueError("class changes do not add up to the values")
+    parts: list[npt.NDArray[np.int64]] = []
+    for (k_c, method, param, _), n, stream in zip(head, n_c, streams, strict=True):
+        if not k_c:
+            continue
+        if method == 0:
+            ranks = np.frombuffer(rice_decode(stream, k_c, param, n), dtype=np.uint32).astype(np.int64)
+        else:
+            if not _exact_padding(stream, n):
+                raise ValueError("class bitmap padding is not zero")
+            ranks = np.flatnonzero(_unpack(stream)[:n])
+            if len(ranks) != k_c:
+                raise ValueError("class bitmap holds another number of changes")
+        parts.append(ranks)
+    if (np.bincount(cls, minlength=nclasses) != np.array(n_c)).any():
         raise ValueError("class positions do not match the base (ranks or class counts)")
-    order = np.argsort(out, kind="stable")
-    return out[order].astype(np.uint32).tobytes(), order.astype(np.uint32).tobytes()
+    out: list[npt.NDArray[np.int64]] = []
+    at = 0
+    for c, (k_c, *_) in enumerate(head):
+        if k_c:
+            out.append(np.flatnonzero(cls == c)[parts[at]])
+            at += 1
+    where = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    order = np.argsort(where, kind="stable")
+    return where[order].astype(np.uint32).tobytes(), _elems(values, width)[order].tobytes()

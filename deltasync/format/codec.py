@@ -63,6 +63,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypeAlias
 
@@ -124,9 +125,13 @@ class _Kernels(Protocol):
     def pack2(self, target_values: Data, base_values: Data, width: int, /) -> tuple[bytes, int, bytes, bytes]: ...
     def unpack2(self, symbols: Data, count: int, k: int, prefix: Data, suffix: Data, width: int, /) -> bytes: ...
     def scatter(self, out: Bytes, base: Data | None, indices: Data, values: Data, width: int, transform: int, /) -> None: ...
-    def class_ranks(self, base: Data, width: int, thresholds: Data, indices: Data, /) -> tuple[bytes, bytes, bytes, bytes]: ...
+    def class_thresholds(self, base: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /) -> bytes: ...
+    def class_encode(
+        self, base: Data, width: int, thresholds: Data, indices: Data, target_values: Data, base_values: Data, /
+    ) -> tuple[bytes, bytes, bytes, bytes, tuple[tuple[int, bytes, bytes | None], ...]]: ...
     def class_select(
-        self, base: Data, width: int, thresholds: Data, counts: Data, ranks: Data, per_class: Data, /
+        self, base: Data, width: int, thresholds: Data, counts: Data, heads: Data, streams: Sequence[Data],
+        values: Data, /
     ) -> tuple[bytes, bytes]: ...
 
 
@@ -428,14 +433,15 @@ class PlanesZstdCodec:
         count = len(indices) // 4
         density = count / n
         positions: list[tuple[int, int, bytes]] = []  # (coding, parameter, section)
-        order: npt.NDArray[np.uint32] | None = None
+        ordered: tuple[bytes, bytes] | None = None  # the values class after class
         if self.max_classes > 1:
-            found = self._encode_classes(indices, bv, width, n, base)
+            found = self._encode_classes(indices, tv, bv, width, base)
             if found is not None:
-                nclasses, section, order = found
+                nclasses, section, *values = found
+                ordered = values[0], values[1]
                 positions.append((_CLASSES, nclasses, section))
         # Classes are chosen only where they beat one class, which the Rice code below is.
-        if order is None or self.exhaustive:
+        if ordered is None or self.exhaustive:
             if density <= _RICE_MAX_DENSITY or self.exhaustive:
                 k, rice = _K.rice_encode(indices)
                 positions.append((_RICE, k, rice))
@@ -450,11 +456,8 @@ class PlanesZstdCodec:
         classes = [p for p in positions if p[0] == _CLASSES]
         others = [p for p in positions if p[0] != _CLASSES]
         done: list[tuple[bytes, int]] = []
-        if classes and order is not None:  # values follow the classes, class after class
-            u = _UINT[width]
-            ordered_tv = np.frombuffer(tv, dtype=u)[order].tobytes()
-            ordered_bv = np.frombuffer(bv, dtype=u)[order].tobytes()
-            done.append(self._sparse_payload(classes[0], ordered_tv, ordered_bv, width, count))
+        if classes and ordered is not None:
+            done.append(self._sparse_payload(classes[0], ordered[0], ordered[1], width, count))
         if others:
             done.append(self._sparse_payload(min(others, key=lambda o: len(o[2])), tv, bv, width, count))
         return min(done, key=lambda d: len(d[0]))
@@ -480,36 +483,25 @@ class PlanesZstdCodec:
         return header + section + values, planes_transform
 
     def _encode_classes(
-        self, indices: bytes, bv: bytes, width: int, n: int, base: Bytes
-    ) -> tuple[int, bytes, npt.NDArray[np.uint32]] | None:
-        """The magnitude-class position section (its class count, the section, and the order of
-        the changes class after class), or None when one class is best."""
-        thresholds = _class_thresholds(base, bv, width, self.max_classes)
-        if not thresholds:
+        self, indices: bytes, tv: bytes, bv: bytes, width: int, base: Bytes
+    ) -> tuple[int, bytes, bytes, bytes] | None:
+        """The magnitude-class position section (its class count, the section, and the target
+        and base values class after class), or None when one class is best."""
+        th = _K.class_thresholds(base, width, bv, self.max_classes, _CLASS_OVERHEAD_BITS)
+        if not th:
             return None
-        th = np.asarray(thresholds, dtype=np.uint16).tobytes()
-        order_b, ranks_b, per_b, counts = _K.class_ranks(base, width, th, indices)
-        ranks = np.frombuffer(ranks_b, dtype=np.uint32)
+        counts, per, ordered_tv, ordered_bv, classes = _K.class_encode(base, width, th, indices, tv, bv)
         heads: list[bytes] = []
         streams: list[bytes] = []
-        at = 0
-        for k_c, n_c in zip(np.frombuffer(per_b, dtype=np.uint32).tolist(),
-                            np.frombuffer(counts, dtype=np.uint32).tolist(), strict=True):
-            r = ranks[at : at + k_c]
-            at += k_c
-            method, param, stream = _CLASS_RICE, 0, b""
-            if k_c:
-                param, stream = _K.rice_encode(r.tobytes())
-                if k_c >= n_c * _BITMAP_MIN_DENSITY:
-                    mask = np.zeros(n_c, dtype=np.bool_)
-                    mask[r] = True
-                    bitmap = _compressor(self.zstd_level).compress(np.packbits(mask, bitorder="little").tobytes())
-                    if len(bitmap) < 0.97 * len(stream):  # a bitmap decodes in O(class), Rice in O(changes)
-                        method, param, stream = _CLASS_BITMAP, 0, bitmap
+        for k_c, (rice_k, rice, bitmap) in zip(np.frombuffer(per, dtype=np.uint32).tolist(), classes, strict=True):
+            method, param, stream = _CLASS_RICE, rice_k, rice
+            if bitmap is not None:  # 1/8 or more of the class changed
+                packed = _compressor(self.zstd_level).compress(bitmap)
+                if len(packed) < 0.97 * len(rice):  # a bitmap decodes in O(class), Rice in O(changes)
+                    method, param, stream = _CLASS_BITMAP, 0, packed
             heads.append(_CLASS_STREAM.pack(k_c, method, param, len(stream)))
             streams.append(stream)
-        section = th + counts + b"".join(heads) + b"".join(streams)
-        return len(thresholds) + 1, section, np.frombuffer(order_b, dtype=np.uint32)
+        return len(th) // 2 + 1, th + counts + b"".join(heads) + b"".join(streams), ordered_tv, ordered_bv
 
     def _encode_values(self, tv: bytes, bv: bytes, width: int, transform: int) -> tuple[bytes, int]:
         """The value section for one transform, and its value parameter."""
@@ -562,75 +554,47 @@ class PlanesZstdCodec:
         pos_raw = _take(body, 0, pos_len, "position section")
         val_raw = body[pos_len:]
         try:
-            order: npt.NDArray[np.uint32] | None = None
-            if coding == _CLASSES:
-                if self.max_classes < 2:
-                    raise CorruptObjectError("sparse chunk", "magnitude classes in a codec version 1 chunk")
-                indices, order = self._decode_classes(pos_raw, pos_param, count, n, base, width)
-            else:
+            if coding == _CLASSES and self.max_classes < 2:
+                raise CorruptObjectError("sparse chunk", "magnitude classes in a codec version 1 chunk")
+            if coding != _CLASSES:
                 indices = self._decode_positions(pos_raw, coding, pos_param, count, n)
             if transform == _ZIGZAG2:
                 values: Data = self._decode_zigzag2(val_raw, count, value_param, width)
                 transform = _ZIGZAG
             else:
                 values = unplanes(_unzstd(val_raw, count * width, "sparse chunk values"), width)
-            if order is not None:  # values come class after class; the indices increase
-                values = np.frombuffer(values, dtype=_UINT[width])[order].view(np.uint8)
+            if coding == _CLASSES:  # values come class after class: put them in index order
+                indices, values = self._decode_classes(pos_raw, pos_param, n, base, width, values)
             return indices, values, transform
         except ValueError as e:  # the kernels refuse malformed streams
             raise CorruptObjectError("sparse chunk", str(e)) from None
 
     def _decode_classes(
-        self, data: memoryview, nclasses: int, count: int, n: int, base: Bytes, width: int
-    ) -> tuple[bytes, npt.NDArray[np.uint32]]:
-        """Increasing indices of a magnitude-class position section, and for each the place of
-        its value in the value section."""
+        self, data: memoryview, nclasses: int, n: int, base: Bytes, width: int, values: Data
+    ) -> tuple[bytes, bytes]:
+        """Increasing indices of a magnitude-class position section, and ``values`` (class after
+        class) in their order. The kernel checks the rest: the streams, counts and classes."""
         if not 2 <= nclasses <= MAX_CLASSES:
             raise CorruptObjectError("sparse chunk", f"bad class count {nclasses}")
         th = _take(data, 0, 2 * (nclasses - 1), "class thresholds")
         counts = _take(data, len(th), 4 * nclasses, "class counts")
         at = len(th) + len(counts)
-        heads = [_CLASS_STREAM.unpack(_take(data, at + i * _CLASS_STREAM.size, _CLASS_STREAM.size, "class header"))
-                 for i in range(nclasses)]
-        at += nclasses * _CLASS_STREAM.size
-        class_n = np.frombuffer(counts, dtype=np.uint32)
-        if int(class_n.astype(np.int64).sum()) != n:
+        heads = _take(data, at, nclasses * _CLASS_STREAM.size, "class headers")
+        at += len(heads)
+        class_n = np.frombuffer(counts, dtype=np.uint32).tolist()
+        if sum(class_n) != n:  # before any bitmap below is inflated to its class's size
             raise CorruptObjectError("sparse chunk", "class counts do not add up to the chunk")
-        parts: list[bytes] = []
-        per: list[int] = []
-        for (k_c, method, param, length), n_c in zip(heads, class_n.tolist(), strict=True):
+        streams: list[Data] = []
+        for (k_c, method, _, length), n_c in zip(_CLASS_STREAM.iter_unpack(heads), class_n, strict=True):
             stream = _take(data, at, length, "class stream")
             at += length
-            if k_c > n_c:
-                raise CorruptObjectError("sparse chunk", f"{k_c} changes in a class of {n_c} elements")
-            per.append(k_c)
-            if k_c == 0:
-                if method != _CLASS_RICE or param or length:
-                    raise CorruptObjectError("sparse chunk", "empty class with a stream")
-                continue
-            if method == _CLASS_RICE:
-                if param > _MAX_RICE_K:
-                    raise CorruptObjectError("sparse chunk", f"bad Rice parameter {param}")
-                parts.append(_K.rice_decode(stream, k_c, param, n_c))
-            elif method == _CLASS_BITMAP:
-                if param != 0:
-                    raise CorruptObjectError("sparse chunk", f"bad bitmap parameter {param}")
-                bits = np.unpackbits(np.frombuffer(_unzstd(stream, (n_c + 7) // 8, "class bitmap"), dtype=np.uint8),
-                                     bitorder="little")
-                if bits[n_c:].any():
-                    raise CorruptObjectError("sparse chunk", "bitmap padding is not zero")
-                ranks = np.flatnonzero(bits)
-                if len(ranks) != k_c:
-                    raise CorruptObjectError("sparse chunk", "class bitmap holds another number of changes")
-                parts.append(ranks.astype(np.uint32).tobytes())
+            if method == _CLASS_BITMAP and 0 < k_c <= n_c:
+                streams.append(_unzstd(stream, (n_c + 7) // 8, "class bitmap"))
             else:
-                raise CorruptObjectError("sparse chunk", f"unknown class coding {method}")
+                streams.append(stream)
         if at != len(data):
             raise CorruptObjectError("sparse chunk", "position section longer than its classes")
-        if sum(per) != count:
-            raise CorruptObjectError("sparse chunk", "class changes do not add up to the count")
-        indices, order = _K.class_select(base, width, th, counts, b"".join(parts), np.asarray(per, np.uint32).tobytes())
-        return indices, np.frombuffer(order, dtype=np.uint32)
+        return _K.class_select(base, width, th, counts, heads, streams, values)
 
     def _decode_positions(self, data: memoryview, coding: int, param: int, count: int, n: int) -> bytes:
         if coding == _RICE:
@@ -675,53 +639,6 @@ class PlanesZstdCodec:
         prefix_len = _U32.unpack(_take(data, at, _U32.size, "escape length"))[0]
         prefix = _take(data, at + _U32.size, prefix_len, "escape prefix")
         return _K.unpack2(symbols, count, k, prefix, data[at + _U32.size + prefix_len :], width)
-
-
-def _class_thresholds(base: Bytes, bv: bytes, width: int, max_classes: int) -> list[int]:
-    """Magnitude bins that split a chunk into at most ``max_classes`` classes of elements whose
-    chance of changing differs most: the split of the bins (from a sample of the base, every
-    16th element, and every change) that minimises ``sum n_c H(k_c / n_c)``, the position cost,
-    plus what each class costs to describe. Empty: one class is best."""
-    u = _UINT[width]
-    shift = u(_kernels_py.BIN_SHIFT[width])
-    mag = u(int(np.iinfo(u).max) >> 1)
-    nbins = (int(mag) >> int(shift)) + 1
-    sample = np.frombuffer(base, dtype=u)[::16]
-    n_bins = np.bincount((sample & mag) >> shift, minlength=nbins).astype(np.float64) * 16
-    k_bins = np.bincount((np.frombuffer(bv, dtype=u) & mag) >> shift, minlength=nbins).astype(np.float64)
-    present = np.flatnonzero((n_bins > 0) | (k_bins > 0))
-    if len(present) < 2:
-        return []
-    if len(present) > 64:  # keep the DP small: merge the emptiest neighbours' bins into runs
-        present = present[np.linspace(0, len(present) - 1, 64).astype(np.int64)]
-    # cum[j]: totals of the bins before present[j] (a class is a run present[i] .. present[j] - 1)
-    edges = np.concatenate((present, [nbins]))
-    cum_n = np.concatenate(([0.0], np.cumsum(n_bins)))[edges]
-    cum_k = np.concatenate(([0.0], np.cumsum(k_bins)))[edges]
-    cum_n[0] = cum_k[0] = 0.0
-    m = len(present)
-    nn = cum_n[None, :] - cum_n[:, None]  # [i, j]: bins present[i] .. present[j] - 1
-    kk = np.minimum(cum_k[None, :] - cum_k[:, None], nn)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(nn > 0, kk / nn, 0.0)
-        h = -(p * np.log2(np.where(p > 0, p, 1.0)) + (1 - p) * np.log2(np.where(p < 1, 1 - p, 1.0)))
-    cost = np.where(np.triu(np.ones((m + 1, m + 1), dtype=bool), 1), nn * h, np.inf)
-    best = cost[0].copy()  # best[j]: first j runs in one class
-    choices = [best]
-    back: list[npt.NDArray[np.intp]] = []
-    for _ in range(1, max_classes):
-        total = choices[-1][:, None] + cost
-        arg = np.argmin(total, axis=0)
-        choices.append(total[arg, np.arange(m + 1)])
-        back.append(arg)
-    totals = [c[m] + g * _CLASS_OVERHEAD_BITS for g, c in enumerate(choices)]
-    g = int(np.argmin(totals))
-    cuts: list[int] = []
-    j = m
-    for level in range(g, 0, -1):
-        j = int(back[level - 1][j])
-        cuts.append(int(present[j]))
-    return sorted(cuts)
 
 
 def _check_width(width: int) -> None:
