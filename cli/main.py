@@ -582,7 +582,8 @@ def gc(repo: str, keep_last: int, keep_every: int | None, grace: float, dry_run:
 @click.option("--max-uploads", type=click.IntRange(1, 1024), default=8, show_default=True,
               help="Uploads received at once (each held in memory until written); more wait.")
 @click.option("--write-quota", default=None, metavar="SIZE",
-              help="Most bytes a local upstream repository may hold; uploads past it are refused [default: none].")
+              help="Most bytes the upstream repository may hold (counted at start, then through this relay's writes); "
+                   "uploads past it are refused [default: none].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
     tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,

@@ -41,7 +41,8 @@ _memory_lock = threading.Lock()
 def open_store(url: str) -> Store:
     """Open a store by URL: a plain path or ``file://``, ``memory://name`` (per process),
     ``s3://bucket/prefix`` (AWS configuration from the environment; see :class:`S3Store`), or
-    ``grpc://host:port[,host:port…]`` (read-only, through relays; see :class:`GrpcStore`)."""
+    ``grpc://host:port[,host:port…]`` (through relays; writable where a relay serves
+    ``--accept-writes`` and a write token is given; see :class:`GrpcStore`)."""
     if not url:
         raise UsageError("empty repository URL")
     parsed = urlparse(url)

@@ -7,6 +7,7 @@ conformance suite in :mod:`deltasync.storage.testing`.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -121,6 +122,14 @@ class Store(ABC):
         check_key(key)
         return self._size(key)
 
+    def total_bytes(self, prefix: str = "") -> int:
+        """Bytes held under ``prefix`` (every key :meth:`list` yields, at its :meth:`size`):
+        what a write quota counts. One listing; backends whose listings carry sizes (S3)
+        answer from it, the others ask each key's size."""
+        if prefix:
+            check_key(prefix.rstrip("/"))
+        return self._total_bytes(prefix)
+
     def exists(self, key: str) -> bool:
         from deltasync.errors import ObjectNotFoundError
 
@@ -148,6 +157,15 @@ class Store(ABC):
     @abstractmethod
     def _size(self, key: str) -> int: ...
 
+    def _total_bytes(self, prefix: str) -> int:
+        from deltasync.errors import ObjectNotFoundError
+
+        total = 0
+        for key in self.list(prefix):
+            with contextlib.suppress(ObjectNotFoundError):  # deleted since it was listed: holds nothing now
+                total += self.size(key)
+        return total
+
 
 class WrappingStore(Store):
     """Passes every operation to ``inner``; a wrapper (a counter, a throttle, a cache)
@@ -174,6 +192,9 @@ class WrappingStore(Store):
 
     def _size(self, key: str) -> int:
         return self.inner.size(key)
+
+    def _total_bytes(self, prefix: str) -> int:
+        return self.inner.total_bytes(prefix)
 
     def close(self) -> None:
         self.inner.close()

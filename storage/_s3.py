@@ -291,6 +291,23 @@ class S3Store(Store):
         keys.sort()  # S3 lists in UTF-8 byte order already; not every compatible server does
         return iter(keys)
 
+    def _total_bytes(self, prefix: str) -> int:
+        # The listing carries every object's size: one request per 1,000 keys, not one per key.
+        total = count = 0
+        paginator = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._root + prefix):
+                self._bucket_seen = True
+                for obj in page.get("Contents", ()):
+                    if _valid_key(obj["Key"][len(self._root) :]):
+                        total += int(obj.get("Size", 0))
+                        count += 1
+                if count > _base.MAX_LIST_KEYS:
+                    raise listing_too_long(prefix, f"s3://{self.bucket}/{self._root}")
+        except (ClientError, BotoCoreError) as e:
+            raise self._error(e, "list", prefix or None) from None
+        return total
+
     # -- writes --------------------------------------------------------------------------------
 
     def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:

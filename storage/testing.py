@@ -134,6 +134,18 @@ class StoreConformance:
         assert everything == sorted(everything)
         assert {"p/a", "p/b", "p/sub/c", "q/x", "pa"} <= set(everything)
 
+    def test_total_bytes(self, store: Store) -> None:
+        store.put("t/a", b"x" * 10)
+        store.put("t/sub/b", b"y" * 5)
+        store.put("t/empty", b"")
+        store.put("tz", b"z" * 7)
+        assert store.total_bytes("t/") == 15
+        assert store.total_bytes("t/sub/") == 5
+        assert store.total_bytes("nothing/") == 0
+        assert store.total_bytes() >= 22
+        store.put("t/a", b"x")  # an overwrite counts its new size
+        assert store.total_bytes("t/") == 6
+
     def test_delete(self, store: Store) -> None:
         store.put("d/x", b"1")
         store.delete("d/x")

@@ -21,7 +21,7 @@ from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFou
 from deltasync.format.digest import digest
 from deltasync.relay.server import RelayServer, build_server
 from deltasync.relay.wire import CHUNK_BYTES, method_path
-from deltasync.storage import LocalStore, Store, WrappingStore, open_store
+from deltasync.storage import LocalStore, MemoryStore, Store, WrappingStore, open_store
 from deltasync.storage._grpc import GrpcStore
 from deltasync.storage.testing import StoreConformance, WriteThrough, race_if_absent
 from deltasync.v1 import manifest_pb2 as manifest_pb
@@ -262,17 +262,27 @@ def test_server_configuration_is_checked(tmp_path: Path) -> None:
         build_server(str(tmp_path), "127.0.0.1:0", accept_writes=True, token="t", write_token="t")
     with pytest.raises(UsageError, match="does not accept writes"):
         build_server(str(tmp_path), "127.0.0.1:0", write_token="t")
-    with pytest.raises(UsageError, match="write quota needs a local upstream"):
-        build_server("memory://quota-test", "127.0.0.1:0", accept_writes=True, write_token="t", write_quota=1 << 20)
+    with pytest.raises(UsageError, match="needs --accept-writes"):
+        build_server("memory://quota-test", "127.0.0.1:0", write_quota=1 << 20)
 
 
 # -- caps -------------------------------------------------------------------------------------------
 
 
-def test_oversize_objects_and_quota_are_refused(tmp_path: Path, start_relay: StartRelay) -> None:
-    origin = LocalStore(tmp_path / "origin")
+@pytest.mark.parametrize("kind", ["local", "s3", "memory"])
+def test_oversize_objects_and_quota_are_refused(tmp_path: Path, start_relay: StartRelay, kind: str,
+                                                request: pytest.FixtureRequest) -> None:
+    origin: Store
+    if kind == "local":
+        origin = LocalStore(tmp_path / "origin")
+    elif kind == "s3":
+        origin = open_store(request.getfixturevalue("s3_url"))
+    else:
+        origin = MemoryStore()
     origin.put("deltasync.json", b'{"format": 1}')
-    relay = start_relay(origin, max_object_bytes=2 * MiB, write_quota=5 * MiB)
+    held = os.urandom(MiB)
+    origin.put(pack_key(held), held)  # already in the repository: counted when the relay starts
+    relay = start_relay(origin, max_object_bytes=2 * MiB, write_quota=6 * MiB)
     store = GrpcStore(relay.url, write_token=WRITE)
     big = os.urandom(2 * MiB + 1)
     with pytest.raises(StoreError, match="over the relay's object size cap") as info:

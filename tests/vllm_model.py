@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def build(out: Path, tokenizer: Path, *, seed: int, hidden: int, layers: int, vocab: int) -> None:
@@ -23,12 +24,16 @@ def build(out: Path, tokenizer: Path, *, seed: int, hidden: int, layers: int, vo
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    # Typed loosely: the transformers vLLM pins and a newer one (in other environments) name
+    # and type these differently, and only the vLLM environment's is run.
+    options: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=max(2, hidden // 64), num_key_value_heads=max(1, hidden // 128), max_position_embeddings=512,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=1, torch_dtype="bfloat16",
     )
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    config = Qwen2Config(**options)
+    causal_lm: Any = Qwen2ForCausalLM
+    model = causal_lm(config).to(torch.bfloat16)
     # Random weights, larger than the default init, so a perturbed version generates
     # differently (the tests compare generations across versions).
     with torch.no_grad():
@@ -39,7 +44,8 @@ def build(out: Path, tokenizer: Path, *, seed: int, hidden: int, layers: int, vo
     words = {"[UNK]": 0, "<|endoftext|>": 1, **{f"w{i}": i for i in range(2, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|endoftext|>",
+    fast_tokenizer: Any = PreTrainedTokenizerFast
+    fast = fast_tokenizer(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(tokenizer)
 

@@ -136,7 +136,8 @@ class RelayConfig:
     max_uploads: int = 8
     """Uploads received at once (each is held in memory until written); more wait their turn."""
     write_quota: int | None = None
-    """Most bytes the (local) upstream repository may hold; uploads past it are refused."""
+    """Most bytes the upstream repository may hold (counted when the relay starts, then through
+    its own writes); uploads past it are refused."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -184,10 +185,6 @@ class RelayServer:
         self._own_upstream = isinstance(upstream, str)
         self.upstream = open_store(upstream) if isinstance(upstream, str) else upstream
         self.upstream_url = self.upstream.url or repr(self.upstream)
-        if config.write_quota is not None and not isinstance(self.upstream, LocalStore):
-            if self._own_upstream:
-                self.upstream.close()
-            raise UsageError(f"a write quota needs a local upstream repository (a path), not {self.upstream_url}")
         self.port = 0
         self.cache_dir: Path | None = None
         self._temp_dir: str | None = None
@@ -987,16 +984,16 @@ def missing_references(upstream: Store, key: str, data: bytes | bytearray | memo
 
 
 class _Quota:
-    """Bytes a local upstream holds, kept under a limit: counted once at start (a walk of its
-    directory), then tracked through this relay's puts and deletes. Writes are serialised
-    with the accounting, so racing uploads cannot both pass the last free bytes."""
+    """Bytes the upstream repository holds, kept under a limit: counted once at start (a walk
+    of a local directory, temporary files included; else one listing with sizes, which S3
+    answers 1,000 keys a request), then tracked through this relay's puts and deletes. Writes
+    are serialised with the accounting, so racing uploads cannot both pass the last free
+    bytes. Other writers to the same repository are not seen until the relay restarts."""
 
     def __init__(self, upstream: Store, limit: int) -> None:
-        if not isinstance(upstream, LocalStore):
-            raise UsageError("a write quota needs a local upstream repository (a path)")
         self.upstream = upstream
         self.limit = limit
-        self.used = _tree_bytes(upstream.root)
+        self.used = _tree_bytes(upstream.root) if isinstance(upstream, LocalStore) else upstream.total_bytes()
         self._lock = threading.Lock()
 
     def _refusal(self, key: str, size: int) -> _Refused:
