@@ -33,12 +33,12 @@ def _bytes(data: Data) -> npt.NDArray[np.uint8]:
 
 def _rotl1(v: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np.unsignedinteger]:
     u = UINT[width]
-    return (v << u(1)) | (v >> u(8 * width - 1))
+    return np.bitwise_or(v << u(1), v >> u(8 * width - 1), dtype=u)
 
 
 def _rotr1(v: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np.unsignedinteger]:
     u = UINT[width]
-    return (v >> u(1)) | (v << u(8 * width - 1))
+    return np.bitwise_or(v >> u(1), v << u(8 * width - 1), dtype=u)
 
 
 def _planes(data: Data, width: int, rotate: bool) -> npt.NDArray[np.uint8]:

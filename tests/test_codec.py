@@ -704,20 +704,25 @@ def test_bad_codec_parameters_are_usage_errors(kwargs: dict[str, Any]) -> None:
 
 
 def test_codec_from_spec() -> None:
-    name, version = PlanesZstdCodec.name, PlanesZstdCodec(max_classes=6).codec_version
-    assert version == 2 and PlanesZstdCodec().codec_version == 1
+    name, version = PlanesZstdCodec.name, PlanesZstdCodec(max_classes=6, full_coder=False).codec_version
+    assert version == 2 and PlanesZstdCodec(full_coder=False).codec_version == 1
     codec = codec_from_spec(name, version, 5, 4096, 2)
-    assert codec == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2, max_classes=MAX_CLASSES)
+    assert codec == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2, max_classes=MAX_CLASSES,
+                                    full_coder=False)
     # Version 1 manifests: context-free chunks only (a class-coded payload in one is refused).
     assert codec_from_spec(name, 1, 5, 4096, 2) == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2,
-                                                                    max_classes=0)
-    assert PlanesZstdCodec(max_classes=1).codec_version == 1
+                                                                    max_classes=0, full_coder=False)
+    assert PlanesZstdCodec(max_classes=1, full_coder=False).codec_version == 1
+    # Version 3: full payloads in planes coded raw, zstd or rANS (the default), classes accepted.
+    assert PlanesZstdCodec().codec_version == PlanesZstdCodec(max_classes=6).codec_version == 3
+    assert codec_from_spec(name, 3, 5, 4096, 2) == PlanesZstdCodec(zstd_level=5, chunk_bytes=4096, full_zstd_level=2,
+                                                                    max_classes=MAX_CLASSES)
     # Manifests from before full_zstd_level was recorded hold 0 (unset): full payloads used zstd_level.
     assert codec_from_spec(name, version, 5, 4096, 0).full_zstd_level == 5
     with pytest.raises(CorruptObjectError, match="unknown codec"):
         codec_from_spec("someone.else", 1, 3, 4096, 1)
     with pytest.raises(CorruptObjectError, match="unknown codec"):
-        codec_from_spec(name, 3, 3, 4096, 1)
+        codec_from_spec(name, 4, 3, 4096, 1)
     with pytest.raises(CorruptObjectError, match="bad codec parameters"):
         codec_from_spec(name, 1, 3, 100, 1)
     with pytest.raises(CorruptObjectError, match="bad codec parameters"):

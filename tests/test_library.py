@@ -881,7 +881,7 @@ def test_codec_version_2_chain_pulls_forward_jumps_and_rolls_back(memory_repo_ur
     for _ in range(4):
         states.append({"w": torch.from_numpy(w.copy()).to(torch.bfloat16), "v": torch.from_numpy(w[:999].copy())})
         w = w + rng.normal(0, 5e-6, len(w)).astype(np.float32)
-    cfg = PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=64 << 10, max_classes=6), progress=False)
+    cfg = PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=64 << 10, max_classes=6, full_coder=False), progress=False)
     pub = Publisher(memory_repo_url, cfg)
     for s in states:
         pub.publish(s)
