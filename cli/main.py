@@ -152,6 +152,9 @@ trusted_key_option = click.option(
               show_default=True, help="Store a snapshot when a delta exceeds this fraction of one.")
 @click.option("--chunk-mib", type=click.FloatRange(min=0.001, max=64), default=4.0, show_default=True)
 @click.option("--zstd-level", type=click.IntRange(1, 22), default=3, show_default=True)
+@click.option("--context-classes", type=click.IntRange(0, 8), default=6, show_default=True, metavar="N",
+              help="Code a delta's changed positions in up to N classes of the base's magnitude (smaller deltas; "
+                   "0: context-free chunks, which also reverse for rollbacks without downloads).")
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Producer metadata (repeatable).")
 @click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
               help="Sign the manifest with this ed25519 private key (PEM, see keygen).")
@@ -168,8 +171,9 @@ trusted_key_option = click.option(
 def publish(
     checkpoint: Path, repo: str, base_dir: Path | None, cache_dir: Path | None, no_cache: bool,
     version: int | None, snapshot_every: int, max_delta_fraction: float, chunk_mib: float,
-    zstd_level: int, meta: tuple[str, ...], signing_key: Path | None, squash_strides: tuple[int, ...],
-    allow_empty: bool, follow_symlinks: bool, workers: int, quiet: bool, as_json: bool,
+    zstd_level: int, context_classes: int, meta: tuple[str, ...], signing_key: Path | None,
+    squash_strides: tuple[int, ...], allow_empty: bool, follow_symlinks: bool, workers: int, quiet: bool,
+    as_json: bool,
 ) -> None:
     """Publish a checkpoint directory (safetensors, single or sharded) as a new version.
 
@@ -179,7 +183,7 @@ def publish(
 
     chunk_bytes = int(chunk_mib * (1 << 20)) // 8 * 8
     config = PublisherConfig(
-        codec=PlanesZstdCodec(chunk_bytes=chunk_bytes, zstd_level=zstd_level),
+        codec=PlanesZstdCodec(chunk_bytes=chunk_bytes, zstd_level=zstd_level, max_classes=context_classes),
         workers=workers, snapshot_every=snapshot_every, max_delta_fraction=max_delta_fraction,
         progress=_progress(quiet), squash_strides=squash_strides, skip_unchanged=not allow_empty,
         follow_symlinks=follow_symlinks,

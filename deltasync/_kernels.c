@@ -1105,7 +1105,10 @@ AVX512_BMI2 static inline void block_words_avx512(const uint8_t *x, size_t start
         __m512i v0 = _mm512_and_si512(_mm512_loadu_si512(p), mask), v1 = _mm512_and_si512(_mm512_loadu_si512(p + 64), mask);
         for (int t = 0; t < nt; t++) {
             __m512i lim = _mm512_set1_epi16((short)cl->lim[t]);
-            ge[t] = (uint64_t)_mm512_cmpge_epu16_mask(v0, lim) | (uint64_t)_mm512_cmpge_epu16_mask(v1, lim) << 32;
+            /* Joined by kunpackd, not by widening and shifting: GCC 12 folds the widening into the
+             * compare and may then spill the mask with a 32-bit store and reload 64 bits (seen at
+             * -O1 -fsanitize=undefined: the high lanes picked up stale stack bytes). */
+            ge[t] = _mm512_kunpackd(_mm512_cmpge_epu16_mask(v1, lim), _mm512_cmpge_epu16_mask(v0, lim));
         }
     } else if (w == 4) {
         const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);

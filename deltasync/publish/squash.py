@@ -100,7 +100,9 @@ def write_squash(
 ) -> SquashResult:
     """Store committed version ``c`` as one delta from committed version ``a`` (a < c).
 
-    ``config`` gives workers, pack size and progress (the codec is always ``c``'s).
+    ``config`` gives workers, pack size and progress. The codec is ``c``'s (its version, chunk size
+    and levels are recorded in the squash), with ``config``'s choice of magnitude classes where
+    ``c``'s version has them: the manifest says what a decoder must read, not how to encode.
     ``target`` reads ``c``'s bits by entry key (what the publisher still holds right after
     the commit); without it they are rebuilt from the repository. Either way every chunk
     must match ``c``'s digests. Written only if smaller than the cheapest path a subscriber
@@ -114,7 +116,9 @@ def write_squash(
     ainfo, cinfo = r.manifest(a), r.manifest(c)
     if r.store.exists(squash_key(a, c)):
         return SquashResult(a, c, "exists", 0, 0, time.monotonic() - start)
-    cfg = dataclasses.replace(config or PublisherConfig(), codec=cinfo.codec)
+    base_cfg = config or PublisherConfig()
+    classes = base_cfg.codec.max_classes if cinfo.codec.max_classes > 1 else 0
+    cfg = dataclasses.replace(base_cfg, codec=dataclasses.replace(cinfo.codec, max_classes=classes))
     sub = Subscriber(r, workers=cfg.threads, progress=False)
     before, _ = sub.plan(c, a)
     if before.fetch_bytes == 0:
