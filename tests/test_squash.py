@@ -381,3 +381,37 @@ def test_squash_command(tmp_path: Path, states: list[State]) -> None:
     assert run_cli("pull", "--repo", url, "--out", str(out), "--version", "2", "-q").returncode == 0
     r = run_cli("pull", "--repo", url, "--out", str(out), "--version", "12", "-q")
     assert r.returncode == 0 and "local via squash 2->10" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("classes", [0, 6])
+def test_squashes_code_positions_as_the_publisher_is_configured(memory_repo_url: str, classes: int) -> None:
+    # The manifest's codec version says what a decoder must read (version 3 reads magnitude
+    # classes); whether a squash uses them is the publisher's choice, as for its deltas.
+    cfg = PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=4096, max_classes=classes), snapshot_every=SNAPSHOT_EVERY,
+                          workers=2, progress=False, squash_strides=(5,))
+    # Weight-like versions: small weights (a small ulp) change more often, as under AdamW.
+    rng = np.random.default_rng(1)
+    w = torch.from_numpy(rng.standard_normal(64 * 1024).astype(np.float32)).to(torch.bfloat16).view(torch.int16)
+    small = (w.view(torch.bfloat16).abs() < 0.3).numpy()
+    stream: list[State] = []
+    for _ in range(10):
+        w = w.clone()
+        hit = rng.random(w.numel()) < np.where(small, 0.08, 0.004)
+        w[torch.from_numpy(hit)] += 1
+        stream.append({"w": w.view(torch.bfloat16).reshape(64, 1024).clone()})
+    pub = Publisher(memory_repo_url, cfg)
+    for s in stream:
+        pub.publish(s)
+    repo = Repository(memory_repo_url)
+    assert repo.squashes() == [(5, 10)]
+    coded: list[int] = []  # the position coding of every sparse chunk, deltas and the squash
+    for info in [repo.manifest(v) for v in range(2, 11)] + [repo.squash(5, 10)]:
+        assert info.pb.codec.codec_version == 3
+        for t in info.pb.tensors:
+            for c in t.chunks:
+                if c.encoding == pb.SPARSE:
+                    payload = repo.store.get(info.pb.packs[c.pack].key, (c.offset, c.length))
+                    coded.append(payload[1])
+    assert coded and ((3 in coded) if classes else (3 not in coded))  # 3: magnitude classes
+    got = Subscriber(memory_repo_url, progress=False).pull(10)
+    assert_state(got, stream[9])
