@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     # Versions 1 and 2 as named (full_coder on would make either write version 3; deltas are
     # the same, only full payloads differ: the snapshot line compares those).
-    v1, v2 = PlanesZstdCodec(full_coder=False), PlanesZstdCodec(max_classes=6, full_coder=False)
+    v1, v2 = PlanesZstdCodec(max_classes=0, full_coder=False), PlanesZstdCodec(max_classes=6, full_coder=False)
     v3 = PlanesZstdCodec(max_classes=6)
     for lr in (float(x) for x in args.lrs.split(",")):
         models = list(minilm_stream(lr, args.steps))
