@@ -894,3 +894,39 @@ def test_codec_version_2_chain_pulls_forward_jumps_and_rolls_back(memory_repo_ur
         assert_bit_exact(sub.pull(v), expected_of(s))
     assert_bit_exact(Subscriber(memory_repo_url).pull(4), expected_of(states[3]))
     assert_bit_exact(sub.pull(2), expected_of(states[1]))  # backwards from version 4
+
+
+def test_default_codec_chain_through_snapshots_squashes_partial_pulls_and_rollbacks(memory_repo_url: str) -> None:
+    """The default codec (version 3: magnitude classes, entropy-coded snapshots) on a chain with
+    a snapshot inside it and squashes across it: forward step by step, a jump from nothing, a
+    far-behind pull through a squash, a partial pull, and rollbacks, all bit-exact."""
+    rng = np.random.default_rng(12)
+    w = (rng.normal(0, 1, 200_000) * np.exp(rng.normal(-4, 1.5, 200_000))).astype(np.float32)
+    states = []
+    for _ in range(7):
+        states.append({"w": torch.from_numpy(w.copy()).to(torch.bfloat16), "v": torch.from_numpy(w[:999].copy())})
+        w = w + rng.normal(0, 5e-6, len(w)).astype(np.float32)
+    cfg = PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=64 << 10), snapshot_every=4, squash_strides=(3,),
+                          progress=False)
+    pub = Publisher(memory_repo_url, cfg)
+    for s in states:
+        pub.publish(s)
+    repo = Repository(memory_repo_url)
+    assert [v for v in repo.versions() if repo.manifest(v).is_snapshot] == [1, 5]
+    assert repo.squashes() and all(repo.manifest(v).pb.codec.codec_version == 3 for v in repo.versions())
+    codings = [repo.store.get(repo.manifest(v).pb.packs[c.pack].key, (c.offset, c.length))[1]
+               for v in (2, 3, 4, 6, 7) for t in repo.manifest(v).pb.tensors for c in t.chunks if c.encoding == pb.SPARSE]
+    assert 3 in codings, "some positions coded in magnitude classes"
+    sub = Subscriber(memory_repo_url)
+    for v, s in enumerate(states, start=1):
+        assert_bit_exact(sub.pull(v), expected_of(s))
+    assert_bit_exact(Subscriber(memory_repo_url).pull(7), expected_of(states[6]))
+    behind = Subscriber(memory_repo_url)
+    assert_bit_exact(behind.pull(3), expected_of(states[2]))
+    through = behind.pull(6)
+    assert_bit_exact(through, expected_of(states[5]))
+    assert (3, 6) in repo.squashes() and through.plan is not None and through.plan.squashes == ((3, 6),)
+    partial = Subscriber(memory_repo_url).pull(7, tensors=["w"])
+    assert sorted(partial) == ["w"] and torch.equal(partial["w"].view(torch.int16), states[6]["w"].view(torch.int16))
+    assert_bit_exact(sub.pull(3), expected_of(states[2]))  # backwards across the snapshot
+    assert_bit_exact(sub.pull(1), expected_of(states[0]))
