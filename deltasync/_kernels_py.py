@@ -65,6 +65,14 @@ def _unpack(data: Data) -> Bits:
     return np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
 
 
+_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+
+
+def _ones(data: Data) -> int:
+    """The one bits in ``data``, counted without expanding it to bits."""
+    return int(_POPCOUNT[np.frombuffer(data, dtype=np.uint8)].sum(dtype=np.int64))
+
+
 def _unary(q: I64) -> bytes:
     """q[i] zero bits then a one, for every i."""
     total = int(q.sum()) + len(q)
@@ -146,6 +154,15 @@ def rice_decode(data: Data, count: int, k: int, n: int, /) -> bytes:
     if len(data) < low_len + 1:
         raise ValueError("Rice stream too short")
     unary, low = data[: len(data) - low_len], data[len(data) - low_len :]
+    # Refused by the C decoder too (after a pass over the stream), but checked before the
+    # stream is expanded to bits and one-bit positions (64 bytes per stream byte: hundreds of
+    # MiB from a hostile stream for a 4 MiB chunk): an accepted unary stream holds exactly
+    # ``count`` one bits and at most n bits (the unary parts sum to at most last + 1 - count).
+    ones_in = _ones(unary)
+    if ones_in < count:
+        raise ValueError("Rice stream ends early")
+    if ones_in > count or len(unary) > (n + 7) // 8:
+        raise ValueError("Rice stream has trailing data")
     # Codes must be read one by one, like the C loop, to refuse the same inputs: stop at the
     # first code whose gap runs past the chunk (the unary stream may hold more ones after it).
     ones = np.flatnonzero(_unpack(unary))[:count]
@@ -215,15 +232,22 @@ def unpack2(symbols: Data, count: int, k: int, prefix: Data, suffix: Data, width
     if m:
         # Like the C loop, escapes are read in order and the first bad one is reported; the
         # checks below look at the escapes before the first failure only where it matters.
-        ones = np.flatnonzero(_unpack(prefix))
-        if len(ones) < m:
+        # As in rice_decode, refused by C too but checked before the streams are expanded to
+        # bits: an accepted prefix stream holds exactly m one bits, each after at most 63 zeros.
+        ones_in = _ones(prefix)
+        if ones_in < m:
             raise ValueError("escape stream ends early")
+        if ones_in > m or len(prefix) > 8 * m:
+            raise ValueError("escape stream has trailing data")
+        ones = np.flatnonzero(_unpack(prefix))
         nb = (np.diff(ones[:m], prepend=-1) - 1).astype(np.int64)
         if (nb > 63).any():
             raise ValueError("escape runs past its stream")
         starts = np.cumsum(nb + k) - (nb + k)
         if int(starts[-1] + k + nb[-1]) > 8 * len(suffix):
             raise ValueError("escape runs past its stream")
+        if len(suffix) > (int(starts[-1] + k + nb[-1]) + 7) // 8:
+            raise ValueError("escape stream has trailing data")
         bits = _unpack(suffix)
         low = _get_fields(bits, starts, np.full(m, k, np.int64))
         high = (np.uint64(1) << nb.astype(np.uint64)) - np.uint64(1) + _get_fields(bits, starts + k, nb)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -14,6 +15,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -386,3 +388,128 @@ def test_the_portable_class_loops_agree_with_the_avx512_ones() -> None:
         runs.append(child.stdout.splitlines())
     assert runs[0][0] == "sse2" and runs[1][0] == "avx512bw"
     assert runs[0][1:] == runs[1][1:] and len(runs[0]) == 17
+
+
+# -- hostile bit streams: bounded work and memory, the same refusals --------------------------------
+
+
+def _hostile_sparse(kind: str, nbytes: int) -> tuple[bytes, Bytes]:
+    """A sparse payload of a bf16 chunk of ``nbytes`` whose bit stream (Rice positions, a Rice
+    class stream, or the escape prefix of 2-bit values) is as long as a payload may be, all one
+    bits, and a base for it."""
+    zc = zstandard.ZstdCompressor(write_content_size=True)
+    n = nbytes // 2
+    base = np.zeros(nbytes, dtype=np.uint8)
+    ones = b"\xff" * (2 * nbytes)  # max_payload(nbytes) allows about this much
+    header = struct.Struct("<BBBBQQ")  # transform, position coding and parameter, value parameter, count, length
+    value = zc.compress(b"\x01\x00")  # one change, XOR 1
+    if kind == "rice":
+        return header.pack(0, 2, 0, 0, 1, len(ones)) + ones + value, base
+    if kind == "classes":
+        base.view(np.uint16)[: n // 2] = 0x3F80  # 1.0: bins >= 1 in class 1, zeros in class 0
+        section = (struct.pack("<H", 1) + struct.pack("<II", n - n // 2, n // 2)
+                   + CLASS_HEAD.pack(1, 0, 0, len(ones)) + CLASS_HEAD.pack(0, 0, 0, 0) + ones)
+        return header.pack(0, 3, 2, 0, 1, len(section)) + section + value, base
+    symbols = zc.compress(b"\x03")  # one escape
+    positions = zc.compress(b"\x01" + bytes((n + 7) // 8 - 1))  # bitmap: element 0
+    values = struct.pack("<I", len(symbols)) + symbols + struct.pack("<I", len(ones)) + ones
+    return header.pack(2, 0, 0, 0, 1, len(positions)) + positions + values, base
+
+
+@pytest.mark.parametrize("kind", ["rice", "classes", "escapes"])
+@pytest.mark.parametrize("impl", KERNEL_IMPLS, ids=lambda m: m.__name__)
+def test_hostile_bit_streams_are_refused_without_expanding_them(impl: ModuleType, kind: str) -> None:
+    """A stream of one bits is refused by both kernels; the numpy twin used to expand it to bit
+    positions first (64 bytes per stream byte: about 570 MiB for a 4 MiB chunk's payload)."""
+    nbytes = 1 << 20
+    payload, base = _hostile_sparse(kind, nbytes)
+    codec = PlanesZstdCodec()
+    assert len(payload) <= codec.max_payload(nbytes)
+    out = base.copy()
+    with kernels(impl):
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptObjectError):
+                codec.decode_into(EncodedChunk(SPARSE, payload), base, out, 2)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert (out == base).all()
+    assert peak < 4 * len(payload), peak  # was about 64 times the payload in the twin
+
+
+def _lying_class_payload(rng: np.random.Generator, base: Bytes, width: int, lie: int) -> bytes:
+    """A class-coded sparse payload built field by field for ``base``, true but for one lie."""
+    u = UINT[width]
+    zc = zstandard.ZstdCompressor(write_content_size=True)
+    top = int(np.iinfo(u).max) >> 1
+    bins = (base.view(u) & u(top)) >> u(BIN_SHIFT[width])
+    present = np.unique(bins[bins >= 1]).astype(np.int64)
+    pool = present if len(present) >= 2 else np.arange(1, (top >> BIN_SHIFT[width]) + 1)
+    th = np.sort(rng.choice(pool, size=min(int(rng.integers(1, MAX_CLASSES)), len(pool)), replace=False))
+    nclasses = len(th) + 1
+    counts = np.bincount(np.searchsorted(th, bins.astype(np.int64), side="right"),
+                         minlength=nclasses).astype(np.int64)
+    if lie == 1:  # elements moved between classes, the sum kept
+        a, b = rng.choice(nclasses, 2, replace=False)
+        counts[a] += 1
+        counts[b] -= 1
+    heads, streams = [], []
+    for n_c in counts.tolist():
+        k_c = int(rng.integers(0, n_c + 1)) if n_c > 0 else 0
+        ranks = np.sort(rng.choice(n_c, size=k_c, replace=False)).astype(np.uint32) if k_c else np.zeros(0, np.uint32)
+        if lie == 2 and k_c:  # a rank past its class
+            ranks[-1] = n_c + int(rng.integers(0, 70))
+        method, param, stream = 0, 0, b""
+        if k_c and rng.random() < 0.5:
+            bits = np.zeros(max(n_c, int(ranks[-1]) + 1), dtype=np.uint8)
+            bits[ranks] = 1
+            method, stream = 1, zc.compress(np.packbits(bits, bitorder="little").tobytes())
+        elif k_c:
+            param, stream = _kernels_py.rice_encode(ranks.tobytes())
+            if lie == 3:
+                param = (param + int(rng.integers(1, 40))) % 256
+        if lie == 4:
+            k_c = max(0, k_c + int(rng.choice([-1, 1])))
+        heads.append(CLASS_HEAD.pack(k_c, method, param, len(stream)))
+        streams.append(stream)
+    if lie == 5:
+        th[int(rng.integers(0, len(th)))] = int(rng.choice([0, 65535, int(th[-1])]))
+    count = sum(CLASS_HEAD.unpack(h)[0] for h in heads) + (int(rng.choice([-1, 1])) if lie == 6 else 0)
+    values = rng.integers(1, 1 << min(63, 8 * width), max(count, 0), dtype=np.uint64).astype(u)
+    section = (th.astype("<u2").tobytes() + (counts & 0xFFFFFFFF).astype("<u4").tobytes() + b"".join(heads)
+               + b"".join(streams))
+    if lie == 7:  # a field overwritten with an extreme value
+        at = int(rng.integers(0, len(section)))
+        section = section[:at] + rng.choice([b"\x00" * 4, b"\xff" * 4, b"\x00\x00\x00\x80"]) + section[at + 4 :]
+    header = struct.pack("<BBBBQQ", 0, 3, nclasses, 0, max(count, 0), len(section))
+    return header + section + zc.compress(values.view(np.uint8).reshape(-1, width).T.tobytes())
+
+
+def test_class_payloads_with_lying_fields_are_refused_alike() -> None:
+    """Payloads that are well formed but for one field (class counts moved, a rank past its
+    class, a wrong Rice parameter, change counts, thresholds, the total, an extreme value):
+    every kernel refuses the same ones, leaves ``out`` as it was, and decodes the rest alike."""
+    rng = np.random.default_rng(7)
+    codec = PlanesZstdCodec()
+    refused: dict[int, int] = {}
+    for trial in range(160):
+        width = (1, 2, 4, 8)[trial % 4]
+        n = int(rng.choice([1, 63, 64, 65, 200, 1000]))
+        base = weights(rng, n, width, 0.02)
+        payload = _lying_class_payload(rng, base, width, trial % 8)
+        results: list[bytes | None] = []
+        for impl in KERNEL_IMPLS:
+            with kernels(impl):
+                work = base.copy()
+                try:
+                    codec.decode_into(EncodedChunk(SPARSE, payload), work, work, width)
+                    results.append(work.tobytes())
+                except CorruptObjectError:
+                    assert work.tobytes() == base.tobytes()
+                    results.append(None)
+        assert all(r == results[0] for r in results), trial
+        refused[trial % 8] = refused.get(trial % 8, 0) + (results[0] is None)
+    assert refused[0] == 0  # honest payloads decode
+    assert refused[1] == refused[2] == refused[6] == 20  # lies that no payload gets away with
+    assert sum(refused.values()) >= 130

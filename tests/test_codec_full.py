@@ -495,3 +495,56 @@ def test_minilm_snapshot_is_at_least_1_5x_smaller() -> None:
             raw += length
             stored += len(codec.encode(b[off : off + length], None, 2).payload)
     assert raw / stored >= 1.5
+
+
+def _mutate(rng: np.random.Generator, payload: bytes) -> bytes:
+    """One of: bit flips, a cut, bytes appended, a byte inserted or deleted, or a 1-8 byte field
+    overwritten with 0, 1, all ones, 2^16, 2^31 or 4096 (half of them in the first 200 bytes)."""
+    p = bytearray(payload)
+    kind = int(rng.integers(0, 5))
+    at = int(rng.integers(0, len(p)))
+    if kind == 0:
+        for _ in range(int(rng.integers(1, 4))):
+            p[int(rng.integers(0, len(p)))] ^= 1 << int(rng.integers(0, 8))
+    elif kind == 1:
+        del p[at:]
+    elif kind == 2:
+        p += bytes(rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8))
+    elif kind == 3:
+        p[at : at + 1] = b"" if rng.random() < 0.5 else bytes([int(rng.integers(0, 256))])
+    else:
+        at = int(rng.integers(0, min(len(p), 200) if rng.random() < 0.5 else len(p)))
+        size = int(rng.choice([1, 2, 4, 8]))
+        value = int(rng.choice([0, 1, (1 << 64) - 1, 1 << 16, 1 << 31, SCALE])) & ((1 << 8 * size) - 1)
+        p[at : at + size] = value.to_bytes(size, "little")[: len(p) - at]
+    return bytes(p)
+
+
+@needs_c
+def test_mutated_payloads_are_refused_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutated version 3 full payloads (raw, zstd and rANS planes, rotated or not, at every
+    width) are refused by both coders alike, refusals leave ``out`` as it was, and what slips
+    through (raw bytes) decodes alike."""
+    rng = np.random.default_rng(11)
+    sources = [(width, make(kind, width, n, seed=width))
+               for width in WIDTHS for kind, n in (("skewed", 5000), ("outliers", 300), ("repeats", 40))]
+    codec = PlanesZstdCodec()
+    payloads = [(width, target, codec.encode(target, None, width).payload) for width, target in sources]
+    assert {c for width, _, p in payloads for c, _ in parse(p, width)[1]} == {RAW, ZSTD, RANS}
+    refused = 0
+    for trial in range(300):
+        width, target, payload = payloads[trial % len(payloads)]
+        bad = _mutate(rng, payload)
+        outcomes: list[bytes | None] = []
+        for module in IMPLS:
+            monkeypatch.setattr(codec_mod, "_E", module)
+            out = np.full(len(target), 0xA5, dtype=np.uint8)
+            try:
+                codec.decode_into(EncodedChunk(FULL, bad), None, out, width)
+                outcomes.append(out.tobytes())
+            except CorruptObjectError:
+                assert (out == 0xA5).all()
+                outcomes.append(None)
+        assert outcomes[0] == outcomes[1], trial
+        refused += outcomes[0] is None
+    assert refused >= 200
