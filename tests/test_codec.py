@@ -1031,3 +1031,36 @@ def test_corrupt_class_payloads_are_refused_or_decode_to_other_bytes(seed: int, 
             except CorruptObjectError:
                 results.append(None)
     assert results[0] == results[-1]  # both kernels refuse the same inputs
+
+
+@pytest.mark.parametrize("kind", ["dense", "full", "bitmap"])
+def test_a_zstd_section_with_trailing_bytes_is_refused(kind: str) -> None:
+    # Decoding accepts exactly what encoding writes: one zstd frame per section, nothing after it.
+    rng = np.random.default_rng(4)
+    base = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    target = base.copy()
+    if kind == "dense":
+        codec = PlanesZstdCodec(max_classes=0, full_coder=False)
+        target[::2] ^= 1
+        enc = codec.encode(target, base, 2)
+        assert enc.encoding == DENSE
+        bad = EncodedChunk(DENSE, enc.payload + b"\x00")
+    elif kind == "full":
+        codec = PlanesZstdCodec(full_coder=False)
+        enc = codec.encode(target, None, 2)
+        bad = EncodedChunk(FULL, enc.payload + zstandard.ZstdCompressor().compress(b"x"))  # a second frame
+    else:
+        codec = PlanesZstdCodec(max_classes=0, full_coder=False)
+        target.view(np.uint16)[: len(target) // 10] ^= 1  # a run of 20% of the elements: a bitmap wins
+        enc = codec.encode(target, base, 2)
+        assert enc.encoding == SPARSE and _sparse_header(enc.payload)[1] == BITMAP
+        head = SPARSE_HEADER.unpack_from(enc.payload)
+        pos_len = head[5]
+        body = enc.payload[SPARSE_HEADER.size :]
+        grown = SPARSE_HEADER.pack(*head[:5], pos_len + 1) + body[:pos_len] + b"\x00" + body[pos_len:]
+        bad = EncodedChunk(SPARSE, grown)
+    assert np.array_equal(codec.decode(enc, base, 2, len(base)), target)
+    out = base.copy()
+    with pytest.raises(CorruptObjectError):
+        codec.decode_into(bad, base, out, 2)
+    assert np.array_equal(out, base)

@@ -238,7 +238,9 @@ def _unzstd(data: bytes | memoryview, expected: int, what: str) -> bytes:
     if size != expected:
         raise CorruptObjectError(what, f"zstd frame holds {size} bytes, expected {expected}")
     try:
-        out = _decompressor().decompress(data, max_output_size=expected)
+        # One frame and nothing after it: encoders write exactly that, and a section with
+        # trailing bytes is not one they wrote.
+        out = _decompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise CorruptObjectError(what, f"zstd decode failed ({e})") from None
     if len(out) != expected:
