@@ -872,15 +872,22 @@ def test_failed_upload_leaves_nothing_visible(repo_url: str, monkeypatch: pytest
     assert_bit_exact(Subscriber(repo_url).pull(), expected_of(s1))
 
 
+def weight_like_states(seed: int, n: int, versions: int) -> list[dict[str, torch.Tensor]]:
+    """Versions of bf16 weights of many magnitudes moved by small fp32 steps: small weights
+    (a small ulp) change more often, so magnitude classes win, as on a real AdamW stream."""
+    rng = np.random.default_rng(seed)
+    w = (rng.normal(0, 1, n) * np.exp(rng.normal(-4, 1.5, n))).astype(np.float32)
+    states = []
+    for _ in range(versions):
+        states.append({"w": torch.from_numpy(w.copy()).to(torch.bfloat16), "v": torch.from_numpy(w[:999].copy())})
+        w = w + rng.normal(0, 5e-6, n).astype(np.float32)
+    return states
+
+
 def test_codec_version_2_chain_pulls_forward_jumps_and_rolls_back(memory_repo_url: str) -> None:
     """A chain of magnitude-class deltas (codec version 2): pulled step by step, jumping from
     the snapshot, and back to an older version (whose class chunks rebuild from the chain)."""
-    rng = np.random.default_rng(11)
-    w = (rng.normal(0, 1, 300_000) * np.exp(rng.normal(-4, 1.5, 300_000))).astype(np.float32)
-    states = []
-    for _ in range(4):
-        states.append({"w": torch.from_numpy(w.copy()).to(torch.bfloat16), "v": torch.from_numpy(w[:999].copy())})
-        w = w + rng.normal(0, 5e-6, len(w)).astype(np.float32)
+    states = weight_like_states(11, 300_000, 4)
     cfg = PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=64 << 10, max_classes=6, full_coder=False), progress=False)
     pub = Publisher(memory_repo_url, cfg)
     for s in states:
@@ -900,12 +907,7 @@ def test_default_codec_chain_through_snapshots_squashes_partial_pulls_and_rollba
     """The default codec (version 3: magnitude classes, entropy-coded snapshots) on a chain with
     a snapshot inside it and squashes across it: forward step by step, a jump from nothing, a
     far-behind pull through a squash, a partial pull, and rollbacks, all bit-exact."""
-    rng = np.random.default_rng(12)
-    w = (rng.normal(0, 1, 200_000) * np.exp(rng.normal(-4, 1.5, 200_000))).astype(np.float32)
-    states = []
-    for _ in range(7):
-        states.append({"w": torch.from_numpy(w.copy()).to(torch.bfloat16), "v": torch.from_numpy(w[:999].copy())})
-        w = w + rng.normal(0, 5e-6, len(w)).astype(np.float32)
+    states = weight_like_states(12, 200_000, 7)
     cfg = PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=64 << 10), snapshot_every=4, squash_strides=(3,),
                           progress=False)
     pub = Publisher(memory_repo_url, cfg)
