@@ -113,7 +113,7 @@ ENCODING_NAMES: dict[Encoding, str] = {SAME: "same", SPARSE: "sparse", DENSE: "d
 _XOR, _ZIGZAG, _ZIGZAG2 = 0, 1, 2
 _BITMAP, _GAPS, _RICE, _CLASSES = 0, 1, 2, 3
 _CLASS_RICE, _CLASS_BITMAP = 0, 1
-_CLASS_STREAM = struct.Struct("<IBBI")  # changes in the class, method, Rice k, stream length
+_CLASS_STREAM = _kernels_py.CLASS_HEAD  # changes in the class, method, Rice k, stream length
 _CLASS_OVERHEAD_BITS = 8 * (_CLASS_STREAM.size + 6)
 """What one more class costs in a payload (its stream header, threshold and count), in bits."""
 MAX_CLASSES = _kernels_py.MAX_CLASSES
@@ -271,9 +271,9 @@ def _unplanes_into(data: bytes, out: Bytes, width: int) -> None:
         np.copyto(out.reshape(-1, width), raw.reshape(width, -1).T)
 
 
-def _take(data: memoryview, at: int, length: int, what: str) -> memoryview:
+def _take(data: memoryview, at: int, length: int, what: str, chunk: str = "sparse chunk") -> memoryview:
     if length > len(data) - at:
-        raise CorruptObjectError("sparse chunk", f"{what} runs past the payload")
+        raise CorruptObjectError(chunk, f"{what} runs past the payload")
     return data[at : at + length]
 
 
@@ -375,12 +375,6 @@ def _encode_full_v3(target: Bytes, width: int, zstd_level: int) -> bytes:
     return b"".join(parts)
 
 
-def _full_take(data: memoryview, at: int, length: int, what: str) -> memoryview:
-    if length > len(data) - at:
-        raise CorruptObjectError("full chunk", f"{what} runs past the payload")
-    return data[at : at + length]
-
-
 def _decode_plane(coding: int, section: memoryview, n: int) -> bytes | memoryview:
     if coding == _PLANE_RAW:
         if len(section) != n:
@@ -392,10 +386,10 @@ def _decode_plane(coding: int, section: memoryview, n: int) -> bytes | memoryvie
         raise CorruptObjectError("full chunk", f"unknown plane coding {coding}")
     if n == 0:
         raise CorruptObjectError("full chunk", "rANS plane without bytes")
-    present = np.unpackbits(np.frombuffer(_full_take(section, 0, 32, "rANS table"), dtype=np.uint8),
+    present = np.unpackbits(np.frombuffer(_take(section, 0, 32, "rANS table", "full chunk"), dtype=np.uint8),
                             bitorder="little").astype(np.bool_)
     k = int(np.count_nonzero(present))
-    given = np.frombuffer(_full_take(section, 32, 2 * k, "rANS table"), dtype="<u2")
+    given = np.frombuffer(_take(section, 32, 2 * k, "rANS table", "full chunk"), dtype="<u2")
     if (given == 0).any() or int(given.sum(dtype=np.int64)) != _RANS_SCALE:
         raise CorruptObjectError("full chunk", f"rANS frequencies must be >= 1 and sum to {_RANS_SCALE}")
     freqs = np.zeros(256, dtype="<u4")
@@ -418,8 +412,8 @@ def _decode_full_v3(payload: bytes, out: Bytes, width: int) -> None:
     at = 1
     parts: list[bytes | memoryview] = []
     for _ in range(width):
-        coding, length = _PLANE_HEADER.unpack(_full_take(data, at, _PLANE_HEADER.size, "plane header"))
-        parts.append(_decode_plane(coding, _full_take(data, at + _PLANE_HEADER.size, length, "plane"), n))
+        coding, length = _PLANE_HEADER.unpack(_take(data, at, _PLANE_HEADER.size, "plane header", "full chunk"))
+        parts.append(_decode_plane(coding, _take(data, at + _PLANE_HEADER.size, length, "plane", "full chunk"), n))
         at += _PLANE_HEADER.size + length
     if at != len(data):
         raise CorruptObjectError("full chunk", "payload longer than its planes")
@@ -654,8 +648,8 @@ class PlanesZstdCodec:
         if self.max_classes > 1:
             found = self._encode_classes(indices, tv, bv, width, base)
             if found is not None:
-                nclasses, section, *values = found
-                ordered = values[0], values[1]
+                nclasses, section, ordered_tv, ordered_bv = found
+                ordered = ordered_tv, ordered_bv
                 positions.append((_CLASSES, nclasses, section))
         # Classes are chosen only where they beat one class, which the Rice code below is.
         if ordered is None or self.exhaustive:
