@@ -272,8 +272,9 @@ class S3Store(Store):
         response: dict[str, Any] = self._call("stat", key, self._client.head_object, Key=self._root + key)
         return response
 
-    def _list(self, prefix: str) -> Iterator[str]:
-        keys: list[str] = []
+    def _listing(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, size) of every object under ``prefix``, page by page."""
+        count = 0
         paginator = self._client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self._root + prefix):
@@ -283,30 +284,21 @@ class S3Store(Store):
                     # Objects a Store cannot have written (e.g. console "folder/" markers) are
                     # skipped rather than handed out as keys that get() would reject.
                     if _valid_key(key):
-                        keys.append(key)
-                if len(keys) > _base.MAX_LIST_KEYS:  # checked per page: an endless listing stops here
+                        count += 1
+                        yield key, int(obj.get("Size", 0))
+                if count > _base.MAX_LIST_KEYS:  # checked per page: an endless listing stops here
                     raise listing_too_long(prefix, f"s3://{self.bucket}/{self._root}")
         except (ClientError, BotoCoreError) as e:
             raise self._error(e, "list", prefix or None) from None
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        keys = [key for key, _ in self._listing(prefix)]
         keys.sort()  # S3 lists in UTF-8 byte order already; not every compatible server does
         return iter(keys)
 
     def _total_bytes(self, prefix: str) -> int:
         # The listing carries every object's size: one request per 1,000 keys, not one per key.
-        total = count = 0
-        paginator = self._client.get_paginator("list_objects_v2")
-        try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._root + prefix):
-                self._bucket_seen = True
-                for obj in page.get("Contents", ()):
-                    if _valid_key(obj["Key"][len(self._root) :]):
-                        total += int(obj.get("Size", 0))
-                        count += 1
-                if count > _base.MAX_LIST_KEYS:
-                    raise listing_too_long(prefix, f"s3://{self.bucket}/{self._root}")
-        except (ClientError, BotoCoreError) as e:
-            raise self._error(e, "list", prefix or None) from None
-        return total
+        return sum(size for _, size in self._listing(prefix))
 
     # -- writes --------------------------------------------------------------------------------
 
