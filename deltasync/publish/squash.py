@@ -117,7 +117,7 @@ def write_squash(
     if r.store.exists(squash_key(a, c)):
         return SquashResult(a, c, "exists", 0, 0, time.monotonic() - start)
     base_cfg = config or PublisherConfig()
-    classes = base_cfg.codec.max_classes if cinfo.codec.max_classes > 1 else 0
+    classes = base_cfg.codec.max_classes if cinfo.codec.codec_version >= 2 else 0  # what c's readers accept
     cfg = dataclasses.replace(base_cfg, codec=dataclasses.replace(cinfo.codec, max_classes=classes))
     sub = Subscriber(r, workers=cfg.threads, progress=False)
     before, _ = sub.plan(c, a)
