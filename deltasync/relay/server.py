@@ -21,7 +21,9 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
   streams in 1 MiB pieces, into memory up to :data:`SPOOL_BYTES` (4 MiB) and, when larger, into
   a file under the cache's ``tmp/`` as it arrives (mapped read-only for the checks and the
   upstream put, removed after): at most ``max_uploads`` at once, so the relay's memory for
-  uploads stays under ``max_uploads`` times 4 MiB (and 1 MiB pieces), its disk in flight
+  uploads stays under ``max_uploads`` times 4 MiB (and 1 MiB pieces); an upload waiting for
+  its turn is not read, and holds no more than its stream's 64 KiB flow-control window
+  (:data:`UPLOAD_WINDOW_BYTES`: no BDP probing grows it), its disk in flight
   under ``max_uploads`` times ``max_object_bytes``. It is checked (its size, the digest its
   header announces, and for ``packs/<xxh3>.pack`` and ``blobs/<xxh3>`` the digest in the
   key) and only then written with the upstream store's own
@@ -86,6 +88,8 @@ T = TypeVar("T")
 
 _RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
 _IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
+UPLOAD_WINDOW_BYTES = 64 << 10
+"""Bytes a client may send on a stream the relay is not reading yet (an upload waiting for a slot)."""
 _FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
 
 SERVER_OPTIONS: list[tuple[str, Any]] = [
@@ -95,6 +99,13 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # allow clients' keepalive
     # Requests are small but for Put's pieces: 1 MiB of data plus its header.
+    # What a client may send on a stream before the relay reads from it. A Put waiting for an
+    # upload slot reads nothing, yet with BDP probing grpc grows every stream's window to
+    # megabytes, so each waiting uploader parked that much in the relay's memory (24 waiting:
+    # +150 MiB). A fixed 64 KiB window bounds a waiting stream; a stream being read still gets
+    # the window of the 1 MiB piece it asks for.
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", UPLOAD_WINDOW_BYTES),
     ("grpc.max_receive_message_length", CHUNK_BYTES + (64 << 10)),
 ]
 
