@@ -19,8 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deltasync import _entropy_py
-from deltasync.format import codec as codec_mod
+from deltasync.format import _entropy_py, codec as codec_mod
 from deltasync.format.codec import PlanesZstdCodec
 
 Bytes = npt.NDArray[np.uint8]

@@ -371,8 +371,8 @@ def pull(
     files in DIR are links into the served slot.
     """
     from deltasync import Repository, Subscriber
-    from deltasync.pull.cache import CachedStore
-    from deltasync.pull.state import StateDB
+    from deltasync.local.cache import CachedStore
+    from deltasync.local.state import StateDB
 
     out = _local_dir(directory, out, "pull")
 
@@ -405,7 +405,7 @@ def verify(repo: str, version: int | None, trusted_keys: tuple[Path, ...], worke
            as_json: bool) -> None:
     """Check every object, digest and chain of the repository."""
     from deltasync import Repository
-    from deltasync.repo.verify import verify_repository
+    from deltasync.ops.verify import verify_repository
 
     r = Repository(repo, trusted_keys=trusted_keys)
     report = verify_repository(r, version=version, workers=workers, progress=_progress(quiet))
@@ -431,7 +431,7 @@ def verify(repo: str, version: int | None, trusted_keys: tuple[Path, ...], worke
 def inspect(repo: str, version: int | None, top: int, trusted_keys: tuple[Path, ...], as_json: bool) -> None:
     """Describe one version: lineage, codec, files, tensors and how their chunks are encoded."""
     from deltasync import Repository
-    from deltasync.repo.describe import describe_version
+    from deltasync.ops.describe import describe_version
 
     r = Repository(repo, trusted_keys=trusted_keys)
     if as_json:
@@ -537,7 +537,7 @@ def gc(repo: str, keep_last: int, keep_every: int | None, grace: float, dry_run:
     A delta needs every version back to its snapshot: those are kept too, and named.
     """
     from deltasync import Repository
-    from deltasync.repo.retention import collect
+    from deltasync.ops.retention import collect
 
     r = Repository(repo)
     r.ensure_exists()
@@ -597,7 +597,7 @@ def serve(
     import logging
 
     from deltasync.relay import build_server, parse_size, run_until_signalled
-    from deltasync.relay.wire import read_token, read_write_token
+    from deltasync.storage._wire import read_token, read_write_token
 
     logging.getLogger("deltasync").removeHandler(_WARNINGS)  # the relay logs every line its own way
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
@@ -647,7 +647,7 @@ class _RetryLog(logging.Handler):
         self.retries, self.follow, self.failures = retries, follow, 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        from deltasync.agent import FINAL
+        from deltasync.local.agent import FINAL
 
         message = record.getMessage()
         if not message.startswith("update failed: "):
@@ -663,7 +663,7 @@ class _RetryLog(logging.Handler):
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        logger = logging.getLogger("deltasync.agent")
+        logger = logging.getLogger("deltasync.local.agent")
         before = logger.propagate
         logger.addHandler(self)
         logger.propagate = False
@@ -718,7 +718,7 @@ def subscribe(
     """
     import signal
 
-    from deltasync.agent import Agent, AgentConfig, Update
+    from deltasync.local.agent import Agent, AgentConfig, Update
 
     out = _local_dir(directory, out, "subscribe")
     retry_log = _RetryLog(retries, follow)
@@ -807,7 +807,7 @@ def subscribe(
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 def status(directory: Path | None, out: Path | None, as_json: bool) -> None:
     """Show a local copy's version, lag, agent, bytes fetched, apply time and last error (safe while an agent runs)."""
-    from deltasync.agent import read_status
+    from deltasync.local.agent import read_status
 
     directory = _local_dir(directory, out, "status")
 
@@ -868,7 +868,7 @@ def check(
 ) -> None:
     """Compare a local copy with the manifest of its version, chunk by chunk, and list files in it that are not the
     version's (exit status 1 on drift or such files without --repair / --move-aside)."""
-    from deltasync.pull.check import check_copy
+    from deltasync.local.check import check_copy
 
     directory = _local_dir(directory, out, "check")
     report = check_copy(directory, repo=repo, repair=repair, workers=workers, trusted_keys=trusted_keys,
@@ -911,8 +911,7 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
     Nothing is downloaded for deltas whose payloads the copy kept (see subscribe --keep-versions);
     what cannot be reversed comes from the snapshot plus chain.
     """
-    from deltasync.agent import AgentConfig
-    from deltasync.agent import rollback as rollback_copy
+    from deltasync.local.agent import AgentConfig, rollback as rollback_copy
 
     directory = _local_dir(directory, out, "rollback")
     with _RetryLog(None, False).installed():
@@ -991,7 +990,7 @@ def cache(repo: str | None, clear: bool, as_json: bool) -> None:
     """
     import shutil
 
-    from deltasync.pull.state import read_local_state
+    from deltasync.local.state import read_local_state
 
     root = _cache_base() / "publish"
     wanted = _default_cache(repo).name if repo is not None else None

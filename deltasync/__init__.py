@@ -1,171 +1,112 @@
 """deltasync: lossless, compressed weight deltas from an RL trainer to inference fleets.
 
-The public names below are imported on first use, so that ``deltasync --help`` and other
-light entry points do not pay for numpy, zstd and friends.
+The public names below are imported on first use (:mod:`deltasync._lazy`), so that
+``deltasync --help`` and other light entry points do not pay for numpy, zstd and friends.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from . import _aliases, _extras
+from . import _lazy
 
 __version__ = "0.1.0"
 
-_aliases.install()  # old flat module names (deltasync.gc, deltasync.subscriber, ...) still import
-
-#: public name -> module that defines it
-_EXPORTS: dict[str, str] = {
-    "Agent": "agent",
-    "AgentConfig": "agent",
-    "rollback": "agent",
-    "PlanesZstdCodec": "format.codec",
-    "DistributedPublisher": "publish.distributed",
+#: public name -> the module that defines it: the only list of these names
+_LAZY: _lazy.Table = {
     "CheckpointError": "errors",
     "ChecksumMismatchError": "errors",
+    "CommittedError": "errors",
+    "CopyInUseError": "errors",
     "CorruptObjectError": "errors",
     "DeltasyncError": "errors",
+    "DistributedPublishError": "errors",
+    "EmptyRepositoryError": "errors",
+    "EngineError": "errors",
+    "GroupError": "errors",
+    "MissingDependencyError": "errors",
+    "ObjectExistsError": "errors",
+    "ObjectNotFoundError": "errors",
+    "ObjectTooLargeError": "errors",
+    "PullStopped": "errors",
+    "RefError": "errors",
+    "RepositoryFormatError": "errors",
     "RepositoryNotFoundError": "errors",
     "SignatureError": "errors",
+    "StaleUpdateError": "errors",
+    "StoreError": "errors",
     "UsageError": "errors",
     "VersionConflictError": "errors",
     "VersionNotFoundError": "errors",
+    "PlanesZstdCodec": "format.codec",
+    "Region": "format.slices",
+    "Slice": "format.slices",
+    "Repository": "repo.repository",
     "PublishResult": "publish.publisher",
     "Publisher": "publish.publisher",
     "PublisherConfig": "publish.publisher",
-    "Repository": "repo.repository",
-    "Region": "format.slices",
-    "Slice": "format.slices",
-    "Subscriber": "pull.subscriber",
-    "RepositoryFormatError": "errors",
-    "EmptyRepositoryError": "errors",
-    "ObjectNotFoundError": "errors",
-    "ObjectExistsError": "errors",
-    "ObjectTooLargeError": "errors",
-    "StoreError": "errors",
-    "CommittedError": "errors",
-    "RefError": "errors",
-    "MissingDependencyError": "errors",
-    "CopyInUseError": "errors",
-    "PullStopped": "errors",
-    "DistributedPublishError": "errors",
-    "EngineError": "errors",
-    "StaleUpdateError": "errors",
-    "GroupError": "errors",
-    "WorkerError": "errors",
-    "FeedbackError": "errors",
+    "DistributedPublisher": "publish.distributed",
     "PulledState": "pull.subscriber",
+    "Subscriber": "pull.subscriber",
+    "Agent": "local.agent",
+    "AgentConfig": "local.agent",
+    "rollback": "local.agent",
 }
 
-__all__ = [
-    "Agent",
-    "AgentConfig",
-    "CheckpointError",
-    "ChecksumMismatchError",
-    "CommittedError",
-    "CopyInUseError",
-    "CorruptObjectError",
-    "DeltasyncError",
-    "DistributedPublishError",
-    "DistributedPublisher",
-    "EmptyRepositoryError",
-    "EngineError",
-    "FeedbackError",
-    "GroupError",
-    "MissingDependencyError",
-    "ObjectExistsError",
-    "ObjectNotFoundError",
-    "ObjectTooLargeError",
-    "PlanesZstdCodec",
-    "PublishResult",
-    "Publisher",
-    "PublisherConfig",
-    "PullStopped",
-    "PulledState",
-    "RefError",
-    "Region",
-    "Repository",
-    "RepositoryFormatError",
-    "RepositoryNotFoundError",
-    "SignatureError",
-    "Slice",
-    "StaleUpdateError",
-    "StoreError",
-    "Subscriber",
-    "UsageError",
-    "VersionConflictError",
-    "VersionNotFoundError",
-    "WorkerError",
-    "rollback",
-]
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'deltasync' has no attribute {name!r}")
-    value = getattr(_extras.import_needing_extras(f"deltasync.{module}", f"deltasync.{name}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
-
-
-if TYPE_CHECKING:
-    from .agent import (
-        Agent,
-        AgentConfig,
-        rollback,
-    )
+if TYPE_CHECKING:  # the same names for type checkers (tests/test_structure.py keeps the two equal)
     from .errors import (
-        CheckpointError,
-        ChecksumMismatchError,
-        CommittedError,
-        CopyInUseError,
-        CorruptObjectError,
-        DeltasyncError,
-        DistributedPublishError,
-        EmptyRepositoryError,
-        EngineError,
-        FeedbackError,
-        GroupError,
-        MissingDependencyError,
-        ObjectExistsError,
-        ObjectNotFoundError,
-        ObjectTooLargeError,
-        PullStopped,
-        RefError,
-        RepositoryFormatError,
-        RepositoryNotFoundError,
-        SignatureError,
-        StaleUpdateError,
-        StoreError,
-        UsageError,
-        VersionConflictError,
-        VersionNotFoundError,
-        WorkerError,
+        CheckpointError as CheckpointError,
+        ChecksumMismatchError as ChecksumMismatchError,
+        CommittedError as CommittedError,
+        CopyInUseError as CopyInUseError,
+        CorruptObjectError as CorruptObjectError,
+        DeltasyncError as DeltasyncError,
+        DistributedPublishError as DistributedPublishError,
+        EmptyRepositoryError as EmptyRepositoryError,
+        EngineError as EngineError,
+        GroupError as GroupError,
+        MissingDependencyError as MissingDependencyError,
+        ObjectExistsError as ObjectExistsError,
+        ObjectNotFoundError as ObjectNotFoundError,
+        ObjectTooLargeError as ObjectTooLargeError,
+        PullStopped as PullStopped,
+        RefError as RefError,
+        RepositoryFormatError as RepositoryFormatError,
+        RepositoryNotFoundError as RepositoryNotFoundError,
+        SignatureError as SignatureError,
+        StaleUpdateError as StaleUpdateError,
+        StoreError as StoreError,
+        UsageError as UsageError,
+        VersionConflictError as VersionConflictError,
+        VersionNotFoundError as VersionNotFoundError,
     )
     from .format.codec import (
-        PlanesZstdCodec,
+        PlanesZstdCodec as PlanesZstdCodec,
     )
     from .format.slices import (
-        Region,
-        Slice,
+        Region as Region,
+        Slice as Slice,
+    )
+    from .local.agent import (
+        Agent as Agent,
+        AgentConfig as AgentConfig,
+        rollback as rollback,
     )
     from .publish.distributed import (
-        DistributedPublisher,
+        DistributedPublisher as DistributedPublisher,
     )
     from .publish.publisher import (
-        Publisher,
-        PublisherConfig,
-        PublishResult,
+        Publisher as Publisher,
+        PublisherConfig as PublisherConfig,
+        PublishResult as PublishResult,
     )
     from .pull.subscriber import (
-        PulledState,
-        Subscriber,
+        PulledState as PulledState,
+        Subscriber as Subscriber,
     )
     from .repo.repository import (
-        Repository,
+        Repository as Repository,
     )

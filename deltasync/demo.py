@@ -29,7 +29,7 @@ def run_demo(workdir: Path, *, steps: int = 5, echo: Callable[[str], None] = pri
     from safetensors.torch import save_file
 
     from . import Publisher, PublisherConfig, Repository, Subscriber
-    from .repo.verify import verify_repository
+    from .ops.verify import verify_repository
 
     workdir = Path(workdir)
     if workdir.exists():

@@ -15,8 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.core import Metric as Family
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric as Family
 from prometheus_client.registry import Collector
 
 from .errors import UsageError

@@ -23,28 +23,23 @@ Importing this package is cheap; torch is imported by the modules that need it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .config import GateConfig, LiveConfig, RLConfig, WarmStartConfig, WorkersConfig, load_config
+from deltasync import _lazy
+
+from .config import (
+    GateConfig as GateConfig,
+    LiveConfig as LiveConfig,
+    RLConfig as RLConfig,
+    WarmStartConfig as WarmStartConfig,
+    WorkersConfig as WorkersConfig,
+    load_config as load_config,
+)
+
+#: public name -> module (the loop pulls in torch: imported on first use)
+_LAZY: _lazy.Table = {"RunResult": "loop", "run": "loop"}
+__all__ = sorted(["GateConfig", "LiveConfig", "RLConfig", "WarmStartConfig", "WorkersConfig", "load_config", *_LAZY])
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals(), lambda name: "deltasync rl run")
 
 if TYPE_CHECKING:
-    from .loop import RunResult, run
-
-__all__ = [
-    "GateConfig",
-    "LiveConfig",
-    "RLConfig",
-    "RunResult",
-    "WarmStartConfig",
-    "WorkersConfig",
-    "load_config",
-    "run",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("run", "RunResult"):
-        from . import loop
-
-        return getattr(loop, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .loop import RunResult as RunResult, run as run

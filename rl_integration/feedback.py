@@ -37,9 +37,9 @@ from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 
-from deltasync.errors import FeedbackError as FeedbackError  # defined there; importable here too
 from deltasync.errors import UsageError
 
+from .errors import FeedbackError
 from .task import VOCAB, AdditionTask
 from .worker import RolloutBatch
 

@@ -34,10 +34,10 @@ import torch
 
 from deltasync import Repository, Subscriber
 from deltasync.errors import ChecksumMismatchError, DeltasyncError, UsageError
-from deltasync.errors import WorkerError as WorkerError  # defined there; importable here too
 
 from .backends import get_reports, make_backend
 from .config import RLConfig, to_dict
+from .errors import WorkerError
 from .feedback import FeedbackServer, FeedbackStore, SimulatedUsers
 from .gate import EvalGate, Evaluation, Verdict
 from .metrics import MetricsLog, SyncTracker

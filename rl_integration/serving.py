@@ -22,9 +22,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deltasync import dtypes
 from deltasync.engines import TorchEngine
 from deltasync.errors import UsageError
+from deltasync.format import dtypes
 from deltasync.format.digest import digest, version_digest
 from deltasync.format.manifest import ManifestInfo
 from deltasync.format.tensors import tensor_bits

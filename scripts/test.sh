@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
 # The project's test command: lint, type-check, then the whole test suite.
 #   bash scripts/test.sh [pytest args...]
+#   bash scripts/test.sh --fast [pytest args...]
+#       for a developer: builds no extra environment (.venv-vllm) and runs neither the tests
+#       that need one nor the slow tests (-m "not slow"); CI runs the full command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+if [[ "${1:-}" == "--fast" ]]; then
+  fast=1
+  shift
+fi
 bash scripts/install.sh --dev
 # The Python install.sh chose (python3, the active virtual environment, or .venv on a
 # distribution's python3), with its scripts (deltasync) first on PATH.
 PY="$(bash scripts/install.sh --print-python)"
 if [[ "$PY" == */* ]]; then export PATH="$(cd "$(dirname "$PY")" && pwd):$PATH"; fi
-# A real vLLM for tests/test_vllm.py, in its own environment (.venv-vllm); where it cannot be
-# built those tests skip, saying why.
+# A real vLLM for tests/engines/test_vllm.py, in its own environment (.venv-vllm); where it
+# cannot be built (or with --fast) those tests skip, saying why.
 vllm_ready=0
-if bash scripts/install_vllm.sh; then
+if [[ "$fast" == 1 ]]; then
+  export DELTASYNC_NO_VLLM="skipped by scripts/test.sh --fast"
+elif bash scripts/install_vllm.sh; then
   vllm_ready=1
 else
-  echo "== the vLLM environment could not be built: tests/test_vllm.py will skip"
+  echo "== the vLLM environment could not be built: the real-vLLM tests will skip"
 fi
 echo "== ruff"
 "$PY" -m ruff check .
 echo "== mypy"
-"$PY" scripts/typecheck.py
+"$PY" -m mypy
 if [[ "$vllm_ready" == 1 && $# -eq 0 ]]; then
   # Unit tests that call vLLM's own code (its sparse patch function) run inside its environment;
   # the real-vLLM server tests run below, from the project's environment.
   echo "== pytest (inside .venv-vllm: tests that import vLLM itself)"
-  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_weights.py -k "vllms_own"
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm_weights.py -k "vllms_own"
 fi
 echo "== pytest"
-"$PY" -m pytest "$@"
+if [[ "$fast" == 1 ]]; then
+  "$PY" -m pytest -m "not slow" "$@"
+else
+  "$PY" -m pytest "$@"
+fi

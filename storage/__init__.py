@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from deltasync._extras import import_needing_extras
+from deltasync import _lazy
 from deltasync.errors import UsageError
 
 from ._base import Store, WrappingStore, check_key
@@ -15,8 +16,7 @@ from ._memory import MemoryStore
 from ._throttle import ThrottledStore
 
 if TYPE_CHECKING:
-    from ._grpc import GrpcStore as GrpcStore
-    from ._grpc import VersionWatch as VersionWatch
+    from ._grpc import GrpcStore as GrpcStore, VersionWatch as VersionWatch
     from ._s3 import S3Store as S3Store
 
 # GrpcStore, S3Store and VersionWatch are importable by name too (lazily, below), but are
@@ -24,15 +24,14 @@ if TYPE_CHECKING:
 __all__ = ["LocalStore", "MemoryStore", "Store", "ThrottledStore", "WrappingStore", "check_key", "open_store"]
 
 #: Backends whose dependencies are extras: imported on first use (``deltasync.storage.S3Store``).
-_LAZY = {"S3Store": ("_s3", "an s3:// repository"), "GrpcStore": ("_grpc", "a grpc:// repository"),
-         "VersionWatch": ("_grpc", "a grpc:// repository")}
+_LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc"}
+__getattr__, __dir__ = _lazy.exports(
+    __name__, _LAZY, globals(), lambda name: "an s3:// repository" if name == "S3Store" else "a grpc:// repository"
+)
 
-
-def __getattr__(name: str) -> Any:
-    found = _LAZY.get(name)
-    if found is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_needing_extras(f"{__name__}.{found[0]}", found[1]), name)
+if TYPE_CHECKING:
+    from ._grpc import GrpcStore as GrpcStore, VersionWatch as VersionWatch
+    from ._s3 import S3Store as S3Store
 
 _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()
@@ -64,10 +63,10 @@ def open_store(url: str) -> Store:
         return store
     if scheme == "s3":
         # boto3 is imported only when an s3:// URL is opened
-        s3: Any = import_needing_extras("deltasync.storage._s3", "an s3:// repository")
-        return s3.S3Store(url)  # type: ignore[no-any-return]
+        s3_store: Callable[[str], Store] = __getattr__("S3Store")
+        return s3_store(url)
     if scheme in ("grpc", "grpcs"):
         # grpcio is imported only when a grpc:// URL is opened
-        relay: Any = import_needing_extras("deltasync.storage._grpc", "a grpc:// repository")
-        return relay.GrpcStore(url)  # type: ignore[no-any-return]
+        grpc_store: Callable[[str], Store] = __getattr__("GrpcStore")
+        return grpc_store(url)
     raise UsageError(f"unsupported repository URL {url!r} (use a path, file://, memory://, s3://, grpc:// or grpcs://)")

@@ -36,12 +36,18 @@ from deltasync.errors import (
     UsageError,
 )
 from deltasync.format.digest import digest
-from deltasync.relay.wire import CA_ENV as CA_ENV
-from deltasync.relay.wire import (
+from deltasync.v1 import relay_pb2 as pb
+
+from . import _base
+from ._base import Store, listing_too_long, read_limit, too_large
+from ._wire import (
+    CA_ENV as CA_ENV,
     CHUNK_BYTES,
     CLIENT_STREAM,
     METHODS,
     SERVER_STREAM,
+    TOKEN_ENV as TOKEN_ENV,
+    TOKEN_FILE_ENV as TOKEN_FILE_ENV,
     WRITE_METHODS,
     WRITE_TOKEN_ENV,
     WRITE_TOKEN_FILE_ENV,
@@ -49,12 +55,6 @@ from deltasync.relay.wire import (
     read_token,
     read_write_token,
 )
-from deltasync.relay.wire import TOKEN_ENV as TOKEN_ENV
-from deltasync.relay.wire import TOKEN_FILE_ENV as TOKEN_FILE_ENV
-from deltasync.v1 import relay_pb2 as pb
-
-from . import _base
-from ._base import Store, listing_too_long, read_limit, too_large
 
 T = TypeVar("T")
 

@@ -1,7 +1,8 @@
-"""Shared fixtures: repositories on every in-process store kind."""
+"""Shared fixtures: repositories on every in-process store kind, and a working directory per test."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,3 +42,17 @@ def repo_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         url = f"memory://test-{uuid.uuid4().hex}"
         yield url
         _clear_memory_store(url)
+
+
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test, and every process it starts, runs in a directory of its own: never in the
+    checkout, whose source tree would shadow the installed package (a plain ``pip install .``).
+    (Not through ``monkeypatch``: a test's own patches must be undone before other fixtures'
+    teardown, as they are when the test asks for ``monkeypatch`` first.)"""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    try:
+        yield
+    finally:
+        os.chdir(before)

@@ -1,9 +1,8 @@
-"""The package's shape: old module names still import, results travel with the call, errors
-live in one module and derive from the built-ins they resemble."""
+"""The package's shape: results travel with the call, errors live in one module and derive from
+the built-ins they resemble, extras are named when missing. (The layout itself: test_layout.py.)"""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import pickle
 import subprocess
@@ -17,44 +16,37 @@ import torch
 import deltasync
 import deltasync.errors
 from deltasync import Publisher, PublishResult, Subscriber
-from deltasync._aliases import MOVED
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_names_alias_the_new_modules(old: str) -> None:
-    aliased = importlib.import_module(f"deltasync.{old}")
-    new = importlib.import_module(f"deltasync.{MOVED[old]}")
-    assert aliased is new
-    assert new.__spec__ is not None and new.__spec__.name == f"deltasync.{MOVED[old]}"  # not stamped with the alias
-
-
-def test_the_flat_layout_is_gone() -> None:
-    """The aliases stand in for modules that no longer exist as files, and no new flat module
-    shadows a standard-library name."""
+def test_no_module_shadows_a_standard_library_name() -> None:
     flat = {p.stem for p in (ROOT / "deltasync").glob("*.py")}
-    assert not flat & set(MOVED)
     assert not flat & set(sys.stdlib_module_names) - {"__init__", "__main__"}
 
 
 def test_every_exception_is_defined_in_errors_and_exported() -> None:
-    import deltasync.agent
     import deltasync.engines
+    import deltasync.local.agent
+    import deltasync.local.state
     import deltasync.publish.distributed
-    import deltasync.pull.state
+    import deltasync.rl_integration.errors
     import deltasync.rl_integration.feedback
     import deltasync.rl_integration.loop
 
-    modules = [deltasync.agent, deltasync.engines, deltasync.publish.distributed, deltasync.pull.state,
-               deltasync.rl_integration.feedback, deltasync.rl_integration.loop]
-    for module in modules:
+    library = [deltasync.local.agent, deltasync.engines, deltasync.publish.distributed, deltasync.local.state]
+    rl = [deltasync.rl_integration.feedback, deltasync.rl_integration.loop]
+    for module in [*library, *rl]:
+        home = "deltasync.rl_integration.errors" if module in rl else "deltasync.errors"
         for name, value in vars(module).items():
-            if inspect.isclass(value) and issubclass(value, deltasync.DeltasyncError):
-                assert value.__module__ == "deltasync.errors", f"{module.__name__}.{name} is defined elsewhere"
+            if inspect.isclass(value) and issubclass(value, deltasync.DeltasyncError) and value.__module__ != "deltasync.errors":
+                assert value.__module__ == home, f"{module.__name__}.{name} is defined in {value.__module__}"
     for name, value in vars(deltasync.errors).items():
         if inspect.isclass(value) and issubclass(value, deltasync.DeltasyncError):
             assert getattr(deltasync, name) is value and name in deltasync.__all__
+    for name, value in vars(deltasync.rl_integration.errors).items():  # the RL loop's own join the hierarchy
+        if inspect.isclass(value) and value.__module__ == "deltasync.rl_integration.errors":
+            assert issubclass(value, deltasync.DeltasyncError) and not hasattr(deltasync, name)
 
 
 def test_errors_derive_from_the_builtins_they_resemble() -> None:

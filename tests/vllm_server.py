@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def vllm_python() -> tuple[Path | None, str]:
     """The python of an environment with vLLM, or None and the reason there is none."""
+    if os.environ.get("DELTASYNC_NO_VLLM"):
+        return None, f"no vLLM: {os.environ['DELTASYNC_NO_VLLM']}"
     named = os.environ.get("DELTASYNC_VLLM_PYTHON")
     py = Path(named) if named else ROOT / ".venv-vllm" / "bin" / "python"
     if not py.exists():

@@ -19,49 +19,40 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .._extras import import_needing_extras
+from .. import _lazy
 from ..errors import UsageError
-from .base import Engine, EngineError, ServingLock, Staged, StaleUpdateError, SwapRecord
+from .base import (
+    Engine as Engine,
+    EngineError as EngineError,
+    ServingLock as ServingLock,
+    Staged as Staged,
+    StaleUpdateError as StaleUpdateError,
+    SwapRecord as SwapRecord,
+)
 
-if TYPE_CHECKING:
-    from .fanout import FanoutEngine
-    from .http_engine import PRESETS, HttpEngine, HttpPreset, ReferenceServer
-    from .torch_engine import TorchEngine
-    from .vllm_engine import VllmEngine
-
-__all__ = [
-    "PRESETS",
-    "Engine",
-    "EngineError",
-    "FanoutEngine",
-    "HttpEngine",
-    "HttpPreset",
-    "ReferenceServer",
-    "ServingLock",
-    "Staged",
-    "StaleUpdateError",
-    "SwapRecord",
-    "TorchEngine",
-    "VllmEngine",
-    "build_engine",
-]
-
-_LAZY = {
+#: public name -> module (imported on first use: torch stays out until an engine is built)
+_LAZY: _lazy.Table = {
     "TorchEngine": "torch_engine",
     "FanoutEngine": "fanout",
     "HttpEngine": "http_engine",
     "HttpPreset": "http_engine",
     "PRESETS": "http_engine",
     "ReferenceServer": "http_engine",
-    "VllmEngine": "vllm_engine",
+    "VllmEngine": "vllm.engine",
 }
+__all__ = sorted(["Engine", "EngineError", "ServingLock", "Staged", "StaleUpdateError", "SwapRecord", "build_engine", *_LAZY])
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals(), lambda name: f"the {name} engine")
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_needing_extras(f"{__name__}.{module}", f"the {name} engine"), name)
+if TYPE_CHECKING:
+    from .fanout import FanoutEngine as FanoutEngine
+    from .http_engine import (
+        PRESETS as PRESETS,
+        HttpEngine as HttpEngine,
+        HttpPreset as HttpPreset,
+        ReferenceServer as ReferenceServer,
+    )
+    from .torch_engine import TorchEngine as TorchEngine
+    from .vllm.engine import VllmEngine as VllmEngine
 
 
 SPECS = (
@@ -93,7 +84,7 @@ def build_engine(spec: str, **options: Any) -> Engine:
     if "repo" not in options:
         raise UsageError("build_engine needs repo=")
     if spec.startswith("vllm@"):
-        from .vllm_engine import VllmEngine
+        from .vllm.engine import VllmEngine
 
         url = spec.removeprefix("vllm@")
         if not url:

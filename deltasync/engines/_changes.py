@@ -37,10 +37,10 @@ from ..format import dtypes
 from ..format.checkpoint import FileReader
 from ..format.digest import digest
 from ..format.manifest import ManifestInfo, key_of
+from ..local.placement import placements, read_placed
+from ..local.slots import slot_dir
+from ..local.state import CopyInUseError, StateDB, copy_lock
 from ..pull.pipeline import LocalBits
-from ..pull.placement import placements, read_placed
-from ..pull.slots import slot_dir
-from ..pull.state import CopyInUseError, StateDB, copy_lock
 from ..pull.subscriber import Subscriber
 from ..v1 import manifest_pb2 as pb
 

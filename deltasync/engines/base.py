@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar
 
-from ..errors import EngineError as EngineError  # defined there; importable here too
-from ..errors import StaleUpdateError as StaleUpdateError
-from ..errors import UsageError
+from ..errors import (
+    EngineError as EngineError,  # defined there; importable here too
+    StaleUpdateError as StaleUpdateError,
+    UsageError,
+)
 
 
 @dataclass(frozen=True)

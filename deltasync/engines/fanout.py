@@ -32,8 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import DeltasyncError, UsageError
-from ..errors import GroupError as GroupError  # defined there; importable here too
+from ..errors import (
+    DeltasyncError,
+    GroupError as GroupError,  # defined there; importable here too
+    UsageError,
+)
 from ..format import dtypes
 from ..format.signing import PublicKeyLike
 from ..format.slices import Slice
@@ -42,8 +45,16 @@ from ..repo.repository import Repository
 from ..storage import Store
 from ._changes import WORD_NP, Bits, Geometry, VersionChanges, compute_changes, entry_geometry
 from .base import Engine, EngineError, Staged, SwapRecord
-from .torch_engine import Run, WritePlan, build_writes, check_layout, fill_staged, word_dtype, word_view
-from .torch_engine import apply_writes as apply_writes  # module attribute: tests inject failures here
+from .torch_engine import (
+    Run,
+    WritePlan,
+    apply_writes as apply_writes,  # module attribute: tests inject failures here
+    build_writes,
+    check_layout,
+    fill_staged,
+    word_dtype,
+    word_view,
+)
 
 if TYPE_CHECKING:
     import torch

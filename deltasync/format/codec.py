@@ -78,8 +78,8 @@ Bit streams are LSB-first (bit i is ``byte[i // 8] >> (i % 8) & 1``), a unary co
 zero bits then a one, and every stream is padded with zero bits to whole bytes. Decoding
 accepts exactly what encoding writes: every header field, length and padding is checked.
 
-The hot loops live in the C extensions ``deltasync._kernels`` and (full payloads)
-``deltasync._entropy``; ``deltasync._kernels_py`` and ``deltasync._entropy_py`` are their
+The hot loops live in the C extensions ``deltasync.format._kernels`` and (full payloads)
+``deltasync.format._entropy``; ``deltasync.format._kernels_py`` and ``deltasync.format._entropy_py`` are their
 pure-numpy twins (byte-identical), used when an extension is not built or when the
 environment variable ``DELTASYNC_NO_KERNELS`` is set.
 """
@@ -97,11 +97,10 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from .. import _entropy_py, _kernels_py
-from .._kernels_py import UINT as _UINT
-from .._kernels_py import Data, unzigzag, zigzag
 from ..errors import CorruptObjectError, UsageError
 from ..v1 import manifest_pb2 as pb
+from . import _entropy_py, _kernels_py
+from ._kernels_py import UINT as _UINT, Data, unzigzag, zigzag
 
 SAME = pb.SAME
 SPARSE = pb.SPARSE
@@ -142,7 +141,7 @@ Encoding: TypeAlias = pb.Encoding
 
 
 class _Kernels(Protocol):
-    """The functions of ``deltasync._kernels`` and its twin ``deltasync._kernels_py``."""
+    """The functions of ``deltasync.format._kernels`` and its twin ``deltasync.format._kernels_py``."""
 
     def scan(self, target: Data, base: Data, width: int, limit: int, /) -> tuple[
         int, bytes | None, bytes | None, bytes | None
@@ -165,7 +164,7 @@ class _Kernels(Protocol):
 def _load_kernels() -> tuple[_Kernels, str]:
     if not os.environ.get("DELTASYNC_NO_KERNELS"):
         try:
-            from .. import _kernels
+            from . import _kernels
         except ImportError:
             pass
         else:
@@ -178,7 +177,7 @@ _K, KERNELS = _load_kernels()
 
 
 class _Entropy(Protocol):
-    """The functions of ``deltasync._entropy`` and its twin ``deltasync._entropy_py``."""
+    """The functions of ``deltasync.format._entropy`` and its twin ``deltasync.format._entropy_py``."""
 
     def split(self, data: Data, width: int, rotate: bool, /) -> tuple[bytes, bytes]: ...
     def join(self, planes: Data, out: Bytes, width: int, rotate: bool, /) -> None: ...
@@ -190,7 +189,7 @@ class _Entropy(Protocol):
 def _load_entropy() -> tuple[_Entropy, str]:
     if not os.environ.get("DELTASYNC_NO_KERNELS"):
         try:
-            from .. import _entropy
+            from . import _entropy
         except ImportError:
             pass
         else:

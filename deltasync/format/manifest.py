@@ -11,9 +11,8 @@ reader hashes every stored byte before it, as stored (a changed byte that would 
 same message is still a changed byte), before validating, so a flipped byte cannot rename a
 file or a tensor unnoticed. (Fields a newer writer added would follow it: then the reader's
 own serialization must equal the stored bytes, and the digest is checked over it.)
-Manifests written before the digest existed have none: they are read (:func:`has_whole_digest`
-says which, for ``verify``) when canonical and free of fields this reader does not know (a
-flipped tag could otherwise turn the digest field itself into an unknown one).
+A manifest without the digest is refused: every deltasync that ever released wrote it, so
+one without it is damaged or forged (cutting the field off must not turn the check off).
 """
 
 from __future__ import annotations
@@ -130,11 +129,6 @@ def seal(manifest: v1pb.Manifest) -> bytes:
     return serialize(manifest)
 
 
-def has_whole_digest(info: ManifestInfo) -> bool:
-    """Whether the manifest carries a whole-manifest digest (those written before it existed do not)."""
-    return bool(info.pb.manifest_digest)
-
-
 #: How field 18 (manifest_digest, 16 bytes) is encoded: tag, length, digest.
 _DIGEST_FIELD = b"\x92\x01\x10"
 
@@ -143,30 +137,24 @@ def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
     """Every stored byte is what the digest covers (see the module doc): one digest pass over
     ``data``, no copy of the message (manifests run to tens of MiB)."""
     whole = m.manifest_digest
-    if whole:
-        if len(whole) != DIGEST_SIZE:
-            raise _fail("bad whole-manifest digest length")
-        view = memoryview(data)
-        tail = len(_DIGEST_FIELD) + DIGEST_SIZE
-        if len(view) >= tail and view[-tail:] == _DIGEST_FIELD + whole:
-            # The highest field comes last in a deterministic serialization, so what it covers
-            # is every stored byte before it: hashed as stored, no re-serialization needed.
-            covered = digest(view[:-tail])
-        else:
-            # Fields this reader does not know follow it (a newer writer): what it covers is
-            # then our serialization without it, which must be exactly the stored bytes.
-            if serialize(m) != data:
-                raise _fail("stored bytes are not the manifest's canonical serialization (altered)")
-            covered = digest(_digest_payload(m))
-        if covered != whole:
-            raise _fail("whole-manifest digest does not match its bytes (altered)")
-        return
-    # Written before the digest existed: nothing covers the bytes, so accept only what that
-    # writer could have produced: canonical bytes of known fields only (dropping unknown
-    # fields from our own parsed copy changes its serialization if there were any).
-    m.DiscardUnknownFields()
-    if serialize(m) != data:
-        raise _fail("stored bytes are not the manifest's canonical serialization and it has no whole-manifest digest")
+    if not whole:
+        raise _fail("it has no whole-manifest digest (cut off, or never sealed)")
+    if len(whole) != DIGEST_SIZE:
+        raise _fail("bad whole-manifest digest length")
+    view = memoryview(data)
+    tail = len(_DIGEST_FIELD) + DIGEST_SIZE
+    if len(view) >= tail and view[-tail:] == _DIGEST_FIELD + whole:
+        # The highest field comes last in a deterministic serialization, so what it covers
+        # is every stored byte before it: hashed as stored, no re-serialization needed.
+        covered = digest(view[:-tail])
+    else:
+        # Fields this reader does not know follow it (a newer writer): what it covers is
+        # then our serialization without it, which must be exactly the stored bytes.
+        if serialize(m) != data:
+            raise _fail("stored bytes are not the manifest's canonical serialization (altered)")
+        covered = digest(_digest_payload(m))
+    if covered != whole:
+        raise _fail("whole-manifest digest does not match its bytes (altered)")
 
 
 def parse_manifest(
@@ -447,3 +435,8 @@ def _validate_tensor(
         if is_snapshot and encoding != FULL:
             raise _fail(f"tensor {name!r} chunk {i}: a snapshot holds only full chunks")
     return expected_chunks
+
+
+# The shape of the whole tensor a manifest entry (or a slice of it) belongs to.
+def logical_shape(t: v1pb.Tensor) -> tuple[int, ...]:
+    return tuple(t.full_shape) if t.full_shape else tuple(t.shape)

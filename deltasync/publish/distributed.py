@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CommittedError, DeltasyncError, UsageError
-from ..errors import DistributedPublishError as DistributedPublishError  # defined there; importable here too
+from ..errors import (
+    CommittedError,
+    DeltasyncError,
+    DistributedPublishError as DistributedPublishError,  # defined there; importable here too
+    UsageError,
+)
 from ..format.slices import Slice
 from ..repo.repository import Repository, open_repository
 from ..storage import Store

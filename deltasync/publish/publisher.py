@@ -158,7 +158,7 @@ class Publisher:
         return result
 
     def _refresh_cache(self, cache: Path, latest: int) -> Path:
-        from ..pull.state import read_local_state
+        from ..local.state import read_local_state
         from ..pull.subscriber import Subscriber
 
         state = read_local_state(cache)
@@ -305,7 +305,8 @@ class Publisher:
 
 def _replace_cache(cache: Path, ckpt: CheckpointDir, info: ManifestInfo) -> None:
     """Make ``cache`` a local copy of the version just published from ``ckpt``."""
-    from ..pull.state import install_staged, state_dir, write_local_state
+    from ..local.slots import install_staged
+    from ..local.state import state_dir, write_local_state
 
     staging = state_dir(cache) / "incoming"
     shutil.rmtree(staging, ignore_errors=True)

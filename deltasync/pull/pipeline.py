@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -39,13 +40,16 @@ from .plan import Chain, Plan, Planner, Want, wanted
 Bits = npt.NDArray[np.uint8]
 log = logging.getLogger("deltasync.pull")
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 #: Bytes the chunks in flight of one pull may hold (results, decode buffers, payloads).
 IN_FLIGHT_BYTES = 192 << 20
 
 
 class LocalBits:
     """Bits at hand locally, by entry key: of the version held (None: none is), and for a
-    directory also the chunks a resumed pull staged (see :mod:`deltasync.pull.slotfill`)."""
+    directory also the chunks a resumed pull staged (see :mod:`deltasync.local.slotfill`)."""
 
     def __init__(self, version: int | None, read: Callable[[str, int, int], Bits | None]) -> None:
         self.version = version
@@ -292,3 +296,19 @@ def write_blob(repo: Repository, f: pb.File, path: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         raise
+
+
+def ordered_map(items: list[T], fn: Callable[[T], R], workers: int) -> Iterator[R]:
+    """``map(fn, items)`` on ``workers`` threads, in order, with a bounded window in flight."""
+    window: deque[Future[R]] = deque()
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="deltasync-local") as pool:
+        try:
+            for item in items:
+                window.append(pool.submit(fn, item))
+                if len(window) >= 2 * workers:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+        finally:
+            for fut in window:
+                fut.cancel()

@@ -17,11 +17,10 @@ import numpy.typing as npt
 
 from ..errors import UsageError
 from ..format import dtypes
-from ..format.manifest import ManifestInfo, key_of
+from ..format.manifest import ManifestInfo, key_of, logical_shape
 from ..format.slices import Region, byte_span, check_region, copy_region, intersect
 from ..format.tensors import bits_to_tensor
 from ..v1 import manifest_pb2 as pb
-from .placement import logical_shape
 from .plan import Want
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 The public face of the pull side. Planning is :mod:`~deltasync.pull.plan`, the chunk by
 chunk work :mod:`~deltasync.pull.pipeline`, tensor and region requests
-:mod:`~deltasync.pull.select`, and directory copies :mod:`~deltasync.pull.slotfill`.
+:mod:`~deltasync.pull.select`, and directory copies :mod:`~deltasync.local.slotfill`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .select import assemble, select_tensors
 if TYPE_CHECKING:
     import torch
 
-    from .slotfill import FillResult
+    from ..local.slotfill import FillResult
 
 Bits = npt.NDArray[np.uint8]
 
@@ -163,7 +163,7 @@ class Subscriber:
         slot to disk before the switch (else a copy is checked after a power loss). Another
         process changing ``out`` meanwhile gets CopyInUseError.
         """
-        from .slotfill import update_copy
+        from ..local.slotfill import update_copy
 
         target = self.repo.resolve(version)
         info = self.repo.manifest(target)

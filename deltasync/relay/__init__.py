@@ -1,24 +1,26 @@
 """The relay (``deltasync serve``): a gRPC server that caches a repository inside one cluster
 and re-serves it. :mod:`~deltasync.relay.server` is the service, :mod:`~deltasync.relay.cache`
-its LRU object cache, :mod:`~deltasync.relay.wire` the wire definition it shares with its
-clients (the ``grpc://`` store in :mod:`deltasync.storage`). The server's names are imported
-on first use, so the wire definition does not pull in grpcio.
+its LRU object cache, and the wire definition it shares with its clients is the ``grpc://`` store's
+(``deltasync/storage/_wire.py``). The server's names are imported on first use: importing
+this package does not pull in grpcio.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-__all__ = ["RelayConfig", "RelayServer", "build_server", "parse_size", "run_until_signalled"]
+from .. import _lazy
 
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .._extras import import_needing_extras
-
-    return getattr(import_needing_extras("deltasync.relay.server", "the relay"), name)
-
+#: public name -> module (the server's names pull in grpcio: imported on first use)
+_LAZY: _lazy.Table = dict.fromkeys(("RelayConfig", "RelayServer", "build_server", "parse_size", "run_until_signalled"), "server")
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals(), lambda name: "the relay")
 
 if TYPE_CHECKING:
-    from .server import RelayConfig, RelayServer, build_server, parse_size, run_until_signalled
+    from .server import (
+        RelayConfig as RelayConfig,
+        RelayServer as RelayServer,
+        build_server as build_server,
+        parse_size as parse_size,
+        run_until_signalled as run_until_signalled,
+    )

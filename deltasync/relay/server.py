@@ -25,8 +25,8 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
   its turn is not read, and holds no more than its stream's 64 KiB flow-control window
   (:data:`UPLOAD_WINDOW_BYTES`: no BDP probing grows it), its disk in flight
   under ``max_uploads`` times ``max_object_bytes``. It is checked (its size, the digest its
-  header announces, and for ``packs/<xxh3>.pack`` and ``blobs/<xxh3>`` the digest in the
-  key) and only then written with the upstream store's own
+  header announces, for ``packs/<xxh3>.pack`` and ``blobs/<xxh3>`` the digest in the
+  key, a manifest or squash as every reader validates it) and only then written with the upstream store's own
   atomic put, so nothing partial or corrupt is ever visible; ``if_absent`` passes through, so
   the conditional manifest put keeps exactly one winner. A manifest or squash is refused while
   a pack or blob it names is missing upstream.
@@ -73,14 +73,13 @@ from ..errors import (
     UsageError,
 )
 from ..format.digest import digest
-from ..format.manifest import BLOB_PART_SIZE
+from ..format.manifest import BLOB_PART_SIZE, parse_manifest
 from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint
 from ..storage import GrpcStore, LocalStore, Store, VersionWatch, check_key, open_store
 from ..storage._base import MAX_OFFSET
-from ..v1 import manifest_pb2 as manifest_pb
-from ..v1 import relay_pb2 as pb
+from ..storage._wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, UNARY, WRITE_METHODS
+from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
 from .cache import SERVED_KEYS, SERVED_PREFIXES, Entry, ObjectCache, cacheable, served, size_limit
-from .wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, UNARY, WRITE_METHODS
 
 log = logging.getLogger("deltasync.relay")
 
@@ -88,9 +87,9 @@ T = TypeVar("T")
 
 _RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
 _IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
+_FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
 UPLOAD_WINDOW_BYTES = 64 << 10
 """Bytes a client may send on a stream the relay is not reading yet (an upload waiting for a slot)."""
-_FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
 
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.so_reuseport", 0),  # a second relay on a busy port must fail, not share it
@@ -99,6 +98,7 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # allow clients' keepalive
     # Requests are small but for Put's pieces: 1 MiB of data plus its header.
+    ("grpc.max_receive_message_length", CHUNK_BYTES + (64 << 10)),
     # What a client may send on a stream before the relay reads from it. A Put waiting for an
     # upload slot reads nothing, yet with BDP probing grpc grows every stream's window to
     # megabytes, so each waiting uploader parked that much in the relay's memory (24 waiting:
@@ -106,7 +106,6 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     # the window of the 1 MiB piece it asks for.
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", UPLOAD_WINDOW_BYTES),
-    ("grpc.max_receive_message_length", CHUNK_BYTES + (64 << 10)),
 ]
 
 
@@ -955,7 +954,15 @@ class _Refused(Exception):
 
 def content_problem(key: str, data: bytes | bytearray | memoryview) -> str | None:
     """Why ``data`` cannot be the object named ``key``, for content-addressed keys (a pack's
-    name is the xxh3-128 of its bytes; a blob's that of the zstd frame's content); None if it can."""
+    name is the xxh3-128 of its bytes; a blob's that of the zstd frame's content) and for
+    manifests and squashes (what every reader refuses: no or a wrong whole-manifest digest, a
+    bad layout; :func:`~deltasync.format.manifest.parse_manifest`); None if it can."""
+    if _MANIFEST_KEY.match(key):
+        try:
+            parse_manifest(bytes(data), expect_version=int(key[-23:-3]))  # the (target) version
+        except CorruptObjectError as e:
+            return e.detail
+        return None
     m = _PACK_KEY.match(key)
     if m is not None:
         return None if digest(data).hex() == m.group(1) else "its bytes do not match the digest in its name"

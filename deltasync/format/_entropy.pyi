@@ -1,0 +1,16 @@
+"""Type stub of the C extension ``deltasync.format._entropy`` (source: ``_entropy.c``; pure-numpy twin:
+``_entropy_py.py``, which documents the same functions)."""
+
+import numpy as np
+import numpy.typing as npt
+
+_Data = bytes | memoryview | npt.NDArray[np.uint8]
+
+LANES: int
+PROB_BITS: int
+
+def split(data: _Data, width: int, rotate: bool, /) -> tuple[bytes, bytes]: ...
+def join(planes: _Data, out: npt.NDArray[np.uint8], width: int, rotate: bool, /) -> None: ...
+def counts(data: _Data, width: int, rotate: bool, /) -> bytes: ...
+def rans_encode(plane: _Data, freqs: _Data, /) -> bytes: ...
+def rans_decode(stream: _Data, freqs: _Data, n: int, /) -> bytes: ...

@@ -1,0 +1,631 @@
+"""The agent: a long-running subscriber that keeps a directory at the version to serve.
+
+``Agent(repo, out).run()`` brings ``out`` to the target and returns; ``run(follow=True)``
+keeps doing so for every new target until :meth:`Agent.stop`. The target is the version the
+publisher pinned (``deltasync pin``), else the latest. The agent notices a new one within
+``poll_interval`` (it reads ``refs/latest`` and ``refs/pin``, two tiny objects; a relay's
+push stream, when the store has one, wakes it sooner) and sleeps in between: no busy loop.
+
+How it moves (each version verified chunk by chunk into the slot not served, then served by
+one atomic switch, journaled in the copy's LMDB state, resumable after a kill at any point —
+see pull/slotfill.py, pull/slots.py and pull/state.py):
+
+* forwards: a pull (the planner picks the delta chain or snapshot plus chain); the payloads
+  of the deltas applied are kept in the copy (``keep_versions``, pull/cache.py);
+* backwards (a pin to an earlier version, ``rollback``): the deltas in between are reversed
+  from the local bits, reading the kept payloads (nothing downloaded) or, when not kept,
+  the repository's small delta payloads; chunks that cannot be reversed come from the
+  snapshot chain (pull/slotfill.py);
+* forwards again to versions whose payloads it kept: walked locally, nothing downloaded.
+
+With trusted keys the refs must be signed by the publisher (repo/repository.py): an
+unsigned, altered, expired (beyond ``ref_grace``) or replayed ref, or one naming a missing
+manifest, is a RefError; the copy stays on its version, the error is recorded, and a
+following agent keeps trying. The newest ref counters accepted are kept in the copy's state,
+so a restart does not forget them.
+
+Upstream errors are retried with jittered exponential backoff, capped: a one-shot run gives
+up after ``retries`` attempts, a following agent keeps trying (each failure is recorded).
+:meth:`stop` (SIGTERM/SIGINT in the command line) ends the run after the current chunk,
+leaving the work done so far for the next run. Figures (versions, lag, bytes fetched, apply
+time, last error) live in the copy's LMDB state, read by ``deltasync status`` while the
+agent runs, and are served as Prometheus metrics with ``metrics_port``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    CorruptObjectError,
+    DeltasyncError,
+    EmptyRepositoryError,
+    ObjectNotFoundError,
+    RefError,
+    RepositoryFormatError,
+    RepositoryNotFoundError,
+    SignatureError,
+    UsageError,
+)
+from ..format.signing import PublicKeyLike
+from ..metrics import Metric, MetricsServer
+from ..pull.subscriber import Subscriber, state_url
+from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, ref_hint
+from ..retry import Backoff as Backoff  # the agent's retries; importable here too
+from ..storage import Store, open_store
+from .cache import CachedStore, LocalCache
+from .slotfill import update_copy
+from .slots import finish_install
+from .state import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock
+
+log = logging.getLogger(__name__)
+
+#: Errors no retry can fix: a one-shot run fails at once (a following agent still waits them out).
+PERMANENT = (UsageError, CopyInUseError, SignatureError, RefError, RepositoryFormatError, CheckpointError)
+FINAL = (*PERMANENT, EmptyRepositoryError, RepositoryNotFoundError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """How an agent follows a repository."""
+
+    poll_interval: float = 0.5
+    """Seconds between reads of the repository's ``refs/latest`` and ``refs/pin``."""
+    relist_interval: float = 30.0
+    """Seconds between listings of the committed versions (the latest ref is only a hint:
+    a publisher may die between its manifest and the ref)."""
+    retries: int = 5
+    """Attempts of one update before a one-shot run gives up (a following agent keeps trying)."""
+    backoff_initial: float = 0.5
+    """First wait after a failure, in seconds; doubles per failure, with jitter."""
+    backoff_max: float = 30.0
+    """Longest wait between attempts, in seconds."""
+    keep_versions: int = 8
+    """Versions whose manifests and delta payloads the copy keeps: a rollback of up to this
+    many versions, or a return to them, reads nothing from the repository (0: keep none)."""
+    workers: int = 0
+    """Decoding threads; 0 means one per CPU core."""
+    progress: bool | None = False
+    """Progress lines while pulling (None: on a terminal)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port)."""
+    metrics_host: str = ""
+    """Address to serve metrics on ("": every interface, as exporters do)."""
+    move_aside: bool = False
+    """Move files found in the directory that are not the repository's into
+    ``DIR/.deltasync/aside/`` (default: refuse to update, naming them)."""
+    fsync: bool = False
+    """Flush each version's slot to disk before switching to it (default: check the copy
+    after a power loss instead; see slots.py)."""
+    ref_grace: float = 0.0
+    """With trusted keys: seconds past a signed ref's expiry during which it is still
+    followed, with a warning (a quiet publisher late with ``deltasync refresh-refs``);
+    beyond that the agent refuses it and stays on its version, recording the error."""
+
+    def __post_init__(self) -> None:
+        if not 0.01 <= self.poll_interval <= 3600:
+            raise UsageError(f"poll_interval must be in 0.01..3600 seconds, got {self.poll_interval}")
+        if self.retries < 1:
+            raise UsageError(f"retries must be at least 1, got {self.retries}")
+        if not 0 < self.backoff_initial <= self.backoff_max:
+            raise UsageError("backoff_initial must be positive and at most backoff_max")
+        if self.keep_versions < 0:
+            raise UsageError(f"keep_versions must not be negative, got {self.keep_versions}")
+        if not self.ref_grace >= 0:
+            raise UsageError(f"ref_grace must not be negative, got {self.ref_grace}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise UsageError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+
+
+@dataclass(frozen=True)
+class Update:
+    """One move of the copy, as reported to ``on_update`` and kept in the status."""
+
+    version: int
+    previous: int | None
+    how: str  # "pull from version N", "pull from a snapshot", "local: N chunks walked, M fetched"
+    fetched_bytes: int
+    seconds: float
+
+
+@dataclass
+class _Figures:
+    """What the agent knows; mirrored into the copy's LMDB ``stats`` record."""
+
+    pid: int = 0
+    running: bool = False
+    follow: bool = False
+    repo: str = ""
+    started_unix: float = 0.0
+    state: str = "starting"
+    latest_version: int | None = None
+    latest_seen_unix: float | None = None
+    pinned_version: int | None = None
+    target_version: int | None = None
+    stale_since_unix: float | None = None
+    highest_version: int = 0
+    bytes_fetched_total: int = 0
+    fetched_by_kind: dict[str, int] = field(default_factory=dict)
+    updates_total: int = 0
+    errors_total: int = 0
+    last_update: dict[str, Any] | None = None
+    last_error: str | None = None
+    last_error_unix: float | None = None
+
+
+class Agent:
+    """Keeps the directory ``out`` at the version to serve from ``repo`` (see the module doc)."""
+
+    def __init__(
+        self,
+        repo: str | Store,
+        out: str | os.PathLike[str],
+        config: AgentConfig | None = None,
+        *,
+        trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+        on_update: Callable[[Update], None] | None = None,
+        on_ready: Callable[[Agent], None] | None = None,
+    ) -> None:
+        """``on_update`` is called after each update; ``on_ready`` once :meth:`run` holds the
+        copy (and serves metrics, on :attr:`metrics_port`)."""
+        self.config = config or AgentConfig()
+        self.on_ready = on_ready
+        self.metrics_port: int | None = None
+        self.root = Path(out)
+        self.trusted_keys = trusted_keys
+        self.on_update = on_update
+        inner = open_store(repo) if isinstance(repo, str) else repo
+        self.cache = LocalCache(self.root / STATE_DIR / "objects") if self.config.keep_versions else None
+        self.store = CachedStore(inner, self.cache)
+        self.figures = _Figures(repo=state_url(inner.url))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._db: StateDB | None = None
+        self._last_flush = 0.0
+        self._last_listing = -float("inf")
+        self._fetched_at_start = 0
+        self._base_total = 0
+        self._base_by_kind: dict[str, int] = {}
+        self._fetched_by_kind_at_start: dict[str, int] = {}
+        self._watched_latest: int | None = None
+
+    # -- control -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End :meth:`run` after the current chunk (thread- and signal-safe)."""
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self, *, follow: bool = False) -> int | None:
+        """Bring the copy to the target and return its version; with ``follow``, keep doing
+        so until :meth:`stop`. Returns the version held at the end (None: none yet)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with copy_lock(self.root):
+            finish_install(self.root)
+            self._open(follow)
+            server = self._start_metrics()
+            watcher = self._start_watch() if follow else None
+            if self.on_ready is not None:
+                self.on_ready(self)
+            backoff = Backoff(self.config.backoff_initial, self.config.backoff_max)
+            attempts = 0
+            try:
+                while not self._stop.is_set():
+                    try:
+                        target = self._observe()
+                        if target is None:  # nothing committed yet: a follower waits for it
+                            self._repository().ensure_exists()
+                            if not follow:
+                                raise EmptyRepositoryError(self.store.url)
+                        elif self._needs_update(target):
+                            self._update(target)
+                        attempts = 0
+                        backoff.reset()
+                        self._set(state="idle")
+                        if not follow:
+                            break
+                        self._wake.wait(self.config.poll_interval)
+                        self._wake.clear()
+                    except PullStopped:
+                        break
+                    except (DeltasyncError, OSError) as e:
+                        attempts += 1
+                        self._failed(e)
+                        if not follow and (attempts >= self.config.retries or isinstance(e, FINAL)):
+                            raise
+                        self._set(state="backoff")
+                        self._stop.wait(backoff.next())
+            finally:
+                if watcher is not None:
+                    watcher()
+                if server is not None:
+                    server.close()
+                self._set(state="stopped", running=False)
+                self._flush(force=True)
+        return self.current()
+
+    def rollback(self, version: int) -> Update | None:
+        """Move the copy to the earlier (or any other) ``version`` now: reversing the deltas
+        in between where they allow it (no download when their payloads were kept), else
+        from the snapshot chain. Returns the update, or None when already there."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with copy_lock(self.root):
+            finish_install(self.root)
+            self._open(follow=False)
+            try:
+                if not self._needs_update(version):
+                    return None
+                return self._update(version)
+            except (DeltasyncError, OSError) as e:
+                self._failed(e)
+                raise
+            finally:
+                self._set(state="stopped", running=False)
+                self._flush(force=True)
+
+    def current(self) -> int | None:
+        db = StateDB.open(self.root, create=False)
+        state = db.state() if db is not None else None
+        return state.version if state is not None else None
+
+    # -- watching ------------------------------------------------------------------------------
+
+    def _repository(self) -> Repository:
+        # A fresh Repository per use: its manifest cache would otherwise grow with every
+        # version a long-running agent sees (the copy's object cache keeps the recent ones).
+        # The newest signed refs accepted live in the copy's state: a replayed (older) ref is
+        # refused across restarts too.
+        return Repository(self.store, trusted_keys=self.trusted_keys, ref_grace=self.config.ref_grace,
+                          ref_memory=self._state_db())
+
+    def _observe(self) -> int | None:
+        """Read the pin and the latest version; returns the target (None: nothing to serve yet)."""
+        repo = self._repository()
+        pinned = repo.pinned()
+        latest = self._latest(repo)
+        now = time.time()
+        current = self.current()
+        with self._lock:
+            f = self.figures
+            if latest != f.latest_version:
+                f.latest_seen_unix = now
+            f.latest_version, f.pinned_version = latest, pinned
+            f.target_version = pinned if pinned is not None else latest
+            if latest is None or (current is not None and current >= latest):
+                f.stale_since_unix = None
+            elif f.stale_since_unix is None:
+                f.stale_since_unix = _stale_since(repo, current, latest, now)
+            target = f.target_version
+        self._flush()
+        return target
+
+    def _latest(self, repo: Repository) -> int | None:
+        now = time.monotonic()
+        known = self.figures.latest_version
+        if known is None or now - self._last_listing >= self.config.relist_interval:
+            self._last_listing = now
+            try:
+                return repo.latest()
+            except EmptyRepositoryError:
+                return None
+        hint = known
+        if repo.trusted_keys is not None:
+            # Signed, unexpired, no older than seen, naming its manifest (RefError: recorded,
+            # and the copy stays where it is).
+            hint = repo.latest_ref() or known
+        else:
+            with contextlib.suppress(ObjectNotFoundError):
+                hint = ref_hint(self.store.get(LATEST, max_bytes=MAX_REF_BYTES)) or known
+        if self._watched_latest is not None:
+            hint = max(hint, self._watched_latest)
+        if hint > known:
+            repo.manifest(hint)  # committed (the ref is written after the manifest)
+            return hint
+        return known
+
+    def _start_watch(self) -> Callable[[], None] | None:
+        """Follow the store's push stream (a relay's Watch), if it has one: each version
+        announced wakes the loop at once. Returns a function that ends it."""
+        watch = getattr(self.store.inner, "watch", None)
+        if watch is None:
+            return None
+        current: list[Any] = []
+
+        def loop() -> None:
+            backoff = Backoff(self.config.backoff_initial, self.config.backoff_max)
+            while not self._stop.is_set():
+                try:
+                    stream = watch(self._watched_latest or self.figures.latest_version or 0)
+                    current[:] = [stream]
+                    for version in stream:
+                        backoff.reset()
+                        self._watched_latest = max(version, self._watched_latest or 0)
+                        self._wake.set()
+                except DeltasyncError as e:  # polling goes on meanwhile
+                    log.info("watch stream ended (%s); polling until it is back", e)
+                self._stop.wait(backoff.next())
+
+        thread = threading.Thread(target=loop, name="deltasync-watch", daemon=True)
+        thread.start()
+
+        def end() -> None:
+            for stream in current:
+                with contextlib.suppress(Exception):
+                    stream.close()
+            thread.join(2)
+
+        return end
+
+    # -- updating ------------------------------------------------------------------------------
+
+    def _needs_update(self, target: int) -> bool:
+        db = self._state_db()
+        state, wip = db.state(), db.wip()
+        if state is None or state.version != target:
+            return True
+        if wip is not None:  # an interrupted move to another version (its slot stays marked dirty)
+            db.set_wip(None)
+        return False
+
+    def _update(self, target: int) -> Update:
+        repo = self._repository()
+        sub = Subscriber(repo, workers=self.config.workers, progress=self.config.progress)
+        previous = self.current()
+        start, fetched = time.monotonic(), self.store.fetched_bytes
+        self._set(state="updating", target_version=target)
+        try:
+            how = self._move(sub, repo, previous, target)
+        except (CorruptObjectError, ChecksumMismatchError):
+            if self.cache is not None:
+                self.cache.forget_packs()  # a damaged kept payload must not fail the retry
+            raise
+        finally:
+            self.store.capture = set()
+        update = Update(target, previous, how, self.store.fetched_bytes - fetched, time.monotonic() - start)
+        with self._lock:
+            f = self.figures
+            f.updates_total += 1
+            f.highest_version = max(f.highest_version, target)
+            f.last_update = {
+                "version": target, "previous": previous, "how": how, "fetched_bytes": update.fetched_bytes,
+                "seconds": round(update.seconds, 6), "finished_unix": time.time(),
+            }
+            if f.latest_version is None or target >= f.latest_version:
+                f.stale_since_unix = None
+        self._retain(target)
+        self._flush(force=True)
+        if self.on_update is not None:
+            self.on_update(update)
+        return update
+
+    def _move(self, sub: Subscriber, repo: Repository, previous: int | None, target: int) -> str:
+        # Forwards or back, the slot not served is brought to the target in place (slotfill.py);
+        # payloads of the deltas it walks come from the kept objects when they are there.
+        self.store.capture = self._capture(repo, previous, target)
+        result = update_copy(sub, self.root, repo.manifest(target), stop=self._should_stop,
+                             move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
+        return str(result)
+
+    def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
+        """Packs worth keeping from this pull: those of the deltas between the version held
+        and the target, within the versions the copy keeps."""
+        keep = self.config.keep_versions
+        if self.cache is None or previous is None or target <= previous:
+            return set()
+        try:
+            chain = repo.chain(target, stop_at=previous)
+        except DeltasyncError:
+            return set()
+        return {p.key for info in chain if not info.is_snapshot and info.version > target - keep for p in info.pb.packs}
+
+    def _retain(self, current: int) -> None:
+        if self.cache is None:
+            return
+        newest = max(self.figures.highest_version, current)
+        keep = {v for v in self.cache.versions() if v > newest - self.config.keep_versions} | {current}
+        self.cache.prune(keep)
+
+    def _should_stop(self) -> bool:
+        self._flush()  # between chunks: keep the figures current for `deltasync status`
+        return self._stop.is_set()
+
+    # -- figures -------------------------------------------------------------------------------
+
+    def _state_db(self) -> StateDB:
+        if self._db is None:
+            self._db = StateDB.open(self.root)
+        assert self._db is not None
+        return self._db
+
+    def _open(self, follow: bool) -> None:
+        stats = self._state_db().stats()
+        with self._lock:
+            f = self.figures
+            f.bytes_fetched_total = int(stats.get("bytes_fetched_total", 0) or 0)
+            by_kind = stats.get("fetched_by_kind")
+            self._base_by_kind = {str(k): int(v) for k, v in by_kind.items()} if isinstance(by_kind, dict) else {}
+            f.highest_version = int(stats.get("highest_version", 0) or 0)
+            f.updates_total = int(stats.get("updates_total", 0) or 0)
+            f.errors_total = int(stats.get("errors_total", 0) or 0)
+            f.last_update = stats.get("last_update")
+            f.last_error, f.last_error_unix = stats.get("last_error"), stats.get("last_error_unix")
+            f.pid, f.running, f.follow, f.started_unix, f.state = os.getpid(), True, follow, time.time(), "starting"
+        self._fetched_at_start = self.store.fetched_bytes
+        self._fetched_by_kind_at_start = self.store.fetched_by_kind()
+        self._base_total = self.figures.bytes_fetched_total
+        self._flush(force=True)
+
+    def _set(self, **fields: Any) -> None:
+        with self._lock:
+            for k, v in fields.items():
+                setattr(self.figures, k, v)
+        self._flush(force="state" in fields)
+
+    def _failed(self, e: BaseException) -> None:
+        message = str(e) if isinstance(e, DeltasyncError) else f"{type(e).__name__}: {e}"
+        log.warning("update failed: %s", message)
+        with self._lock:
+            self.figures.errors_total += 1
+            self.figures.last_error, self.figures.last_error_unix = message, time.time()
+        self._flush(force=True)
+
+    def _flush(self, *, force: bool = False) -> None:
+        """Write the figures to the copy's state (at most every half second unless ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._last_flush < 0.5:
+            return
+        self._last_flush = now
+        with self._lock:
+            f = self.figures
+            f.bytes_fetched_total = self._base_total + self.store.fetched_bytes - self._fetched_at_start
+            now_by_kind = self.store.fetched_by_kind()
+            kinds = set(now_by_kind) | set(self._base_by_kind)
+            f.fetched_by_kind = {
+                k: self._base_by_kind.get(k, 0) + now_by_kind.get(k, 0) - self._fetched_by_kind_at_start.get(k, 0)
+                for k in sorted(kinds)
+            }
+            record = dict(vars(f))
+        with contextlib.suppress(DeltasyncError, OSError):
+            self._state_db().update_stats(record)
+
+    def metrics(self) -> list[Metric]:
+        """The figures as Prometheus metrics (what ``/metrics`` serves)."""
+        self._flush()
+        status = read_status(self.root)
+        g, c = "gauge", "counter"
+        last = status.get("last_update") or {}
+        get = status.get
+        out = [
+            Metric("deltasync_up", g, "1 while the agent runs", 1 if status.get("running") else 0),
+            Metric("deltasync_current_version", g, "Version the local copy holds", status.get("version")),
+            Metric("deltasync_latest_version", g, "Newest committed version seen in the repository", get("latest_version")),
+            Metric("deltasync_target_version", g, "Version the agent serves: the pin, else the latest", get("target_version")),
+            Metric("deltasync_pinned_version", g, "Version pinned by the publisher (absent: none)", status.get("pinned_version")),
+            Metric("deltasync_lag_versions", g, "Versions the copy is behind the latest", status.get("lag_versions")),
+            Metric("deltasync_lag_seconds", g, "Seconds since a version newer than the copy was committed (0: current)",
+                   status.get("lag_seconds")),
+            Metric("deltasync_bytes_fetched_total", c, "Bytes downloaded from the repository", status.get("bytes_fetched_total")),
+            Metric("deltasync_updates_total", c, "Versions installed", status.get("updates_total")),
+            Metric("deltasync_errors_total", c, "Failed update attempts", status.get("errors_total")),
+            Metric("deltasync_apply_seconds", g, "Duration of the last update (fetch, verify, install)", last.get("seconds")),
+            Metric("deltasync_last_update_bytes", g, "Bytes downloaded by the last update", last.get("fetched_bytes")),
+            Metric("deltasync_last_update_timestamp_seconds", g, "When the last update finished", last.get("finished_unix")),
+            Metric("deltasync_last_error_timestamp_seconds", g, "When the last error happened", status.get("last_error_unix")),
+        ]
+        for kind, n in sorted((status.get("fetched_by_kind") or {}).items()):
+            out.append(Metric("deltasync_bytes_fetched_by_kind_total", c, "Bytes downloaded, by kind", n, {"kind": kind}))
+        return out
+
+    def _start_metrics(self) -> MetricsServer | None:
+        if self.config.metrics_port is None:
+            return None
+        server = MetricsServer(self.metrics, port=self.config.metrics_port, host=self.config.metrics_host)
+        self.metrics_port = server.port
+        return server
+
+
+def _stale_since(repo: Repository, current: int | None, latest: int, now: float) -> float:
+    """When the copy fell behind: the commit time of the first version after it."""
+    for v in ([current + 1] if current is not None and current + 1 < latest else []) + [latest]:
+        with contextlib.suppress(DeltasyncError):
+            return min(now, repo.manifest(v).pb.created_unix or now)
+    return now
+
+
+# -- status of a copy (any process) -------------------------------------------------------------
+
+
+def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
+    """The figures of the copy at ``out``: its version, work in progress, and what its agent
+    last recorded, with the lag computed now. Reads only: safe while an agent runs."""
+    root = Path(out)
+    db = StateDB.open(root, create=False)
+    if db is None:
+        raise UsageError(f"{root} holds no deltasync copy (pull or subscribe into it first)")
+    state, wip, stats = db.state(), db.wip(), db.stats()
+    now = time.time()
+    version = state.version if state is not None else None
+    latest = stats.get("latest_version")
+    running = bool(stats.get("running")) and _alive(stats.get("pid"))
+    lag_versions = max(0, latest - version) if latest is not None and version is not None else None
+    stale = stats.get("stale_since_unix")
+    if lag_versions == 0:
+        lag_seconds: float | None = 0.0
+    elif stale is not None:
+        lag_seconds = max(0.0, now - float(stale))
+    else:
+        lag_seconds = None
+    out_status: dict[str, Any] = dict(stats)
+    out_status.update({
+        "directory": str(root.resolve()),
+        "repo": (state.repo if state is not None and state.repo else stats.get("repo", "")),
+        "version": version,
+        "version_digest": state.version_digest if state is not None else None,
+        "installed_unix": state.installed_unix if state is not None else None,
+        "running": running,
+        "lag_versions": lag_versions,
+        "lag_seconds": lag_seconds,
+        "wip": vars(wip) if wip is not None else None,
+    })
+    if not running and out_status.get("state") not in (None, "stopped"):
+        out_status["state"] = "not running"
+    return out_status
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def rollback(
+    out: str | os.PathLike[str],
+    version: int,
+    *,
+    repo: str | Store | None = None,
+    config: AgentConfig | None = None,
+    trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
+) -> Update | None:
+    """Move the copy at ``out`` to ``version`` (see :meth:`Agent.rollback`); ``repo``
+    defaults to the repository it was pulled from."""
+    if repo is None:
+        db = StateDB.open(out, create=False)
+        state = db.state() if db is not None else None
+        if state is None or not state.repo:
+            raise UsageError(f"{out} records no repository; pass one")
+        repo = state.repo
+    return Agent(repo, out, config, trusted_keys=trusted_keys).rollback(version)
+
+
+__all__ = [
+    "PERMANENT",
+    "Agent",
+    "AgentConfig",
+    "Backoff",
+    "Update",
+    "read_status",
+    "rollback",
+]
