@@ -73,8 +73,8 @@ from ..errors import (
     UsageError,
 )
 from ..format.digest import digest
-from ..format.manifest import BLOB_PART_SIZE, parse_manifest
-from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint
+from ..format.manifest import BLOB_PART_SIZE, parse_manifest, version_from_key
+from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint, squash_from_key
 from ..storage import GrpcStore, LocalStore, Store, VersionWatch, check_key, open_store
 from ..storage._base import MAX_OFFSET
 from ..storage._wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, UNARY, WRITE_METHODS
@@ -959,7 +959,8 @@ def content_problem(key: str, data: bytes | bytearray | memoryview) -> str | Non
     bad layout; :func:`~deltasync.format.manifest.parse_manifest`); None if it can."""
     if _MANIFEST_KEY.match(key):
         try:
-            parse_manifest(bytes(data), expect_version=int(key[-23:-3]))  # the (target) version
+            squash = squash_from_key(key)  # a squash to version C is a manifest of version C
+            parse_manifest(bytes(data), expect_version=squash[1] if squash is not None else version_from_key(key))
         except CorruptObjectError as e:
             return e.detail
         return None

@@ -139,3 +139,23 @@ def test_relays_refuse_it(forged_repo: tuple[str, list[Path]], tmp_path: Path) -
         finally:
             store.close()
     assert not origin.exists(manifest_key(2))
+
+
+def test_a_writable_relay_stores_what_a_publisher_writes_squashes_included(tmp_path: Path) -> None:
+    """The relay's manifest check reads a squash ``squashes/<C>-<A>.pb`` as version C, as readers do."""
+    from deltasync.repo.repository import Repository
+
+    origin = tmp_path / "origin"
+    with build_server(str(origin), "127.0.0.1:0", accept_writes=True, write_token=WRITE) as relay:
+        store = GrpcStore(relay.url, write_token=WRITE)
+        try:
+            pub = Publisher(store, PublisherConfig(workers=2, progress=False, squash_strides=(2,)))
+            state = make_state(1, LAYOUT)
+            s2 = step_state(state, seed=5)
+            for s in (state, s2, step_state(s2, seed=6), s2):
+                pub.publish(s)
+        finally:
+            store.close()
+    repo = Repository(str(origin))
+    assert repo.versions() == [1, 2, 3, 4] and repo.squashes() == [(2, 4)]
+    assert repo.squash(2, 4).version == 4
