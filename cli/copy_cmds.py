@@ -1,0 +1,204 @@
+"""Commands on a local directory copy: pull, status, check, rollback."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from deltasync.cli._common import (
+    REPO_FORMS,
+    RetryLog,
+    cli,
+    dir_argument,
+    emit_json,
+    fsync_option,
+    json_fields,
+    json_option,
+    local_dir,
+    mib,
+    move_aside_option,
+    out_option,
+    quiet_option,
+    repo_option,
+    repo_url,
+    show_progress,
+    trusted_key_option,
+    workers_option,
+)
+
+
+@cli.command()
+@dir_argument
+@repo_option
+@out_option("Directory to bring to the version (or DIR).")
+@click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
+@move_aside_option
+@fsync_option
+@trusted_key_option
+@workers_option
+@quiet_option
+@json_option
+def pull(
+    directory: Path | None, repo: str, out: Path | None, version: int | None, move_aside: bool, fsync: bool,
+    trusted_keys: tuple[Path, ...], workers: int, quiet: bool, as_json: bool,
+) -> None:
+    """Bring a directory to a version, byte for byte, verifying every chunk written.
+
+    The directory keeps two slots of files in DIR/.deltasync; the one not served is brought
+    forward in place (only what changed is written) and one atomic switch serves it. The
+    files in DIR are links into the served slot.
+    """
+    from deltasync import Repository, Subscriber
+    from deltasync.local.cache import CachedStore
+    from deltasync.local.state import StateDB
+
+    out = local_dir(directory, out, "pull")
+
+    upstream = Repository(repo, trusted_keys=trusted_keys)
+    counting = CachedStore(upstream.store)
+    # With trusted keys, the newest signed refs accepted are remembered in the copy: an older one is a replay.
+    memory = StateDB.open(out) if trusted_keys and version is None else None
+    sub = Subscriber(Repository(counting, trusted_keys=trusted_keys, ref_memory=memory), workers=workers,
+                     progress=show_progress(quiet))
+    start = time.monotonic()
+    result = sub.update_dir(out, version, move_aside=move_aside, fsync=fsync)
+    seconds = time.monotonic() - start
+    if as_json:
+        emit_json({**json_fields(result), "directory": str(out), "how": str(result),
+                    "fetched_bytes": counting.fetched_bytes, "seconds": round(seconds, 3)})
+        return
+    click.echo(f"pulled version {result.version} into {out} ({result}, {mib(counting.fetched_bytes)} fetched, "
+               f"{seconds:.2f}s)")
+
+
+@cli.command()
+@dir_argument
+@out_option("The local copy (or DIR).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def status(directory: Path | None, out: Path | None, as_json: bool) -> None:
+    """Show a local copy's version, lag, agent, bytes fetched, apply time and last error (safe while an agent runs)."""
+    from deltasync.local.agent import read_status
+
+    directory = local_dir(directory, out, "status")
+
+    s = read_status(directory)
+    if as_json:
+        click.echo(json.dumps(s, sort_keys=True))
+        return
+
+    def ago(t: float | None) -> str:
+        return "-" if t is None else f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({time.time() - t:.1f}s ago)"
+
+    def opt(v: object) -> str:
+        return "-" if v is None else str(v)
+
+    lag = "-" if s["lag_versions"] is None else f"{s['lag_versions']} version(s)"
+    if s["lag_seconds"] is not None:
+        lag += f", {s['lag_seconds']:.1f}s"
+    agent = f"running (pid {s.get('pid')}, {s.get('state')})" if s["running"] else "not running"
+    rows = [
+        ("directory", s["directory"]),
+        ("repository", s["repo"] or "-"),
+        ("version", f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
+        ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}"),
+        ("pinned", opt(s.get("pinned_version"))),
+        ("lag", lag),
+        ("agent", agent),
+        ("fetched", f"{mib(int(s.get('bytes_fetched_total') or 0))} in total, {s.get('updates_total') or 0} update(s)"),
+    ]
+    last = s.get("last_update")
+    if last:
+        moved = (f"{last['previous']} -> {last['version']}" if last.get("previous") is not None
+                 else f"to {last['version']} (none held before)")
+        rows.append(("last update", f"{moved}: {last['how']}, "
+                                    f"{mib(int(last['fetched_bytes']))} fetched, applied in {last['seconds']:.2f}s"))
+    wip = s.get("wip")
+    if wip:
+        done = f"{wip['chunks_done']}/{wip['chunks_total']} chunks"
+        rows.append(("in progress", f"version {wip['target']} ({wip['phase']}, {done})"))
+    if s.get("last_error"):
+        rows.append(("last error", f"{ago(s.get('last_error_unix'))}: {s['last_error']}"))
+    for name, value in rows:
+        click.echo(f"{name:12} {value}")
+
+
+@cli.command()
+@dir_argument
+@out_option("The local copy (or DIR).")
+@click.option("--repair", is_flag=True, help="Fetch only the drifted chunks (from the nearest snapshot) and fix them in place.")
+@click.option("--repo", default=None, metavar="URL", callback=repo_url,
+              help=f"Repository: {REPO_FORMS} [default: the repository the copy was pulled from].")
+@move_aside_option
+@trusted_key_option
+@workers_option
+@json_option
+def check(
+    directory: Path | None, out: Path | None, repair: bool, repo: str | None, move_aside: bool,
+    trusted_keys: tuple[Path, ...], workers: int, as_json: bool,
+) -> None:
+    """Compare a local copy with the manifest of its version, chunk by chunk, and list files in it that are not the
+    version's (exit status 1 on drift or such files without --repair / --move-aside)."""
+    from deltasync.local.check import check_copy
+
+    directory = local_dir(directory, out, "check")
+    report = check_copy(directory, repo=repo, repair=repair, workers=workers, trusted_keys=trusted_keys,
+                        move_aside=move_aside and repair)
+    if as_json:  # exit status as without --json
+        emit_json({**json_fields(report), "drifted": [str(d) for d in report.drifted], "ok": report.ok})
+        if not report.ok:
+            sys.exit(1)
+        return
+    for d in report.drifted:
+        click.echo(f"drifted: {d}")
+    for rel in report.foreign:
+        click.echo(f"not the version's: {rel} (a loader may read it; check --repair --move-aside moves it aside)")
+    if report.foreign and not report.drifted:
+        sys.exit(1)
+    summary = f"version {report.version}: {report.files} files, {report.chunks} chunks"
+    if report.repaired:
+        click.echo(f"{summary}: repaired {len(report.drifted)} ({mib(report.fetched_bytes)} fetched)")
+    elif report.drifted:
+        click.echo(f"{summary}: {len(report.drifted)} drifted (run with --repair to fix)")
+        sys.exit(1)
+    else:
+        click.echo(f"{summary}: ok")
+
+
+@cli.command()
+@dir_argument
+@out_option("The local copy (or DIR).")
+@click.option("--to", "version", type=click.IntRange(min=1), required=True, metavar="N", help="Version to move to.")
+@click.option("--repo", default=None, metavar="URL", callback=repo_url,
+              help=f"Repository: {REPO_FORMS} [default: the repository the copy was pulled from].")
+@trusted_key_option
+@workers_option
+@quiet_option
+@json_option
+def rollback(directory: Path | None, out: Path | None, version: int, repo: str | None, trusted_keys: tuple[Path, ...],
+             workers: int, quiet: bool, as_json: bool) -> None:
+    """Move a local copy to an earlier version N, reversing the deltas in between where it can.
+
+    Nothing is downloaded for deltas whose payloads the copy kept (see subscribe --keep-versions);
+    what cannot be reversed comes from the snapshot plus chain.
+    """
+    from deltasync.local.agent import AgentConfig, rollback as rollback_copy
+
+    directory = local_dir(directory, out, "rollback")
+    with RetryLog(None, False).installed():
+        u = rollback_copy(directory, version, repo=repo, config=AgentConfig(workers=workers, progress=show_progress(quiet)),
+                          trusted_keys=trusted_keys)
+    if as_json:
+        emit_json({"directory": str(directory), "version": version, "moved": u is not None,
+                    **({} if u is None else {"previous": u.previous, "how": u.how, "fetched_bytes": u.fetched_bytes,
+                                             "seconds": round(u.seconds, 3)})})
+    elif u is None:
+        click.echo(f"{directory} is already at version {version}")
+    else:
+        was = f"from version {u.previous} " if u.previous is not None else "(it held no version) "
+        click.echo(f"moved {directory} {was}to version {u.version} "
+                   f"({u.how}, {mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
+

@@ -1,0 +1,77 @@
+"""The relay: serve a repository to subscribers as a caching gRPC relay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from deltasync.cli._common import (
+    REPO_FORMS,
+    WARNINGS,
+    cli,
+    repo_url,
+)
+from deltasync.errors import UsageError
+
+
+@cli.command()
+@click.option("--repo", required=True, metavar="URL",
+              callback=repo_url, help=f"Upstream repository: {REPO_FORMS}; a relay's upstream may be another relay.")
+@click.option("--listen", required=True, metavar="HOST:PORT", help="Address to serve on (port 0: any free port).")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path), default=None,
+              help="Cache directory (LMDB index + object files), kept across restarts [default: a temporary one].")
+@click.option("--cache-max-bytes", default=None, metavar="SIZE",
+              help="Evict least recently used objects beyond this size, e.g. 500G [default: no limit].")
+@click.option("--poll-interval", type=click.FloatRange(0.01, 60), default=0.5, show_default=True, metavar="SECONDS",
+              help="How often the upstream is checked for a new version.")
+@click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Serve TLS with this PEM certificate (clients use grpcs://).")
+@click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None, help="PEM key of --tls-cert.")
+@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Require this bearer token from every client [default: $DELTASYNC_RELAY_TOKEN(_FILE) if set].")
+@click.option("--accept-writes", is_flag=True, default=False,
+              help="Let publishers holding the write token write the repository through this relay (Put, Delete).")
+@click.option("--write-token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The write token (distinct from the read token; it also reads) "
+                   "[default: $DELTASYNC_RELAY_WRITE_TOKEN(_FILE) with --accept-writes].")
+@click.option("--max-object-bytes", default="256M", show_default=True, metavar="SIZE",
+              help="Largest object a publisher may upload.")
+@click.option("--max-uploads", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="Uploads received at once (each held in memory until written); more wait.")
+@click.option("--write-quota", default=None, metavar="SIZE",
+              help="Most bytes the upstream repository may hold (counted at start, then through this relay's writes); "
+                   "uploads past it are refused [default: none].")
+def serve(
+    repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
+    tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
+    write_token_file: Path | None, max_object_bytes: str, max_uploads: int, write_quota: str | None,
+) -> None:
+    """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
+    import logging
+
+    from deltasync.relay import build_server, parse_size, run_until_signalled
+    from deltasync.storage._wire import read_token, read_write_token
+
+    logging.getLogger("deltasync").removeHandler(WARNINGS)  # the relay logs every line its own way
+    logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
+    limit = parse_size(cache_max_bytes) if cache_max_bytes is not None else None
+    if write_token_file is not None and not accept_writes:
+        raise UsageError("--write-token-file needs --accept-writes (a read-only relay takes no write token)")
+
+    server = build_server(
+        repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval,
+        tls_cert=tls_cert, tls_key=tls_key, token=read_token(None, token_file),
+        accept_writes=accept_writes,
+        write_token=read_write_token(None, write_token_file) if accept_writes else None,
+        max_object_bytes=parse_size(max_object_bytes), max_uploads=max_uploads,
+        write_quota=parse_size(write_quota) if write_quota is not None else None,
+    )
+
+    def ready() -> None:
+        writes = ", accepting writes" if accept_writes else ""
+        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{writes}); SIGTERM stops")
+
+    run_until_signalled(server, on_ready=ready)
+    click.echo("relay stopped")
+
