@@ -24,7 +24,7 @@ import ray
 
 from deltasync import Repository
 
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "steps": 3, "digits": 2,
     "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "max_position_embeddings": 16},
