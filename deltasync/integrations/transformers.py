@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 StateDictFn = Callable[[torch.nn.Module], Mapping[str, Any]]
 
 
-class DeltasyncCallback(TrainerCallback):  # type: ignore[misc]
+class DeltasyncCallback(TrainerCallback):
     """Publish ``model.state_dict()`` to ``repo`` every ``every_n_steps`` optimizer steps and at the end.
 
     ``repo``: a repository URL (a path, ``s3://``; not ``grpc://``, which is read-only).

@@ -77,7 +77,7 @@ class _Bucket:
     nbytes: int = 0
 
 
-class DeltasyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
+class DeltasyncCheckpointEngine(CheckpointEngine):
     """verl's checkpoint-engine contract over a deltasync repository (module docstring).
 
     verl builds it with ``bucket_size`` (and ``is_master`` on trainer ranks) plus the
