@@ -26,6 +26,18 @@ elif bash scripts/install_vllm.sh; then
 else
   echo "== the vLLM environment could not be built: the real-vLLM tests will skip"
 fi
+# Real verl, TRL, transformers and Ray for tests/integrations/, in their own environment
+# (.venv-verl: verl pins its own transformers and tensordict; about 2.5 minutes to build,
+# about 1.5 minutes of tests); where it cannot be built (or with --fast) they run in the
+# project's environment and skip, saying why.
+verl_ready=0
+if [[ "$fast" == 0 ]]; then
+  if bash scripts/install_verl.sh; then
+    verl_ready=1
+  else
+    echo "== the verl environment could not be built: tests/integrations/ will skip"
+  fi
+fi
 echo "== ruff"
 "$PY" -m ruff check .
 echo "== mypy"
@@ -35,6 +47,11 @@ if [[ "$vllm_ready" == 1 && $# -eq 0 ]]; then
   # the real-vLLM server tests run below, from the project's environment.
   echo "== pytest (inside .venv-vllm: tests that import vLLM itself)"
   .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm_weights.py -k "vllms_own"
+fi
+if [[ "$verl_ready" == 1 && $# -eq 0 ]]; then
+  echo "== pytest (inside .venv-verl: tests/integrations/, verl, TRL and Ray)"
+  .venv-verl/bin/python -m pytest -q -p no:cacheprovider -W ignore::UserWarning tests/integrations
+  set -- --ignore=tests/integrations  # ran above, with their frameworks
 fi
 echo "== pytest"
 if [[ "$fast" == 1 ]]; then
