@@ -37,7 +37,7 @@ packs and blobs a publisher uploaded and has not committed yet (or ones a publis
 because they exist: content-addressed objects are uploaded once). The publisher is the one
 that notices: right before its commit it checks that every object its version names still
 exists, stores the missing ones again and checks again, a bounded number of times
-(``publish/encode.py``, "Objects deleted before the commit"), else it fails with nothing
+(``publish/commit.py``, "Objects deleted before the commit"), else it fails with nothing
 committed. gc, for its part, re-lists the manifests before each batch of
 ``_DELETE_BATCH`` deletions and keeps what a version committed meanwhile names. What is
 left is an instant: gc deleting an object after the publisher's check and before its

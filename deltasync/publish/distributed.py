@@ -29,23 +29,10 @@ from ..format.slices import Slice
 from ..repo.repository import Repository, open_repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
-from .config import PublisherConfig, PublishResult
-from .encode import (
-    COMMIT_ATTEMPTS,
-    Bits,
-    Encoded,
-    SourceTensor,
-    abandon,
-    commit,
-    deleted_error,
-    encode,
-    log,
-    memory_bases,
-    missing_objects,
-    restore_packs,
-    signing_policy,
-    state_sources,
-)
+from .commit import COMMIT_ATTEMPTS, Draft, commit, deleted_error, missing_objects, restore_packs, signing_policy
+from .config import PublisherConfig
+from .encode import Bits, Encoded, SourceTensor, abandon, encode, log, memory_bases, state_sources
+from .result import PublishResult
 
 if TYPE_CHECKING:
     import torch
@@ -253,8 +240,9 @@ class DistributedPublisher:
                             "publish?); storing them again (attempt %d of %d)", decision.version, len(missing),
                             restores + 2, COMMIT_ATTEMPTS)
                 return missing
-            return commit(self.repo, self.config, decision.version, decision.parent, not delta, [], merged,
-                          blob_bytes=0, metadata=metadata, start=start)
+            draft = Draft(version=decision.version, parent=decision.parent, snapshot=not delta, files=[],
+                          metadata=metadata, blob_bytes=0, start=start)
+            return commit(self.repo, self.config, draft, merged)
         except CommittedError as e:
             return ("committed", e.version, str(e))  # the version exists: no rank may remove its packs
         except DeltasyncError as e:

@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,8 @@ from ..format.slices import Slice
 from ..repo.repository import BLOB_PART_BYTES, Repository, blob_key, open_repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
-from .config import PublisherConfig, PublishResult
+from .commit import Draft, commit, restore_packs, signing_policy
+from .config import PublisherConfig
 from .encode import (
     BaseTensor,
     Bits,
@@ -33,18 +35,17 @@ from .encode import (
     Reader,
     SourceTensor,
     array_reader,
-    commit,
     encode,
     file_reader,
     log,
     memory_bases,
-    restore_packs,
-    signing_policy,
     state_sources,
 )
 
 if TYPE_CHECKING:
     import torch
+
+from .result import PublishResult
 
 __all__ = ["PublishResult", "Publisher", "PublisherConfig"]
 
@@ -253,41 +254,27 @@ class Publisher:
             if len(chain) < self.config.snapshot_every:
                 limit = int(self.config.max_delta_fraction * chain[0].pb.stored_bytes)
         blob_bytes = self._store_blobs(blob_root, files) if blob_root is not None else 0
+        draft = Draft(version=version, parent=parent, snapshot=not bases, files=files, metadata=metadata,
+                      blob_bytes=blob_bytes, start=start)
+        source = _Source(sources, bases, keep, base_arrays, blob_root)
         if limit is not None:
             try:
-                return self._attempt(sources, files, bases, parent, version, metadata, keep, base_arrays,
-                                     limit, blob_bytes, start, blob_root)
+                return self._attempt(draft, source, limit)
             except DeltaTooLarge:
                 pass  # store this version as a snapshot instead
-        return self._attempt(sources, files, {}, parent, version, metadata, keep, base_arrays,
-                             None, blob_bytes, start, blob_root)
+        return self._attempt(replace(draft, snapshot=True), replace(source, bases={}), None)
 
-    def _attempt(
-        self,
-        sources: list[SourceTensor],
-        files: list[pb.File],
-        bases: dict[str, BaseTensor],
-        parent: int | None,
-        version: int,
-        metadata: Mapping[str, str] | None,
-        keep: dict[str, Bits] | None,
-        base_arrays: dict[str, Bits] | None,
-        limit: int | None,
-        blob_bytes: int,
-        start: float,
-        blob_root: Path | None,
-    ) -> PublishResult:
-        encoded = encode(self.repo.store, self.config, sources, files, bases, label=f"publish v{version}",
-                         limit=limit, keep=keep, base_arrays=base_arrays)
+    def _attempt(self, draft: Draft, source: _Source, limit: int | None) -> PublishResult:
+        encoded = encode(self.repo.store, self.config, source.tensors, draft.files, source.bases,
+                         label=f"publish v{draft.version}", limit=limit, keep=source.keep, base_arrays=source.base_arrays)
 
         def restore(current: Encoded, missing: set[str]) -> Encoded:
-            # Objects a concurrent gc deleted before the commit (encode.py docstring).
-            if blob_root is not None:
-                self._restore_blobs(blob_root, files, missing)
-            return restore_packs(self.repo.store, self.config, current, sources, missing)
+            # Objects a concurrent gc deleted before the commit (commit.py docstring).
+            if source.blob_root is not None:
+                self._restore_blobs(source.blob_root, draft.files, missing)
+            return restore_packs(self.repo.store, self.config, current, source.tensors, missing)
 
-        return commit(self.repo, self.config, version, parent, not bases, files, encoded,
-                      blob_bytes=blob_bytes, metadata=metadata, start=start, restore=restore)
+        return commit(self.repo, self.config, draft, encoded, restore=restore)
 
     def _restore_blobs(self, root: Path, files: list[pb.File], missing: set[str]) -> None:
         """Upload again the parts in ``missing`` of the blob ``files`` under ``root``."""
@@ -301,6 +288,18 @@ class Publisher:
                         raise CheckpointError(str(root / f.path), "changed while publishing; publish again")
                     if blob_key(want) in missing:
                         self.repo.put_blob(part)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one publish attempt reads from: the tensors, their bases (none: a snapshot), the
+    in-memory copies it keeps and reads, and the directory holding its blob files."""
+
+    tensors: list[SourceTensor]
+    bases: dict[str, BaseTensor]
+    keep: dict[str, Bits] | None
+    base_arrays: dict[str, Bits] | None
+    blob_root: Path | None
 
 
 def _replace_cache(cache: Path, ckpt: CheckpointDir, info: ManifestInfo) -> None:

@@ -35,7 +35,7 @@ import pytest
 import torch
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
-import deltasync.publish.encode as encode_mod
+import deltasync.publish.commit as commit_mod
 import deltasync.publish.packs as packs_mod
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
 from deltasync.errors import CheckpointError, CorruptObjectError, StoreError
@@ -266,7 +266,7 @@ def test_gc_on_every_attempt_fails_the_publish_with_nothing_committed(
     ):
         race = GcBeforeCommit(race_url, m, times=100)
         Publisher(race_url, config()).publish_dir(ckpts[1], cache_dir=cache)
-    assert len(race.deleted) == encode_mod.COMMIT_ATTEMPTS  # the encode, then one per restore
+    assert len(race.deleted) == commit_mod.COMMIT_ATTEMPTS  # the encode, then one per restore
     assert Repository(race_url).versions() == [1]
     assert Publisher(race_url, config()).publish_dir(ckpts[1], cache_dir=cache) == 2  # the retry publishes it
     assert_every_version_pulls_exactly(race_url, {1: ckpts[0], 2: ckpts[1]}, tmp_path)
@@ -345,24 +345,24 @@ def test_a_distributed_publish_never_removes_packs_of_a_committed_version(tmp_pa
         import torch, torch.distributed as dist, deltasync
         from deltasync.errors import CommittedError
         from deltasync.repo.repository import Repository
-        import deltasync.publish.encode as encode
+        import deltasync.publish.commit as commit
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         pub = deltasync.DistributedPublisher({url!r}, timeout=30)
         g = torch.Generator().manual_seed(0)
         state = {{"w": torch.randn(256, 64, generator=g).to(torch.bfloat16)}}
         pub.publish(state)
-        real = encode.missing_objects
+        real = commit.missing_objects
         calls = []
         def gone_after_the_commit(store, files, encoded):
             calls.append(1)
             return real(store, files, encoded) if len(calls) == 1 else [encoded.packs[0].key]
-        encode.missing_objects = gone_after_the_commit
+        commit.missing_objects = gone_after_the_commit
         state["w"] = state["w"].clone(); state["w"][0, :8] += 1
         try:
             pub.publish(state)
         except CommittedError as e:
             print("committed", e.version)
-        encode.missing_objects = real
+        commit.missing_objects = real
         print("pulled", sorted(deltasync.Subscriber({url!r}).pull(2)))
         dist.destroy_process_group()
     """)
@@ -490,7 +490,7 @@ def test_distributed_publish_racing_gc_stores_packs_again_or_fails_on_every_rank
     else:
         # One gc per check; a restored delta (its lost chunks stored in full) may also pass
         # max_delta_fraction and be encoded again as a snapshot, which gc races once more.
-        assert len(deleted) >= encode_mod.COMMIT_ATTEMPTS, results
+        assert len(deleted) >= commit_mod.COMMIT_ATTEMPTS, results
         for rank in range(WORLD):
             first, failed, retried = results[rank][:3]
             assert first == 1 and retried == 2
@@ -779,7 +779,7 @@ def test_the_race_hook_really_deletes_in_flight_packs_without_the_check(
         calls.append(1)
         return []
 
-    monkeypatch.setattr(encode_mod, "missing_objects", blind)
+    monkeypatch.setattr(commit_mod, "missing_objects", blind)
     Publisher(url, config()).publish_dir(ckpts[1], cache_dir=tmp_path / "cache")
     assert calls
     with pytest.raises(CorruptObjectError, match=r"version 2: (pack|blob) .* is missing"):
