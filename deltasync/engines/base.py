@@ -148,6 +148,9 @@ class Engine(abc.ABC):
     """
 
     kind: ClassVar[str] = "engine"
+    needs_files: ClassVar[bool] = False
+    """Whether the engine loads versions from files (a directory copy an agent keeps) rather than
+    staging them from the fetched, decoded changes; an engine-first agent refuses such engines."""
 
     def __init__(self, *, version: int | None = None) -> None:
         self.swaps: list[SwapRecord] = []

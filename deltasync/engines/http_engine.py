@@ -129,6 +129,7 @@ class HttpEngine(Engine):
     """
 
     kind = "http"
+    needs_files = True
 
     def __init__(
         self,

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     CheckpointError,
@@ -67,6 +67,9 @@ from .cache import CachedStore, LocalCache
 from .slotfill import update_copy
 from .slots import finish_install
 from .state import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock
+
+if TYPE_CHECKING:
+    from ..engines.base import Engine, SwapRecord
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,8 @@ class Update:
     how: str  # "pull from version N", "pull from a snapshot", "local: N chunks walked, M fetched"
     fetched_bytes: int
     seconds: float
+    swap: SwapRecord | None = None
+    """The engine's record of its swap (agents with an engine; None: it already served the version)."""
 
 
 @dataclass
@@ -175,10 +180,17 @@ class Agent:
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
         on_update: Callable[[Update], None] | None = None,
         on_ready: Callable[[Agent], None] | None = None,
+        engine: Engine | None = None,
     ) -> None:
         """``on_update`` is called after each update; ``on_ready`` once :meth:`run` holds the
-        copy (and serves metrics, on :attr:`metrics_port`)."""
+        copy (and serves metrics, on :attr:`metrics_port`). ``engine``: also keep this engine
+        at the copy's version; one that stages from the fetched changes (torch, fan-out) is
+        swapped before the copy is rewritten, one that loads files (``needs_files``) after.
+        Without a copy, see :class:`deltasync.local.engine_agent.EngineAgent`."""
         self.config = config or AgentConfig()
+        self.engine = engine
+        self.last_swap: SwapRecord | None = None
+        """The engine's record of the last update's swap (None: none, or already served)."""
         self.on_ready = on_ready
         self.metrics_port: int | None = None
         self.root = Path(out)
@@ -199,6 +211,20 @@ class Agent:
         self._base_by_kind: dict[str, int] = {}
         self._fetched_by_kind_at_start: dict[str, int] = {}
         self._watched_latest: int | None = None
+        if engine is not None:
+            self._bind(engine)
+
+    def _bind(self, engine: Engine) -> None:
+        """Make an engine that stages in this process read through the agent's store: what it
+        fetches is counted, and kept for the copy (or restarts) when the agent keeps it."""
+        sub = getattr(engine, "subscriber", None)
+        if not isinstance(sub, Subscriber):
+            return
+        if state_url(sub.repo.url) != state_url(self.store.inner.url):
+            raise UsageError(f"the engine stages from {sub.repo.url}, but the agent follows {self.store.inner.url}")
+        engine.subscriber = Subscriber(  # type: ignore[attr-defined]
+            Repository(self.store, trusted_keys=engine_keys(sub)), workers=sub.workers, progress=sub.progress,
+        )
 
     # -- control -------------------------------------------------------------------------------
 
@@ -380,7 +406,7 @@ class Agent:
             return True
         if wip is not None:  # an interrupted move to another version (its slot stays marked dirty)
             db.set_wip(None)
-        return False
+        return self.engine is not None and self.engine.version != target
 
     def _update(self, target: int) -> Update:
         repo = self._repository()
@@ -388,6 +414,7 @@ class Agent:
         previous = self.current()
         start, fetched = time.monotonic(), self.store.fetched_bytes
         self._set(state="updating", target_version=target)
+        self.last_swap = None
         try:
             how = self._move(sub, repo, previous, target)
         except (CorruptObjectError, ChecksumMismatchError):
@@ -396,7 +423,8 @@ class Agent:
             raise
         finally:
             self.store.capture = set()
-        update = Update(target, previous, how, self.store.fetched_bytes - fetched, time.monotonic() - start)
+        update = Update(target, previous, how, self.store.fetched_bytes - fetched, time.monotonic() - start,
+                        self.last_swap)
         with self._lock:
             f = self.figures
             f.updates_total += 1
@@ -417,8 +445,16 @@ class Agent:
         # Forwards or back, the slot not served is brought to the target in place (slotfill.py);
         # payloads of the deltas it walks come from the kept objects when they are there.
         self.store.capture = self._capture(repo, previous, target)
+        engine = self.engine
+        if engine is not None and not engine.needs_files and engine.version != target and previous != target:
+            # The engine takes the change straight from the fetch: its swap does not wait for
+            # the copy's rewrite (at RL densities about a copy of the model, DESIGN.md 6).
+            self.last_swap = engine.update(target)
         result = update_copy(sub, self.root, repo.manifest(target), stop=self._should_stop,
                              move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
+        if engine is not None and engine.version != target:
+            # An engine that loads files, or one catching up with a copy already there (read from it).
+            self.last_swap = engine.update(target)
         return str(result)
 
     def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
@@ -537,6 +573,12 @@ class Agent:
         server = MetricsServer(self.metrics, port=self.config.metrics_port, host=self.config.metrics_host)
         self.metrics_port = server.port
         return server
+
+
+def engine_keys(sub: Subscriber) -> list[PublicKeyLike] | None:
+    """The keys a subscriber's repository trusts, as keys a new Repository takes."""
+    keys = sub.repo.trusted_keys
+    return None if keys is None else list(keys.keys.values())
 
 
 def _stale_since(repo: Repository, current: int | None, latest: int, now: float) -> float:

@@ -3,7 +3,8 @@
 Manifests, blob parts and packs never change once committed, so a copy can keep the ones it
 read and serve them to itself later. ``DIR/.deltasync/objects/`` holds them under their
 store keys: manifests and blob parts whole, packs as the pieces that were read
-(``packs/<name>/<offset>-<length>``). With the payloads of the deltas it applied at hand, a
+(``packs/<name>/<offset>-<length>``, or ``packs/<name>/whole`` when the pack was read whole).
+With the payloads of the deltas it applied at hand, a
 copy rolls back a few versions (reversing the deltas, see pull/slotfill.py), or returns to a
 version it held, without reading anything from the repository.
 
@@ -35,6 +36,7 @@ from ..repo.repository import BLOB_PART_BYTES, blob_key
 from ..storage import Store
 
 _WHOLE_PREFIXES = ("manifests/", "blobs/")
+_WHOLE = "whole"  # a pack kept whole (read whole by the pull)
 
 
 def kind_of(key: str) -> str:
@@ -75,9 +77,11 @@ class LocalCache:
         return None
 
     def has(self, key: str, byte_range: tuple[int, int] | None) -> bool:
-        if byte_range is None or key.startswith(_WHOLE_PREFIXES):
+        if key.startswith(_WHOLE_PREFIXES):
             return self._path(key).is_file()
-        return self._piece(key, byte_range) is not None
+        if (self._path(key) / _WHOLE).is_file():
+            return True
+        return byte_range is not None and self._piece(key, byte_range) is not None
 
     def get(self, key: str, byte_range: tuple[int, int] | None) -> bytes | None:
         try:
@@ -87,13 +91,15 @@ class LocalCache:
                     return data
                 off, length = byte_range
                 return data[off : off + length] if off + length <= len(data) else None
+            whole = self._path(key) / _WHOLE
             if byte_range is None:
-                return None  # packs are kept as pieces; a whole read goes upstream
+                return whole.read_bytes() if whole.is_file() else None
             piece = self._piece(key, byte_range)
-            if piece is None:
+            name, start = (f"{piece[0]}-{piece[1]}", piece[0]) if piece is not None else (_WHOLE, 0)
+            if piece is None and not whole.is_file():
                 return None
-            with open(self._path(key) / f"{piece[0]}-{piece[1]}", "rb") as f:
-                data = os.pread(f.fileno(), byte_range[1], byte_range[0] - piece[0])
+            with open(self._path(key) / name, "rb") as f:
+                data = os.pread(f.fileno(), byte_range[1], byte_range[0] - start)
             return data if len(data) == byte_range[1] else None
         except OSError:
             return None
@@ -104,9 +110,10 @@ class LocalCache:
             if byte_range is not None:
                 return
             path = self._path(key)
+        elif byte_range is None:
+            path = self._path(key) / _WHOLE
         else:
-            off = byte_range[0] if byte_range is not None else 0
-            path = self._path(key) / f"{off}-{len(data)}"
+            path = self._path(key) / f"{byte_range[0]}-{len(data)}"
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,9 +126,9 @@ class LocalCache:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             return
-        if not key.startswith(_WHOLE_PREFIXES):
+        if not key.startswith(_WHOLE_PREFIXES) and byte_range is not None:
             with self._lock:
-                self._pieces.setdefault(key, []).append((off, len(data)))
+                self._pieces.setdefault(key, []).append((byte_range[0], len(data)))
 
     def forget(self, key: str) -> None:
         """Drop a damaged object; the next read fetches it again."""
@@ -157,17 +164,19 @@ class LocalCache:
             return []
         return sorted(v for n in names if (v := version_from_key(f"manifests/{n}")) is not None)
 
-    def prune(self, keep: Iterable[int]) -> None:
+    def prune(self, keep: Iterable[int], *, snapshots: Iterable[int] = ()) -> None:
         """Keep the manifests of ``keep``, the blob parts they name and the packs of those
-        of them that are deltas; delete everything else."""
+        of them that are deltas (and of those in ``snapshots``, snapshots too: an engine-first
+        agent keeps the chain it restarts from); delete everything else."""
         keys: set[str] = set()
-        for v in keep:
+        whole = set(snapshots)
+        for v in set(keep) | whole:
             info = self.manifest(v)
             if info is None:
                 continue
             keys.add(manifest_key(v))
             keys.update(blob_key(d) for f in info.pb.files for d in f.blob_parts)
-            if not info.is_snapshot:
+            if not info.is_snapshot or v in whole:
                 keys.update(p.key for p in info.pb.packs)
         for kind in ("manifests", "blobs", "packs"):
             try:

@@ -300,6 +300,22 @@ class StateDB:
         with contextlib.suppress(OSError):
             (self.root / STATE_DIR / _LEGACY_STATE).unlink()
 
+    def record_engine(self, info: ManifestInfo, *, repo: str, engine: str) -> None:
+        """Record ``info`` as the version an engine holds (an engine-first agent, local/engine_agent.py:
+        no files and no copy of the manifest, whose kept objects hold it) and end the work in
+        progress: one small transaction per version."""
+        state = {
+            "version": info.version, "version_digest": info.pb.version_digest.hex(), "files": [], "repo": repo,
+            "installed_unix": time.time(), "engine": engine,
+        }
+
+        def fn(txn: lmdb.Transaction) -> None:
+            txn.put(b"state", json.dumps(state).encode())
+            txn.delete(b"wip")
+            txn.delete(b"wip_manifest")
+
+        self._write(fn)
+
     def slots(self) -> SlotsRecord | None:
         """The slots record; None for a copy in the layout of older deltasync (files in DIR)."""
         raw = self._json("slots")

@@ -61,6 +61,7 @@ class VllmEngine(HttpEngine):
     """
 
     kind = "vllm"
+    needs_files = True
 
     def __init__(
         self,

@@ -1,0 +1,230 @@
+"""The engine-first agent (``EngineAgent``): an engine kept at the version to serve, no directory copy.
+
+Every end state is compared bit for bit with ``Subscriber.pull`` of the same version.
+Downloads are counted by a wrapper store; disk writes by ``/proc/self/io`` in a child process.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_helpers import State, make_state, step_state
+
+from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
+from deltasync.engines import HttpEngine, SwapRecord, TorchEngine
+from deltasync.errors import UsageError
+from deltasync.format.manifest import manifest_key
+from deltasync.local.agent import Agent, AgentConfig, Update, read_status
+from deltasync.local.engine_agent import EngineAgent
+from deltasync.storage import LocalStore, Store, WrappingStore
+
+CHUNK = 16 << 10
+LAYOUT = [
+    (f"layers.{i}.weight", (256, 256), torch.bfloat16) for i in range(4)
+] + [("head.weight", (64, 256), torch.float32)]
+
+
+def pub_config(**kw: object) -> PublisherConfig:
+    return PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=CHUNK), workers=2, progress=False, **kw)  # type: ignore[arg-type]
+
+
+def agent_config(**kw: object) -> AgentConfig:
+    return AgentConfig(workers=2, poll_interval=0.05, backoff_initial=0.01, backoff_max=0.05, **kw)  # type: ignore[arg-type]
+
+
+class CountingStore(WrappingStore):
+    """Records every read: (key, bytes)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.reads: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def bytes_read(self, prefix: str = "") -> int:
+        with self._lock:
+            return sum(n for k, n in self.reads if k.startswith(prefix))
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        data = self.inner.get(key, byte_range)
+        with self._lock:
+            self.reads.append((key, len(data)))
+        return data
+
+
+def zeros_like(state: State) -> State:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def assert_same_bits(held: State, expected: State) -> None:
+    assert set(held) == set(expected)
+    for k, v in expected.items():
+        a = held[k].contiguous().view(torch.uint8)
+        b = v.contiguous().view(torch.uint8)
+        assert torch.equal(a, b), k
+
+
+def pulled(repo: str | Path | Store, version: int) -> State:
+    return dict(Subscriber(repo if isinstance(repo, Store) else str(repo), workers=2, progress=False).pull(version))
+
+
+class Run:
+    """A publisher stepping a state, as a trainer does."""
+
+    def __init__(self, repo: Path, *, snapshot_every: int = 4, seed: int = 0) -> None:
+        self.pub = Publisher(str(repo), pub_config(snapshot_every=snapshot_every))
+        self.state = make_state(seed, LAYOUT)
+        self.seed = seed
+        self.versions: list[int] = []
+
+    def step(self, fraction: float = 0.01) -> int:
+        if self.versions:
+            self.state = step_state(self.state, self.seed * 1000 + len(self.versions), fraction)
+        self.versions.append(int(self.pub.publish(self.state)))
+        return self.versions[-1]
+
+
+def publish_chain(repo: Path, n: int, *, snapshot_every: int = 4, seed: int = 0) -> list[int]:
+    run = Run(repo, snapshot_every=snapshot_every, seed=seed)
+    for _ in range(n):
+        run.step()
+    return run.versions
+
+
+def stored_bytes(repo: Path, version: int) -> int:
+    info = Repository(str(repo)).manifest(version)
+    return sum(p.size for p in info.pb.packs) + len(LocalStore(str(repo)).get(manifest_key(version)))
+
+
+# -- following -----------------------------------------------------------------------------------
+
+
+def test_follows_versions_snapshots_and_a_pin_bit_exact(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    pub = Publisher(str(repo), pub_config(snapshot_every=3))
+    state = make_state(1, LAYOUT)
+    versions = [int(pub.publish(state))]
+    engine = TorchEngine(zeros_like(state), str(repo), workers=2)
+    updates: list[Update] = []
+    agent = EngineAgent(engine, tmp_path / "state", agent_config(), on_update=updates.append)
+    assert agent.run() == versions[-1]
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+    for i in range(1, 6):  # versions 2..6: snapshots at 1 and 4
+        state = step_state(state, i)
+        versions.append(int(pub.publish(state)))
+        assert agent.run() == versions[-1]
+        assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+    assert Repository(str(repo)).manifest(4).is_snapshot
+    assert [u.version for u in updates] == versions
+    assert all(u.swap is not None and u.swap.version == u.version for u in updates)
+    assert not (tmp_path / "state" / "model.safetensors").exists()  # no copy
+
+    status = read_status(tmp_path / "state")
+    assert status["version"] == versions[-1] and status["lag_versions"] == 0 and status["last_error"] is None
+    assert status["version_digest"] == Repository(str(repo)).manifest(versions[-1]).pb.version_digest.hex()
+
+    Repository(str(repo)).pin(2)  # a rollback across the snapshot at 4
+    assert agent.run() == 2
+    assert_same_bits(engine.tensors, pulled(repo, 2))
+    assert read_status(tmp_path / "state")["version"] == 2
+    Repository(str(repo)).pin(None)
+    assert agent.run() == versions[-1]
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+
+
+def test_restart_with_a_fresh_engine_reads_the_kept_chain_not_the_network(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    run = Run(repo, snapshot_every=10)
+    versions = [run.step() for _ in range(3)]
+    template = make_state(0, LAYOUT)
+    state_dir = tmp_path / "state"
+    EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
+
+    counting = CountingStore(LocalStore(str(repo)))
+    engine = TorchEngine(zeros_like(template), counting, workers=2)  # a restarted process: empty weights
+    agent = EngineAgent(engine, state_dir, agent_config())
+    assert agent.recorded() == versions[-1] and agent.current() is None
+    assert agent.run() == versions[-1]
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+    assert counting.bytes_read("packs/") == 0  # snapshot and chain came from the kept objects
+
+    # Then it follows on: only the new delta is downloaded.
+    v = run.step()
+    before = counting.bytes_read("packs/")
+    assert agent.run() == v
+    assert_same_bits(engine.tensors, pulled(repo, v))
+    assert 0 < counting.bytes_read("packs/") - before <= stored_bytes(repo, v)
+
+
+def test_engine_with_the_wrong_bits_for_its_claimed_version_is_repaired(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    versions = publish_chain(repo, 4, snapshot_every=10)
+    held = pulled(repo, versions[1])
+    held["layers.0.weight"].view(torch.int16)[0, :10] += 1  # the engine's bits are not quite v2
+    engine = TorchEngine({k: v.clone() for k, v in held.items()}, str(repo), workers=2, version=versions[1])
+    assert EngineAgent(engine, tmp_path / "state", agent_config()).run() == versions[-1]
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+
+
+def test_a_node_joining_late_starts_from_its_own_weights(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    versions = publish_chain(repo, 6, snapshot_every=3)
+    own = pulled(repo, versions[-1])  # e.g. loaded from a checkpoint the node had
+    counting = CountingStore(LocalStore(str(repo)))
+    engine = TorchEngine({k: v.clone() for k, v in own.items()}, counting, workers=2)
+    assert EngineAgent(engine, tmp_path / "state", agent_config()).run() == versions[-1]
+    assert_same_bits(engine.tensors, own)
+    assert counting.bytes_read("packs/") == 0  # every chunk matched its digest: nothing fetched
+
+    counting2 = CountingStore(LocalStore(str(repo)))
+    fresh = TorchEngine(zeros_like(own), counting2, workers=2)
+    assert EngineAgent(fresh, tmp_path / "state2", agent_config()).run() == versions[-1]
+    assert_same_bits(fresh.tensors, own)
+    chain = Repository(str(repo)).chain(versions[-1])
+    assert chain[0].is_snapshot
+    assert counting2.bytes_read("packs/") <= sum(p.size for info in chain for p in info.pb.packs)
+
+
+def test_refuses_engines_that_load_files_and_state_dirs_that_are_copies(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    publish_chain(repo, 1)
+    engine = HttpEngine("http://127.0.0.1:9", str(repo), preset="generic", model_dir=str(tmp_path / "m"))
+    with pytest.raises(UsageError, match="loads versions from files"):
+        EngineAgent(engine, tmp_path / "state")
+    Agent(str(repo), tmp_path / "copy", agent_config()).run()
+    with pytest.raises(UsageError, match="is a directory copy"):
+        EngineAgent(TorchEngine(zeros_like(make_state(0, LAYOUT)), str(repo)), tmp_path / "copy")
+    with pytest.raises(UsageError, match="stages from"):
+        EngineAgent(TorchEngine(zeros_like(make_state(0, LAYOUT)), str(repo)), tmp_path / "s", repo=str(tmp_path / "other"))
+
+
+# -- a copy with an engine: the engine is not behind the copy's rewrite ------------------------------
+
+
+def test_copy_mode_swaps_the_engine_before_rewriting_the_copy(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    run = Run(repo)
+    versions = [run.step() for _ in range(2)]
+    counting = CountingStore(LocalStore(str(repo)))
+    out = tmp_path / "copy"
+    order: list[str] = []
+
+    class Watched(TorchEngine):
+        def update(self, version: int | None = None, *, force: bool = False) -> SwapRecord | None:
+            held = read_status(out)["version"] if (out / ".deltasync").exists() else None
+            order.append(f"engine {version} while copy at {held}")
+            return super().update(version, force=force)
+
+    engine = Watched(zeros_like(make_state(0, LAYOUT)), str(repo), workers=2)
+    agent = Agent(counting, out, agent_config(), engine=engine)
+    assert agent.run() == versions[-1]
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+    v = run.step()
+    before = counting.bytes_read("packs/")
+    assert agent.run() == v
+    assert_same_bits(engine.tensors, pulled(repo, v))
+    assert f"engine {v} while copy at {versions[-1]}" in order
+    # The copy's rewrite read the delta the engine fetched from the kept objects: fetched once.
+    assert counting.bytes_read("packs/") - before <= stored_bytes(repo, v)
