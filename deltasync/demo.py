@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ._extras import require
 from .progress import human_bytes
 
 
@@ -25,6 +28,7 @@ def _sha256(path: Path) -> str:
 
 
 def run_demo(workdir: Path, *, steps: int = 5, echo: Callable[[str], None] = print, progress: bool | None = None) -> None:
+    require("torch", "deltasync demo")  # without it: one line naming the extra, not a traceback
     import torch
     from safetensors.torch import save_file
 
@@ -77,4 +81,16 @@ def run_demo(workdir: Path, *, steps: int = 5, echo: Callable[[str], None] = pri
     echo(f"pulled version {latest} into {serving}: every file sha256-identical to {last_ckpt}")
     echo(f"verified {len(report.versions)} versions ({report.chunks} chunks); "
          f"{human_bytes(raw)} of checkpoints stored in {human_bytes(stored)} ({raw / stored:.1f}x)")
-    echo(f"try: deltasync log --repo {repo_dir}")
+    echo(f"try: {_command()} log --repo {repo_dir}")
+
+
+def _command() -> str:
+    """How to run ``deltasync`` from a shell here: the bare name only where it is this
+    environment's (in a virtual environment not activated, its full path)."""
+    here = Path(sys.executable).parent / "deltasync"
+    found = shutil.which("deltasync")
+    if found is not None and Path(found).resolve() == here.resolve():
+        return "deltasync"
+    if here.exists():
+        return shlex.quote(str(here))
+    return f"{shlex.quote(sys.executable)} -m deltasync"

@@ -126,8 +126,10 @@ def scan_checkpoint(path: str | os.PathLike[str], *, follow_symlinks: bool = Fal
     link and a special file (FIFO, socket, device) are each a :class:`CheckpointError` naming
     the path, never silently published or dropped. ``follow_symlinks`` allows links out of
     the directory and into other directories (a Hugging Face cache snapshot links into its
-    ``blobs/``); dangling links and special files stay errors. Entries named ``.deltasync*``
-    (a local copy's state) are skipped.
+    ``blobs/``); dangling links and special files stay errors. Names starting with
+    ``.deltasync`` are deltasync's own (a manifest cannot hold them): any such entry is an
+    error too, but for the top-level ``.deltasync`` directory of a local copy (its state),
+    which is not part of the checkpoint and is skipped.
     """
     root = Path(path)
     if root.is_file():
@@ -153,6 +155,8 @@ def scan_checkpoint(path: str | os.PathLike[str], *, follow_symlinks: bool = Fal
     return CheckpointDir(root, tuple(files), st_files)
 
 
+_RESERVED = ".deltasync"  # names a manifest refuses (format/manifest.py check_relpath)
+_COPY_STATE = ".deltasync"  # a local copy's state directory (local/state.py STATE_DIR)
 _FOLLOW_HINT = "publish --follow-symlinks (PublisherConfig(follow_symlinks=True)) publishes it anyway"
 
 
@@ -169,8 +173,13 @@ def _walk_checkpoint(root: Path, follow_symlinks: bool) -> list[str]:
         except OSError as e:
             raise CheckpointError(str(here), f"cannot list ({e.strerror})") from None
         for entry in entries:
-            if entry.name.startswith(".deltasync"):
-                continue
+            if entry.name.startswith(_RESERVED):
+                if not rel_dir and entry.name == _COPY_STATE and entry.is_dir(follow_symlinks=False):
+                    continue  # a pulled copy published again: its state is not its checkpoint
+                raise CheckpointError(
+                    entry.path, f"is named {entry.name!r}: names starting with {_RESERVED} are reserved for "
+                    "deltasync's own state and cannot be published (rename or remove it)"
+                )
             full = Path(entry.path)
             rel = f"{rel_dir}{entry.name}"
             try:

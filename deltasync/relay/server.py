@@ -17,7 +17,8 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
 - The upstream is any repository URL: a path, ``s3://…``, or ``grpc://`` of another relay,
   so relays form trees across clusters.
 - **Put**/**Delete** (only with ``accept_writes``, only from clients carrying the write
-  token): a publisher in another cluster writes the repository through the relay. An upload
+  token, only of the repository layout's names: ``repo.repository.is_layout_key``): a
+  publisher in another cluster writes the repository through the relay. An upload
   streams in 1 MiB pieces, into memory up to :data:`SPOOL_BYTES` (4 MiB) and, when larger, into
   a file under the cache's ``tmp/`` as it arrives (mapped read-only for the checks and the
   upstream put, removed after): at most ``max_uploads`` at once, so the relay's memory for
@@ -74,7 +75,16 @@ from ..errors import (
 )
 from ..format.digest import digest
 from ..format.manifest import BLOB_PART_SIZE, parse_manifest, version_from_key
-from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint, squash_from_key
+from ..repo.repository import (
+    LATEST,
+    LAYOUT_NAMES,
+    MAX_REF_BYTES,
+    Repository,
+    blob_key,
+    is_layout_key,
+    ref_hint,
+    squash_from_key,
+)
 from ..storage import GrpcStore, LocalStore, Store, VersionWatch, check_key, open_store
 from ..storage._base import MAX_OFFSET
 from ..storage._wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, UNARY, WRITE_METHODS
@@ -354,6 +364,18 @@ def _check_served(key: str) -> None:
         raise UsageError(f"{key} is not a repository key; a relay serves only {layout}")
 
 
+def _check_writable(key: str) -> None:
+    """UsageError (INVALID_ARGUMENT) unless ``key`` is exactly a name of the repository layout
+    that the relay serves: a client writes or deletes nothing else through a relay (no store
+    temp files, no keys beside the layout, no gc state, which it does not serve either)."""
+    _check_served(key)
+    if not is_layout_key(key):
+        raise UsageError(f"{key} is not a name of the repository layout; a relay writes only {_WRITABLE_NAMES}")
+
+
+_WRITABLE_NAMES = LAYOUT_NAMES.replace(", gc/pending.json", "")
+
+
 def _layout_keys(upstream: Store, prefix: str) -> list[str]:
     """(Thread) Keys under ``prefix`` within the repository layout only: the upstream is
     listed under the layout's prefixes, so nothing else of it is shown (or walked)."""
@@ -616,7 +638,7 @@ class _RelayService:
                 if first is None:
                     raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
                 key, size = first.key, first.total_bytes
-                _check_served(key)
+                _check_writable(key)
                 kind_cap = size_limit(key)  # what a valid object of this kind can be (manifests: 64 MiB)
                 cap = self.config.max_object_bytes if kind_cap is None else min(kind_cap, self.config.max_object_bytes)
                 if size > cap:
@@ -711,7 +733,7 @@ class _RelayService:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
         key = request.key
         try:
-            _check_served(key)
+            _check_writable(key)
             await self._in_thread(self._delete, key)
         except Exception as e:
             await self._abort(context, e, key)

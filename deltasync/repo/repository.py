@@ -119,6 +119,24 @@ def squash_from_key(key: str) -> tuple[int, int] | None:
     return (int(m.group(2)), int(m.group(1))) if m else None
 
 
+#: Every name of the layout (module doc), and gc's record of what it found unreferenced
+#: (``gc/pending.json``, ops/retention.py): what a writer of a repository writes, and nothing
+#: else (not a store's own temp files such as ``packs/<x>.pack.tmp-deltasync``).
+_LAYOUT_KEY = re.compile(
+    r"packs/[0-9a-f]{32}\.pack|blobs/[0-9a-f]{32}|manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb"
+    r"|refs/latest|refs/pin|deltasync\.json|gc/pending\.json"
+)
+LAYOUT_NAMES = (
+    "packs/<xxh3>.pack, blobs/<xxh3>, manifests/<version>.pb, squashes/<C>-<A>.pb, refs/latest, refs/pin, "
+    "deltasync.json, gc/pending.json"
+)
+
+
+def is_layout_key(key: str) -> bool:
+    """Whether ``key`` is a name of a repository's layout (:data:`LAYOUT_NAMES`)."""
+    return _LAYOUT_KEY.fullmatch(key) is not None
+
+
 @dataclass(frozen=True)
 class Ref:
     """What ``refs/latest`` or ``refs/pin`` says (see the module doc for the two forms)."""
