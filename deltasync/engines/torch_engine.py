@@ -16,6 +16,7 @@ finish on the old weights first, new ones wait. If a write fails half way the ol
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +28,23 @@ from ..errors import UsageError
 from ..format import dtypes
 from ..format.manifest import key_of
 from ..format.signing import PublicKeyLike
+from ..format.slices import Region, Slice
+from ..pull.select import select_tensors
 from ..pull.subscriber import Subscriber
 from ..repo.repository import Repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
-from ._changes import Bits, EntryChanges, Geometry, VersionChanges, Words, compute_changes, entry_geometry, map_words
+from ._changes import (
+    WORD_NP,
+    Bits,
+    EntryChanges,
+    Geometry,
+    VersionChanges,
+    Words,
+    compute_changes,
+    entry_geometry,
+    map_words,
+)
 from ._fused import FusedScatter, fuse_writes
 from .base import Engine, EngineError, Staged
 
@@ -57,9 +70,17 @@ def word_view(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def to_torch(arr: Words) -> torch.Tensor:
+    """A tensor sharing ``arr``'s memory. The engines only read these (values to scatter), so
+    a read-only array (bytes fetched or read from a copy) is shared as it is, without torch's
+    warning that writing to it would be undefined: nothing writes to it."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    arr = np.ascontiguousarray(arr)
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return torch.from_numpy(arr)
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -284,6 +305,8 @@ def _rows_overlap(src: Geometry, start: int, count: int, dst: Geometry) -> bool:
 @dataclass
 class TorchStaged(Staged):
     plan: WritePlan = field(default_factory=WritePlan)
+    changes: VersionChanges | None = None  # engines holding regions: to keep their edge chunks after the swap
+    edges: set[tuple[str, int, int]] = field(default_factory=set)
 
 
 class TorchEngine(Engine):
@@ -295,7 +318,11 @@ class TorchEngine(Engine):
     ...     out = model(batch)
 
     Every tensor of ``model.state_dict()`` must be in each version (``strict``); tensors
-    of the version the module does not hold are ignored. ``version`` is what the module
+    of the version the module does not hold are ignored, and never fetched. A dict may
+    also map a name to a :class:`deltasync.Slice` (a tensor-parallel shard: the region of
+    the logical tensor this process holds): only the chunks covering it are fetched,
+    decoded and written (the chunks straddling its edge are kept whole on the host, so
+    that the next version's delta applies to them). ``version`` is what the module
     holds now, if known: staging then fetches only the delta chain from it (every chunk is
     still checked against its digest, so a wrong claim only costs a repair).
     """
@@ -328,12 +355,16 @@ class TorchEngine(Engine):
         self.copy = Path(copy) if copy is not None else None
         self.subscriber = Subscriber(repo, workers=workers or os.cpu_count() or 1, progress=progress,
                                      trusted_keys=trusted_keys)
-        self.tensors = held_tensors(model)
+        holdings = held_parts(model)
+        self.tensors = {name: t for name, (t, _) in holdings.items()}
         self._words = {name: word_view(t, f"tensor {name!r}") for name, t in self.tensors.items()}
-        self._geometry = {
-            name: Geometry((0,) * t.dim(), tuple(t.shape), tuple(t.shape), _words_per_item(t)) for name, t in self.tensors.items()
+        self._geometry = {name: g for name, (_, g) in holdings.items()}
+        self._sliced = {name for name, g in self._geometry.items() if g.shape != g.full_shape}
+        self._edges: dict[tuple[str, int], Bits] = {}  # whole bits of chunks straddling a held region's edge
+        self._host = {
+            name: w.view(-1).numpy() if w.device.type == "cpu" and name not in self._sliced else None
+            for name, w in self._bytes().items()
         }
-        self._host = {name: w.view(-1).numpy() if w.device.type == "cpu" else None for name, w in self._bytes().items()}
 
     def _bytes(self) -> dict[str, torch.Tensor]:
         import torch
@@ -347,22 +378,36 @@ class TorchEngine(Engine):
 
     def _stage(self, version: int) -> Staged:
         info = self.subscriber.repo.manifest(version)
-        keys = check_layout(info, {n: t for n, t in self.tensors.items()}, strict=self.strict)
+        held = {n: (dtypes.from_torch(t.dtype), self._geometry[n].full_shape) for n, t in self.tensors.items()}
+        keys = check_layout(info, held, strict=self.strict)
+        chunks = None
+        if self._sliced:  # the chunks covering each held region, as a partial pull picks them
+            regions = {n: Region(self._geometry[n].offsets, self._geometry[n].shape) for n in self._sliced}
+            chunks, _ = select_tensors(info, None, regions)
+        edges: set[tuple[str, int, int]] = set()
         changes = compute_changes(
-            self.subscriber, version, held_version=self._version, read=self._read_factory(info),
-            keys=keys, dense_fraction=self.dense_fraction, copy=self.copy,
+            self.subscriber, version, held_version=self._version, read=self._read_factory(info, edges),
+            keys=keys, dense_fraction=self.dense_fraction, copy=self.copy, chunks=chunks,
         )
         writes = build_writes(runs_of(changes.entries.values()), self._words, self._geometry)
         plan = WritePlan.of(writes)
-        return fill_staged(TorchStaged(version, plan=plan), changes, plan.nbytes)
+        staged = TorchStaged(version, plan=plan, changes=changes if edges else None, edges=edges)
+        return fill_staged(staged, changes, plan.nbytes)
 
     def _write(self, staged: Staged) -> int:
         assert isinstance(staged, TorchStaged)
         return apply_writes(staged.plan)
 
+    def _after_swap(self, staged: Staged) -> None:
+        """Bring the kept edge chunks to the version now served (only after the swap: a failed
+        one leaves them describing what the engine still holds)."""
+        assert isinstance(staged, TorchStaged)
+        if staged.changes is not None:
+            update_edges(self._edges, staged.edges, staged.changes)
+
     # -- the served bits, as the pipeline's local copy ----------------------------------------------
 
-    def _read_factory(self, info: Any) -> Any:
+    def _read_factory(self, info: Any, edges: set[tuple[str, int, int]] | None = None) -> Any:
         import torch
 
         entries = info.entries()
@@ -370,21 +415,71 @@ class TorchEngine(Engine):
 
         def read(key: str, off: int, length: int) -> Bits | None:
             t = entries.get(key)
-            if t is None:
+            if t is None or t.name not in self._geometry:
                 return None
-            host = self._host.get(t.name)
-            if not t.full_shape:  # a whole tensor: its bytes, zero-copy on CPU
+            src, dst = entry_geometry(t), self._geometry[t.name]
+            if src.offsets == dst.offsets and src.shape == dst.shape:  # the entry is what is held: its bytes
+                host = self._host.get(t.name)
                 if host is not None:
-                    return host[off : off + length]
+                    return host[off : off + length]  # zero-copy on CPU
                 return raw[t.name][off : off + length].cpu().numpy()
-            # A slice entry (published by several ranks): gather its words from the tensor.
+            # A slice entry (published by several ranks), or a region held of a larger entry:
+            # gather the chunk's words from the tensor, or from the kept edge chunk.
             width = dtypes.element_width(t.dtype)
             pos = torch.arange(off // width, (off + length) // width, device=self._words[t.name].device)
-            _, local = map_words(pos, entry_geometry(t), self._geometry[t.name])
+            inside, local = map_words(pos, src, dst)
+            if inside is not None and not bool(inside.all()):
+                if edges is not None:
+                    edges.add((key, off, length))
+                kept = self._edges.get((key, off))
+                return kept if kept is not None and kept.nbytes == length else None
             picked: np.ndarray = self._words[t.name][local].cpu().numpy()
             return picked.view(np.uint8)
 
         return read
+
+
+def held_parts(model: Any) -> dict[str, tuple[torch.Tensor, Geometry]]:
+    """What an engine holds: by name, the tensor and where it sits in the logical tensor
+    (a module's state dict or a dict of tensors: whole; a :class:`Slice`: its region)."""
+    import torch
+
+    if isinstance(model, Mapping) and any(isinstance(v, Slice) for v in model.values()):
+        out: dict[str, tuple[torch.Tensor, Geometry]] = {}
+        for name, value in model.items():
+            if isinstance(value, Slice):
+                t, offsets, full = value.tensor.detach(), tuple(value.offsets), tuple(value.full_shape)
+            elif isinstance(value, torch.Tensor):
+                t = value.detach()
+                offsets, full = (0,) * t.dim(), tuple(t.shape)
+            else:
+                raise UsageError(f"{name!r} is neither a tensor nor a Slice")
+            out[name] = (t, Geometry(offsets, tuple(t.shape), full, _words_per_item(t)))
+        return out
+    return {
+        name: (t, Geometry((0,) * t.dim(), tuple(t.shape), tuple(t.shape), _words_per_item(t)))
+        for name, t in held_tensors(model).items()
+    }
+
+
+def update_edges(kept: dict[tuple[str, int], Bits], edges: set[tuple[str, int, int]], changes: VersionChanges) -> None:
+    """Apply ``changes`` to the kept whole bits of the chunks in ``edges`` (key, offset,
+    length): a rewritten chunk replaces them, sparse changes are written into them."""
+    for key, off, length in edges:
+        e = changes.entries.get(key)
+        if e is None:
+            continue  # unchanged
+        start, stop = off // e.width, (off + length) // e.width
+        for run in e.dense:
+            if run.start == start and run.new.size == stop - start:
+                kept[(key, off)] = np.array(run.new, copy=True).view(np.uint8)
+        bits = kept.get((key, off))
+        if bits is None:
+            continue
+        words = bits.view(WORD_NP[e.width])
+        for idx, new in zip(e.sparse_idx, e.sparse_new, strict=True):
+            if idx.size and start <= int(idx[0]) < stop:
+                words[idx - start] = new
 
 
 def held_tensors(model: Any) -> dict[str, torch.Tensor]:

@@ -72,6 +72,7 @@ class Publisher:
         self.config = config or PublisherConfig()
         self._bits: dict[str, Bits] = {}
         self._bits_version: int | None = None
+        self._warned_snapshots = False  # publish_dir without a base says so once
 
     # -- library entry point -------------------------------------------------------------------
 
@@ -116,7 +117,8 @@ class Publisher:
         version, e.g. the previous checkpoint) or ``cache_dir`` (a local copy deltasync keeps
         current: it is brought to the latest version if stale, and refreshed after the
         commit). Every base chunk read is checked against the parent manifest's digest.
-        Without either, the version is a snapshot.
+        Without either, every version is a snapshot (logged as a warning once per publisher:
+        the command line keeps a cache by default, see ``deltasync cache``).
         """
         ckpt = scan_checkpoint(path, follow_symlinks=self.config.follow_symlinks)
         self.repo.create()
@@ -126,6 +128,11 @@ class Publisher:
             base_root = Path(base_dir)
         elif parent is not None and cache_dir is not None:
             base_root = self._refresh_cache(Path(cache_dir), parent)
+        elif parent is not None and not self._warned_snapshots:
+            self._warned_snapshots = True
+            log.warning("publish_dir without base_dir or cache_dir: version %d and every later one are stored as full "
+                        "snapshots; pass cache_dir= (a local copy deltasync keeps current, as the command line "
+                        "does) or base_dir= (the previous checkpoint) to store deltas", (version or parent + 1))
         with FileReader() as reader:
             sources = [
                 SourceTensor(

@@ -499,3 +499,17 @@ def test_runs_land_in_every_kind_of_slice(dtype: torch.dtype) -> None:
         for w in writes:  # and back
             w.undo()
         assert bits(held) == bits(old[offsets[0] : offsets[0] + shape[0], offsets[1] : offsets[1] + shape[1]])
+
+
+def test_a_read_only_array_becomes_a_tensor_without_a_warning() -> None:
+    """Values read from a copy or a fetched pack are read-only bytes; the engines only read the
+    tensors made of them, so torch's warning about writing to them would only alarm users.
+    (In a process of its own: torch gives that warning once per process.)"""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\nfrom deltasync.engines.torch_engine import to_torch\n"
+            "arr = np.frombuffer(b'\\x01\\x00\\x02\\x00', dtype=np.uint16)\n"
+            "assert not arr.flags.writeable\nprint(to_torch(arr).tolist())")
+    r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[1, 2]", r.stderr
