@@ -193,7 +193,8 @@ class WorkersConfig:
     deltasync's vLLM backend; behaviour log-probs (and, for MoE, the experts) come from vLLM."""
     vllm_python: str | None = None
     """Python of the environment with vLLM (``inference = "vllm"``); default:
-    ``$DELTASYNC_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the working directory."""
+    ``$DELTASYNC_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the working directory, else
+    in the checkout deltasync runs from. Looked for before the run writes anything."""
     vllm_start_timeout: float = 600.0
     """Seconds a vLLM worker may take to start."""
 

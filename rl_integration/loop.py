@@ -86,6 +86,19 @@ def _prepare_out_dir(config: RLConfig, force: bool) -> Path:
     return out
 
 
+def _vllm_python(config: RLConfig) -> str | None:
+    """The vLLM environment's python for ``inference = "vllm"``, found once, as an absolute
+    path (workers run elsewhere); a UsageError before the run starts when there is none."""
+    if config.workers.inference != "vllm":
+        return config.workers.vllm_python
+    from .vllm_rollout import find_vllm_python
+
+    py, why = find_vllm_python(config.workers.vllm_python)
+    if py is None:
+        raise UsageError(f"workers.inference = 'vllm': {why}")
+    return str(py)
+
+
 def run(config: RLConfig, *, echo: Echo = print, progress: bool | None = None, force: bool = False,
         warm_start_cache: str | Path | None = None) -> RunResult:
     """Run warm start and RL as configured; returns where everything was written.
@@ -95,6 +108,7 @@ def run(config: RLConfig, *, echo: Echo = print, progress: bool | None = None, f
     everything that determines them, and a later run with the same settings starts from them
     (bit for bit what the warm start would compute again).
     """
+    vllm_python = _vllm_python(config)  # before anything is written: a missing environment fails first
     out = _prepare_out_dir(config, force)
     task = AdditionTask(config.digits)
     torch.set_num_threads(1)  # deterministic kernels, and the cores go to the workers
@@ -107,7 +121,7 @@ def run(config: RLConfig, *, echo: Echo = print, progress: bool | None = None, f
                    group_size=config.group_size, prompts_per_batch=config.workers.prompts_per_batch, seed=config.seed,
                    poll_interval=config.workers.poll_interval, live=config.live.enabled,
                    torch_threads=config.workers.torch_threads, inference=config.workers.inference,
-                   work_dir=str((out / "workers").resolve()), vllm_python=config.workers.vllm_python,
+                   work_dir=str((out / "workers").resolve()), vllm_python=vllm_python,
                    vllm_start_timeout=config.workers.vllm_start_timeout)
         for i in range(config.workers.count)
     ]

