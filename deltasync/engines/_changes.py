@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,11 +109,14 @@ def compute_changes(
     dense_fraction: float,
     dest: dict[str, Bits] | None = None,
     copy: str | os.PathLike[str] | None = None,
+    chunks: Mapping[str, Sequence[int]] | None = None,
 ) -> VersionChanges:
     """Changes that bring the bits ``read`` returns (of ``held_version``) to ``version``.
 
     ``read(key, offset, length)`` returns the served bytes of an entry, or None when they
-    are unknown (that chunk then comes back whole). ``keys`` limits the entries considered.
+    are unknown (that chunk then comes back whole). ``keys`` limits the entries considered,
+    and ``chunks`` (entry key -> chunk indices, for entries of which an engine holds only a
+    region) the chunks of those entries: nothing else is fetched, decoded or compared.
     With ``dest``, decoded chunks are also written into those arrays by the pipeline, and
     whole-chunk runs of entries read as unknown are views of them (no second copy).
     ``copy``: a directory copy that may serve ``version`` already (see the module doc).
@@ -121,6 +124,9 @@ def compute_changes(
     info = sub.repo.manifest(version)
     entries = info.entries()
     want = None if keys is None else {k: list(range(len(entries[k].chunks))) for k in keys if k in entries}
+    if chunks is not None:
+        want = want if want is not None else {k: list(range(len(t.chunks))) for k, t in entries.items()}
+        want.update({k: sorted(idx) for k, idx in chunks.items() if k in want})
     if copy is not None:
         try:
             from_copy = _changes_from_copy(Path(copy), info, want, read, dense_fraction, dest, max(1, sub.workers))
@@ -216,11 +222,13 @@ def _read_copy(
     try:
         data = slot_dir(root, record.active)
         places = placements(info)
+        wanted = {k: set(v) for k, v in want.items()} if want is not None else {}
         jobs = [
             (t, idx, off, length)
             for t in info.pb.tensors
             if want is None or key_of(t) in want
             for idx, (off, length) in enumerate(info.codec.chunk_ranges(t.nbytes, dtypes.element_width(t.dtype)))
+            if want is None or idx in wanted[key_of(t)]
         ]
         with FileReader() as reader, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff") as pool:
 

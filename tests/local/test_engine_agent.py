@@ -73,8 +73,8 @@ def pulled(repo: str | Path | Store, version: int) -> State:
 class Run:
     """A publisher stepping a state, as a trainer does."""
 
-    def __init__(self, repo: Path, *, snapshot_every: int = 4, seed: int = 0) -> None:
-        self.pub = Publisher(str(repo), pub_config(snapshot_every=snapshot_every))
+    def __init__(self, repo: Path, *, snapshot_every: int = 4, seed: int = 0, **config: object) -> None:
+        self.pub = Publisher(str(repo), pub_config(snapshot_every=snapshot_every, **config))
         self.state = make_state(seed, LAYOUT)
         self.seed = seed
         self.versions: list[int] = []
@@ -228,3 +228,62 @@ def test_copy_mode_swaps_the_engine_before_rewriting_the_copy(tmp_path: Path) ->
     assert f"engine {v} while copy at {versions[-1]}" in order
     # The copy's rewrite read the delta the engine fetched from the kept objects: fetched once.
     assert counting.bytes_read("packs/") - before <= stored_bytes(repo, v)
+
+
+# -- shard-aware: an engine holding some tensors, or regions of them, fetches only what covers them ----
+
+
+def test_an_engine_holding_some_tensors_fetches_only_their_chunks(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    run = Run(repo, snapshot_every=3, pack_bytes=1 << 16)  # small packs: a partial pull reads ranges, not whole packs
+    run.step()
+    full_store, part_store = CountingStore(LocalStore(str(repo))), CountingStore(LocalStore(str(repo)))
+    full = TorchEngine(zeros_like(run.state), full_store, workers=2)
+    names = ["layers.1.weight", "head.weight"]
+    part = TorchEngine({n: torch.zeros_like(run.state[n]) for n in names}, part_store, workers=2)
+    agents = [EngineAgent(full, tmp_path / "full", agent_config()), EngineAgent(part, tmp_path / "part", agent_config())]
+    for _ in range(4):
+        for a in agents:
+            assert a.run() == run.versions[-1]
+        expected = dict(Subscriber(str(repo), workers=2, progress=False).pull(run.versions[-1], tensors=names))
+        assert_same_bits(part.tensors, expected)
+        run.step()
+    held = sum(run.state[n].numel() * run.state[n].element_size() for n in names)
+    whole = sum(t.numel() * t.element_size() for t in run.state.values())
+    ratio = part_store.bytes_read("packs/") / full_store.bytes_read("packs/")
+    assert ratio < 1.3 * held / whole, (ratio, held / whole)
+
+
+def test_an_engine_holding_regions_fetches_and_writes_only_their_chunks(tmp_path: Path) -> None:
+    from deltasync import Slice
+    from deltasync.format.slices import Region
+
+    repo = tmp_path / "repo"
+    run = Run(repo, snapshot_every=3, pack_bytes=1 << 16)  # small packs: a partial pull reads ranges, not whole packs
+    run.step()
+    # Rows 100..163 of each layer (not chunk-aligned: chunks straddle both edges) and a column
+    # block of the head (every chunk of it straddles).
+    regions = {n: Region((100, 0), (64, 256)) for n in run.state if n.startswith("layers.")}
+    regions["head.weight"] = Region((0, 128), (64, 128))
+    held = {
+        n: Slice(torch.zeros(r.shape, dtype=run.state[n].dtype), r.offsets, tuple(run.state[n].shape))
+        for n, r in regions.items()
+    }
+    full_store, part_store = CountingStore(LocalStore(str(repo))), CountingStore(LocalStore(str(repo)))
+    full = TorchEngine(zeros_like(run.state), full_store, workers=2)
+    part = TorchEngine(held, part_store, workers=2)
+    agents = [EngineAgent(full, tmp_path / "full", agent_config()), EngineAgent(part, tmp_path / "part", agent_config())]
+    for i in range(6):  # snapshots at 1 and 4, a pin back to 2 at the end
+        if i == 5:
+            Repository(str(repo)).pin(2)
+        target = 2 if i == 5 else run.versions[-1]
+        for a in agents:
+            assert a.run() == target
+        expected = dict(Subscriber(str(repo), workers=2, progress=False).pull(target, regions=regions))
+        assert_same_bits({n: s.tensor for n, s in held.items()}, expected)
+        assert_same_bits(full.tensors, pulled(repo, target))
+        if i < 4:
+            run.step()
+    ratio = part_store.bytes_read("packs/") / full_store.bytes_read("packs/")
+    print(f"region engine read {ratio:.2f}x the packs of a full one")
+    assert ratio < 0.75, ratio  # ~half of each layer's rows (plus edge chunks) and all of the small head
