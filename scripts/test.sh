@@ -2,8 +2,8 @@
 # The project's test command: lint, type-check, then the whole test suite.
 #   bash scripts/test.sh [pytest args...]
 #   bash scripts/test.sh --fast [pytest args...]
-#       for a developer: builds no extra environment (.venv-vllm) and runs neither the tests
-#       that need one nor the slow tests (-m "not slow"); CI runs the full command.
+#       for a developer: builds no extra environment (.venv-vllm, .venv-verl) and runs neither
+#       the tests that need one nor the slow tests (-m "not slow"); CI runs the full command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fast=0
