@@ -25,7 +25,7 @@ from deltasync.v1 import manifest_pb2 as pb
 
 LAYOUT = (("model.embed.weight", (64, 32), torch.bfloat16), ("model.norm.bias", (32,), torch.float32))
 CONFIG = PublisherConfig(workers=2, progress=False)
-DIGEST_FIELD_BYTES = 19  # tag (2), length (1), xxh3-128 (16): the last field of a stored manifest
+DIGEST_FIELD_BYTES = 19  # the whole-manifest digest field, as stored
 WRITE = "write-token-for-tests"
 
 
@@ -48,8 +48,9 @@ def _cut_and_rename(url: str, version: int) -> bytes:
     data = store.get(manifest_key(version))
     m = pb.Manifest()
     m.ParseFromString(data)
-    assert data.endswith(b"\x92\x01\x10" + m.manifest_digest)
-    cut = data[:-DIGEST_FIELD_BYTES]
+    field = b"\x92\x01\x10" + m.manifest_digest  # tag (2 bytes), length (1), xxh3-128 (16)
+    assert len(field) == DIGEST_FIELD_BYTES and data.count(field) == 1
+    cut = data.replace(field, b"")  # the last 19 bytes, unless fields numbered above it follow
     at = cut.index(b"config.json")
     forged = cut[:at] + b"b" + cut[at + 1 :]
     store.put(manifest_key(version), forged)
