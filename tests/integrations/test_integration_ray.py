@@ -1,15 +1,18 @@
 """``deltasync rl run --backend ray`` end to end, on a real Ray cluster (one node, this machine).
 
 The test starts a Ray head in-process (as ``ray start --head`` would on a cluster's first
-node), runs the reference loop's command line joined to it through ``workers.ray_address``,
-and then asks Ray itself which actors ran: the rollout workers must have been Ray actors,
-and every version they swapped in must be bit-exact.
+node), runs the command of docs/integrations.md's Ray example joined to it (``RAY_ADDRESS``;
+a small model and three steps through ``--config``), and then asks Ray itself which actors
+ran: the rollout workers must have been Ray actors, and every version they swapped in must
+be bit-exact.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -42,6 +45,14 @@ def cluster() -> Iterator[str]:
         ray.shutdown()
 
 
+def doc_command() -> str:
+    """The command line of the Ray example in docs/integrations.md."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    match = re.search(r"<!-- example: ray -->\n```\n(.+?)\n```", text)
+    assert match is not None, "docs/integrations.md lost its Ray example"
+    return match.group(1)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -51,10 +62,12 @@ def test_rl_run_with_ray_actors_swaps_bit_exact(cluster: str, tmp_path: Path) ->
     from ray.util.state import list_actors
 
     config = tmp_path / "rl.json"
-    config.write_text(json.dumps({**CONFIG, "workers": {**CONFIG["workers"], "backend": "ray", "ray_address": cluster}}))
-    env = {**os.environ, "DELTASYNC_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "deltasync", "rl", "run", "--config", str(config), "--backend", "ray",
-                           "--out", str(tmp_path / "run"), "-q"],
+    config.write_text(json.dumps(CONFIG))
+    assignment, *argv = shlex.split(doc_command())
+    assert assignment == "RAY_ADDRESS=HEAD:6379" and argv[:4] == ["deltasync", "rl", "run", "--backend"], argv
+    argv = [a.replace("rl-run", str(tmp_path / "run")) for a in argv[1:]]
+    env = {**os.environ, "DELTASYNC_CACHE": str(tmp_path / "cache"), "RAY_ADDRESS": cluster}
+    proc = subprocess.run([sys.executable, "-m", "deltasync", *argv, "--config", str(config), "-q"],
                           capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
