@@ -162,6 +162,59 @@ def test_ddp_two_ranks_publish_one_version_per_step(tmp_path: Path) -> None:
     assert same_bits(dict(Subscriber(repo).pull()), torch.load(final))
 
 
+FSDP2_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import TrainerControl, TrainerState, TrainingArguments
+sys.path.insert(0, {here!r})
+from test_integration_transformers import tiny_llama
+from deltasync.integrations.transformers import DeltasyncCallback
+dist.init_process_group("gloo")
+model = tiny_llama()
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+cb = DeltasyncCallback({repo!r})
+args, state, control = TrainingArguments(output_dir={out!r}, report_to=[], use_cpu=True), TrainerState(), TrainerControl()
+gen = torch.Generator().manual_seed(0)
+for step in range(1, 4):  # the loop of Trainer, which does not run FSDP2 on CPU: step, then the callback
+    ids = torch.randint(3, 13, (2, 12), generator=gen)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state.global_step = step
+    cb.on_step_end(args, state, control, model=model)
+sd = model.state_dict()
+full = {{k: v.full_tensor().detach() for k, v in sd.items()}}
+if dist.get_rank() == 0:
+    torch.save(full, {final!r})
+print("rank", dist.get_rank(), "kinds", sorted({{type(v).__name__ for v in sd.values()}}),
+      "published", [int(r) for r in cb.results])
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_are_published_as_slices_without_gathering(tmp_path: Path) -> None:
+    """FSDP2 (fully_shard) on two CPU ranks: each rank publishes its DTensor shards; the version is the full model."""
+    repo, final = str(tmp_path / "repo"), str(tmp_path / "final.pt")
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2_SCRIPT.format(here=str(Path(__file__).parent), repo=repo, out=str(tmp_path / "out"),
+                                          final=final))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29712", str(script)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} kinds ['DTensor'] published [1, 2, 3]" in proc.stdout, proc.stdout
+    r = Repository(repo)
+    assert r.versions() == [1, 2, 3]
+    full = torch.load(final)
+    # every tensor stored as two slices, one from each rank's shard
+    assert len(r.manifest(3).pb.tensors) == 2 * len(full)
+    assert same_bits(dict(Subscriber(repo).pull()), full)
+
+
 def test_without_transformers_one_line_says_what_to_install() -> None:
     code = "import sys; sys.modules['transformers'] = None\nimport deltasync.integrations.transformers"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
