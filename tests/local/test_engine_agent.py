@@ -6,7 +6,13 @@ Downloads are counted by a wrapper store; disk writes by ``/proc/self/io`` in a 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import random
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -287,3 +293,129 @@ def test_an_engine_holding_regions_fetches_and_writes_only_their_chunks(tmp_path
     ratio = part_store.bytes_read("packs/") / full_store.bytes_read("packs/")
     print(f"region engine read {ratio:.2f}x the packs of a full one")
     assert ratio < 0.75, ratio  # ~half of each layer's rows (plus edge chunks) and all of the small head
+
+
+# -- a child process: disk written per version, and kills at random points ---------------------------
+
+#: An engine-first agent in a process of its own, over a repository read at a limited bandwidth
+#: (so that a kill lands anywhere in an update). ``once``: bring the engine to the target, print
+#: its tensors' sha256 and the state's version. ``lines``: one update per line read from stdin,
+#: each answered with the bytes this process wrote to disk during it (/proc/self/io).
+DRIVER = """
+import hashlib, json, sys, time
+import torch
+from deltasync.storage import _local
+
+mode, repo, state, bandwidth, layout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), json.loads(sys.argv[5])
+if bandwidth:
+    read = _local.LocalStore._get
+
+    def slow(self, key, byte_range):
+        data = read(self, key, byte_range)
+        if key.startswith("packs/"):
+            time.sleep(len(data) / bandwidth)
+        return data
+
+    _local.LocalStore._get = slow
+from deltasync.engines import TorchEngine
+from deltasync.local.agent import AgentConfig
+from deltasync.local.engine_agent import EngineAgent
+
+def written():
+    return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["write_bytes"])
+
+model = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, shape, dtype in layout}
+engine = TorchEngine(model, repo, workers=2)
+agent = EngineAgent(engine, state, AgentConfig(workers=2, poll_interval=0.05, backoff_initial=0.01, backoff_max=0.1))
+if mode == "once":
+    version = agent.run()
+    digests = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in model.items()}
+    print(json.dumps({"version": version, "digests": digests}), flush=True)
+elif mode == "follow":
+    agent.run(follow=True)
+else:
+    for _ in sys.stdin:
+        before = written()
+        version = agent.run()
+        print(json.dumps({"version": version, "written": written() - before}), flush=True)
+"""
+
+BIG = [(f"layers.{i}.weight", (512, 1024), torch.bfloat16) for i in range(8)]  # 8 MiB
+
+
+def driver(tmp_path: Path, mode: str, repo: Path, state: Path, layout: list[tuple[str, tuple[int, ...], torch.dtype]],
+           bandwidth: float = 0) -> list[str]:
+    script = tmp_path / "engine_driver.py"
+    script.write_text(DRIVER)
+    spec = json.dumps([(n, list(shape), str(dtype).removeprefix("torch.")) for n, shape, dtype in layout])
+    return [sys.executable, str(script), mode, str(repo), str(state), str(bandwidth), spec]
+
+
+def sha256s(state: State) -> dict[str, str]:
+    return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in state.items()}
+
+
+def test_disk_written_per_version_is_about_the_versions_stored_bytes(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    pub = Publisher(str(repo), pub_config(snapshot_every=100))
+    state = make_state(3, BIG)
+    first = int(pub.publish(state))
+    errors = (tmp_path / "driver.err").open("w+")
+    p = subprocess.Popen(driver(tmp_path, "lines", repo, tmp_path / "state", BIG), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=errors, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        rows = []
+        for i in range(5):
+            v = first if i == 0 else int(pub.publish(state := step_state(state, i)))
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+            assert line, (tmp_path / "driver.err").read_text()
+            out = json.loads(line)
+            assert out["version"] == v
+            rows.append((v, out["written"], stored_bytes(repo, v)))
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+        errors.close()
+    model = sum(t.numel() * t.element_size() for t in state.values())
+    for v, written, stored in rows[1:]:  # the first is a full pass (a snapshot)
+        print(f"version {v}: wrote {written} bytes, stored {stored} bytes, model {model} bytes")
+        assert written <= 4 * stored + (256 << 10), (v, written, stored)
+        assert written < model / 8
+    assert_same_bits(dict(Subscriber(str(repo), workers=2, progress=False).pull(rows[-1][0])), state)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_then_the_exact_latest_version(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    layout = BIG[:4]
+    pub = Publisher(str(repo), pub_config(snapshot_every=4, pack_bytes=64 << 10))
+    state = make_state(4, layout)
+    versions = [int(pub.publish(state))]
+    state_dir = tmp_path / "state"
+    follow = driver(tmp_path, "follow", repo, state_dir, layout, bandwidth=2 << 20)  # ~2 MB/s
+    rng = random.Random(21)
+    midway = 0  # kills inside an update
+    for i in range(12):
+        if i % 2 == 0:
+            state = step_state(state, 100 + i, 0.2)
+            versions.append(int(pub.publish(state)))
+        p = subprocess.Popen(follow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.5, 4.0))  # start-up, planning, fetching, writing, recording, idle
+        p.kill()
+        p.wait()
+        status = read_status(state_dir) if (state_dir / ".deltasync").exists() else {"version": None, "wip": None}
+        assert status["version"] in (None, *versions)  # whatever the moment, the state names a committed version
+        midway += status["wip"] is not None
+    print(f"{midway} of 12 kills inside an update")
+    assert midway >= 2, midway
+    r = subprocess.run(driver(tmp_path, "once", repo, state_dir, layout), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["version"] == versions[-1]
+    assert out["digests"] == sha256s(pulled(repo, versions[-1]))
+    status = read_status(state_dir)
+    assert status["version"] == versions[-1] and status["lag_versions"] == 0
+    assert status["version_digest"] == Repository(str(repo)).manifest(versions[-1]).pb.version_digest.hex()
