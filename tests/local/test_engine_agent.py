@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -343,7 +344,7 @@ else:
 BIG = [(f"layers.{i}.weight", (512, 1024), torch.bfloat16) for i in range(8)]  # 8 MiB
 
 
-def driver(tmp_path: Path, mode: str, repo: Path, state: Path, layout: list[tuple[str, tuple[int, ...], torch.dtype]],
+def driver(tmp_path: Path, mode: str, repo: Path, state: Path, layout: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
            bandwidth: float = 0) -> list[str]:
     script = tmp_path / "engine_driver.py"
     script.write_text(DRIVER)
