@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,12 @@ from pathlib import Path
 import pytest
 
 from deltasync.storage import open_store
+
+# Test modules have unique names across the folders that mirror the packages, and a few share
+# helpers (``from test_distributed import _run``): every folder is importable, whatever ran first.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and _folder.name.isidentifier() and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 def _clear_memory_store(url: str) -> None:
