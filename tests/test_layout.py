@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+import deltasync
+
 ROOT = Path(__file__).resolve().parent.parent
-PKG = ROOT / "deltasync"
+PKG = Path(deltasync.__file__).resolve().parent  # the checkout's, or an installed copy of it
 
 #: The floors of the data flow, bottom first. A module may import (at module level) from its
 #: own floor and the floors below. Function-level imports are the deliberate exceptions
@@ -73,7 +75,7 @@ def _eager_imports(module: str, path: Path) -> set[str]:
 
 def test_the_tree_on_disk_is_the_tree_python_imports() -> None:
     for sub in ("storage", "cli", "rl_integration"):
-        link = PKG / sub
+        link = ROOT / "deltasync" / sub
         assert link.is_symlink() and os.readlink(link) == f"../{sub}", f"deltasync/{sub} must link to the top-level {sub}/"
     for module, path in _modules():  # found, not imported: some need vLLM, __main__ runs the CLI
         spec = importlib.util.find_spec(module)
