@@ -101,7 +101,8 @@ def publish(
     cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
     # First use: this default cache was never recorded (`deltasync cache --clear` forgets it).
     first_use = cache is not None and cache_dir is None and not _cache_owner(cache).exists()
-    r = pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta))
+    r = pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta),
+                        snapshots=no_cache)
     seconds = time.monotonic() - start  # all of it: the cache brought to the latest version included
     if cache is not None and cache_dir is None:
         try:

@@ -110,6 +110,7 @@ class Publisher:
         cache_dir: str | os.PathLike[str] | None = None,
         version: int | None = None,
         metadata: Mapping[str, str] | None = None,
+        snapshots: bool = False,
     ) -> PublishResult:
         """Commit a checkpoint directory of safetensors files (plus any other files).
 
@@ -117,8 +118,9 @@ class Publisher:
         version, e.g. the previous checkpoint) or ``cache_dir`` (a local copy deltasync keeps
         current: it is brought to the latest version if stale, and refreshed after the
         commit). Every base chunk read is checked against the parent manifest's digest.
-        Without either, every version is a snapshot (logged as a warning once per publisher:
-        the command line keeps a cache by default, see ``deltasync cache``).
+        Without either, every version is a snapshot: logged as a warning once per publisher
+        (the command line keeps a cache by default, see ``deltasync cache``), unless
+        ``snapshots`` says that is meant.
         """
         ckpt = scan_checkpoint(path, follow_symlinks=self.config.follow_symlinks)
         self.repo.create()
@@ -128,7 +130,7 @@ class Publisher:
             base_root = Path(base_dir)
         elif parent is not None and cache_dir is not None:
             base_root = self._refresh_cache(Path(cache_dir), parent)
-        elif parent is not None and not self._warned_snapshots:
+        elif parent is not None and not snapshots and not self._warned_snapshots:
             self._warned_snapshots = True
             log.warning("publish_dir without base_dir or cache_dir: version %d and every later one are stored as full "
                         "snapshots; pass cache_dir= (a local copy deltasync keeps current, as the command line "

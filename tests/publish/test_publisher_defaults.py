@@ -25,6 +25,10 @@ def test_publish_dir_without_a_base_says_once_that_every_version_is_a_snapshot(
     warned = [r for r in caplog.records if "without base_dir or cache_dir" in r.getMessage()]
     assert kinds == ["snapshot", "snapshot", "snapshot"]
     assert len(warned) == 1 and "version 2" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deltasync"):  # meant (`publish --no-cache`): nothing to say
+        Publisher(str(tmp_path / "repo")).publish_dir(write_checkpoint(tmp_path / "step-9", state), snapshots=True)
+    assert not [r for r in caplog.records if "without base_dir or cache_dir" in r.getMessage()]
 
 
 def test_publish_dir_with_a_cache_says_nothing_and_stores_deltas(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
