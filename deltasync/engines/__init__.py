@@ -4,6 +4,9 @@
   elements are written, in place.
 * :class:`FanoutEngine` — ranks of a torch.distributed group: one rank fetches and decodes,
   broadcasts the changes, every rank writes the part it holds, all switch together.
+* :class:`PackcastNode` — the nodes of a cluster, each with its own engine: node 0 fetches a
+  version's stored bytes once and broadcasts them; every node decodes what its engine holds
+  (reading through a :class:`PackCache`), so adding nodes does not add time.
 * :class:`VllmEngine` — a vLLM server running the deltasync weight-transfer backend: its
   workers load only the modules that change, read from the agent's copy.
 * :class:`HttpEngine` — an inference server (SGLang, vLLM, or any with the same shape of
@@ -34,6 +37,8 @@ from .base import (
 _LAZY: _lazy.Table = {
     "TorchEngine": "torch_engine",
     "FanoutEngine": "fanout",
+    "PackCache": "packcast",
+    "PackcastNode": "packcast",
     "HttpEngine": "http_engine",
     "HttpPreset": "http_engine",
     "PRESETS": "http_engine",
@@ -51,6 +56,7 @@ if TYPE_CHECKING:
         HttpPreset as HttpPreset,
         ReferenceServer as ReferenceServer,
     )
+    from .packcast import PackCache as PackCache, PackcastNode as PackcastNode
     from .torch_engine import TorchEngine as TorchEngine
     from .vllm.engine import VllmEngine as VllmEngine
 

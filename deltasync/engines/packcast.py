@@ -219,7 +219,10 @@ class PackcastNode:
             raise UsageError(f"backend must be gloo or nccl, got {backend!r}")
         if (master is None) == (store is None):
             raise UsageError("give either master (host:port of node 0) or a torch.distributed store")
-        if getattr(getattr(getattr(engine, "subscriber", None), "repo", None), "store", None) is not cache:
+        reads: Any = getattr(getattr(getattr(engine, "subscriber", None), "repo", None), "store", None)
+        while reads is not cache and isinstance(reads, WrappingStore):  # an agent's counting, caching store
+            reads = reads.inner
+        if reads is not cache:
             raise UsageError("the engine must read its repository through the PackCache given (engine(model, cache))")
         self.engine, self.cache, self.rank, self.world = engine, cache, rank, world
         self.timeout, self.piece_bytes, self.backend = timeout, piece_bytes, backend

@@ -73,9 +73,18 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
                 return real(key, data)
 
             cache.offer = damaged  # type: ignore[method-assign]
+        if scenario == "dies_mid" and rank == 2:
+            real_offer = cache.offer
+
+            def dies(key: str, data: bytes) -> bool:  # round 3: gone once the first pack has arrived
+                if key.startswith("packs/") and len(node.reports) == 2:
+                    os._exit(0)
+                return real_offer(key, data)
+
+            cache.offer = dies  # type: ignore[method-assign]
         held = {n: torch.zeros_like(t) for n, t in _states()[0].items()}
         engine = TorchEngine(held, cache, workers=1)
-        timeout = 3.0 if scenario in ("dead", "late") else 30.0
+        timeout = 3.0 if scenario in ("dead", "late", "dies_mid") else 30.0
         node = PackcastNode(engine, cache, rank=rank, world=world, master=f"127.0.0.1:{port}", timeout=timeout,
                             piece_bytes=512)
         out: dict[str, Any] = {"versions": [], "reports": node.reports, "seconds": []}
@@ -165,3 +174,15 @@ def test_dead_node_blocks_the_others_one_timeout(tmp_path: Any) -> None:
     assert r3.members == (0, 1, 3) and r3.broadcast_error is None
     assert out[0]["seconds"][2] < 3.0 + 10.0  # the timeout, then on without it
     assert out[0]["reports"][3].members == (0, 1, 3)
+
+
+@pytest.mark.slow
+def test_node_dying_mid_broadcast_the_others_finish_from_the_repository(tmp_path: Any) -> None:
+    out = _run(tmp_path, 4, "dies_mid", expect=3)
+    assert sorted(out) == [0, 1, 3]
+    for res in out.values():
+        assert res["versions"] == [1, 2, 3, 4]  # bit-exact: what did not arrive came from the repository
+    assert out[0]["seconds"][2] < 2 * 3.0 + 10.0
+    assert out[0]["reports"][3].members == (0, 1, 3)  # a fresh group without it
+    for rank in (0, 1, 3):
+        assert out[rank]["reports"][3].broadcast_error is None
