@@ -446,9 +446,10 @@ class Agent:
         # payloads of the deltas it walks come from the kept objects when they are there.
         self.store.capture = self._capture(repo, previous, target)
         engine = self.engine
-        if engine is not None and not engine.needs_files and engine.version != target and previous != target:
+        if engine is not None and not engine.needs_files and engine.version != target and previous not in (None, target):
             # The engine takes the change straight from the fetch: its swap does not wait for
-            # the copy's rewrite (at RL densities about a copy of the model, DESIGN.md 6).
+            # the copy's rewrite (at RL densities about a copy of the model, DESIGN.md 6). A
+            # first load fills the copy first and the engine reads it: one fetch of the snapshot.
             self.last_swap = engine.update(target)
         result = update_copy(sub, self.root, repo.manifest(target), stop=self._should_stop,
                              move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
