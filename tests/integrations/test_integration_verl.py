@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWor
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.rollout.sglang_rollout.delta_loader import apply_delta
 
-from deltasync import Repository
+from deltasync import Repository, Subscriber
 
 STEPS = 6
 
@@ -199,6 +200,66 @@ class _Holder(nn.Module):
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in weights:
             self.tensors[name].copy_(t)
+
+
+def test_a_replica_in_another_cluster_reads_through_a_relay(trainer_engine: Any, tmp_path: Path) -> None:
+    """The trainer publishes to its store; the replica's repo is a relay (``deltasync serve``) in front of it."""
+    repo = str(tmp_path / "repo")
+    trainer = FakeTrainerEngine()
+    trainer.train_step()
+    asyncio.run(trainer_engine.send_weights(trainer.get_per_tensor_param()[0], global_steps=1))
+    relay = subprocess.Popen([sys.executable, "-m", "deltasync", "serve", "--repo", repo, "--listen", "127.0.0.1:0",
+                              "--poll-interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None
+        line = relay.stdout.readline()  # "serving REPO on 127.0.0.1:PORT (cache ...)"
+        match = re.search(r" on (127\.0\.0\.1:\d+)", line)
+        assert match, line + (relay.stderr.read() if relay.stderr else "")
+        replica = rollout_worker(f"grpc://{match.group(1)}", 29606)
+        for step in range(1, 4):
+            if step > 1:
+                trainer.train_step()
+                asyncio.run(trainer_engine.send_weights(trainer.get_per_tensor_param()[0], global_steps=step))
+            asyncio.run(replica.update_weights(global_steps=step))
+            assert same_bits(replica.server_adapter.bits(), trainer.exported()), step
+    finally:
+        relay.terminate()
+        relay.wait(timeout=30)
+
+
+RANKS_SCRIPT = """
+import asyncio, sys, torch, torch.distributed as dist
+from verl.checkpoint_engine import CheckpointEngineRegistry
+import deltasync.integrations.verl
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+engine = CheckpointEngineRegistry.new("deltasync", bucket_size=1 << 20, is_master=rank == 0, repo={repo!r})
+torch.manual_seed(0)
+state = {{f"layers.{{i}}.weight": torch.randn(64, 64).to(torch.bfloat16) for i in range(8)}}
+for step in range(1, 4):
+    for t in state.values():
+        t[step, :4] += 1
+    # every rank iterates the whole export, as verl's FSDP ranks do; each publishes its share
+    metrics = asyncio.run(engine.send_weights(iter(list(state.items())), global_steps=step))
+if rank == 0:
+    torch.save(state, {final!r})
+print("rank", rank, type(engine._publisher).__name__, "version", int(metrics["checkpoint_engine/version"]))
+"""
+
+
+@pytest.mark.slow
+def test_every_trainer_rank_publishes_its_share(tmp_path: Path) -> None:
+    repo, final = str(tmp_path / "repo"), str(tmp_path / "final.pt")
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT.format(repo=repo, final=final))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29713", str(script)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} DistributedPublisher version 3" in proc.stdout, proc.stdout
+    assert Repository(repo).versions() == [1, 2, 3]
+    assert same_bits(dict(Subscriber(repo).pull()), torch.load(final))
 
 
 def test_without_verl_one_line_says_what_to_install() -> None:
