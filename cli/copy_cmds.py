@@ -152,11 +152,13 @@ def check(
         if not report.ok:
             sys.exit(1)
         return
+    if report.other_repository:
+        click.echo(f"not that repository's version: {report.other_repository}")
     for d in report.drifted:
         click.echo(f"drifted: {d}")
     for rel in report.foreign:
         click.echo(f"not the version's: {rel} (a loader may read it; check --repair --move-aside moves it aside)")
-    if report.foreign and not report.drifted:
+    if (report.foreign or report.other_repository) and not report.drifted:
         sys.exit(1)
     summary = f"version {report.version}: {report.files} files, {report.chunks} chunks"
     if report.repaired:

@@ -161,6 +161,18 @@ class RefError(DeltasyncError):
         self.detail = detail
 
 
+class RepositoryIdentityError(DeltasyncError):
+    """Something read from a repository belongs to another one: a manifest or signed ref naming
+    another repository's identity, or a repository whose identity is not the one a copy or agent
+    recorded on first contact (objects of another repository copied over it, or a repository
+    deleted and created again at the same URL)."""
+
+    def __init__(self, url: str, detail: str) -> None:
+        super().__init__(f"repository {url}: {detail}")
+        self.url = url
+        self.detail = detail
+
+
 # -- local copies and pulls --------------------------------------------------------------------
 
 

@@ -78,6 +78,8 @@ class Staged:
     fetched_bytes: int = 0
     bytes_to_write: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    version_key: bytes = b""
+    """The version's digest and its repository's identity (:meth:`Engine.version_key`; empty: unknown)."""
     _owner: int = 0
     _generation: int = -1
 
@@ -156,6 +158,7 @@ class Engine(abc.ABC):
         self.swaps: list[SwapRecord] = []
         """Every completed swap, oldest first."""
         self._version = version
+        self._version_key: bytes | None = None  # what it holds: digest and repository (None: unknown)
         self._generation = 0
         self._lock = ServingLock()
         self._mutex = threading.RLock()  # one stage/swap at a time
@@ -167,6 +170,29 @@ class Engine(abc.ABC):
     def version(self) -> int | None:
         """The version this engine last swapped in (None: unknown)."""
         return self._version
+
+    def version_key(self, version: int) -> bytes | None:
+        """What makes ``version`` the version it is in the repository this engine stages from:
+        its version digest and its repository's identity (None when the engine cannot tell, e.g.
+        it stages from no repository in this process). An engine holds version N only when it
+        holds this, never by the number alone (another repository, or one deleted and created
+        again at the same URL, has another version N)."""
+        sub = getattr(self, "subscriber", None)
+        repo = getattr(sub, "repo", None)
+        manifest = getattr(repo, "manifest", None)
+        if manifest is None:
+            return None
+        info = manifest(version)
+        key: bytes = info.pb.version_digest + info.pb.repository_id
+        return key
+
+    def holds(self, version: int) -> bool:
+        """Whether the engine holds ``version`` of the repository it stages from (see :meth:`version_key`)."""
+        if version != self._version:
+            return False
+        if self._version_key is None:
+            return True  # told its version (``version=``) or swapped before keys: the number is all there is
+        return self.version_key(version) in (None, self._version_key)
 
     def served_version(self) -> int | None:
         """The version the engine reports it serves (an inference server is asked)."""
@@ -188,7 +214,9 @@ class Engine(abc.ABC):
             raise UsageError(f"version must be a positive integer, got {version!r}")
         with self._mutex:
             start = time.perf_counter()
-            staged = self._stage(self._resolve(version))
+            target = self._resolve(version)
+            staged = self._stage(target)
+            staged.version_key = self.version_key(target) or b""
             staged.stage_s = time.perf_counter() - start
             staged.base = self._version
             staged._owner = id(self)
@@ -216,6 +244,7 @@ class Engine(abc.ABC):
                 written = self._write(staged)
                 # From here the engine holds the new bits, whatever resuming reports.
                 self._version = staged.version
+                self._version_key = staged.version_key or None
                 self._generation += 1
             finally:
                 self._resume()
@@ -237,7 +266,7 @@ class Engine(abc.ABC):
             raise UsageError(f"version must be a positive integer, got {version!r}")
         with self._mutex:
             target = self._resolve(version)
-            if not force and target == self._version:
+            if not force and self.holds(target):
                 return None
             return self.swap(self.stage(target))
 

@@ -31,7 +31,7 @@ from ..errors import CorruptObjectError
 from ..v1 import manifest_pb2 as v1pb
 from . import dtypes
 from .codec import DENSE, FULL, SAME, SPARSE, PlanesZstdCodec, codec_from_spec
-from .digest import DIGEST_SIZE, digest, version_digest
+from .digest import DIGEST_SIZE, StreamDigest, digest, version_digest
 from .slices import entry_key, intersect
 
 FORMAT = 1
@@ -131,6 +131,8 @@ def seal(manifest: v1pb.Manifest) -> bytes:
 
 #: How field 18 (manifest_digest, 16 bytes) is encoded: tag, length, digest.
 _DIGEST_FIELD = b"\x92\x01\x10"
+#: How field 19 (repository_id, 16 bytes) is encoded before its value.
+_REPOSITORY_FIELD = b"\x9a\x01\x10"
 
 
 def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
@@ -142,11 +144,16 @@ def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
     if len(whole) != DIGEST_SIZE:
         raise _fail("bad whole-manifest digest length")
     view = memoryview(data)
-    tail = len(_DIGEST_FIELD) + DIGEST_SIZE
-    if len(view) >= tail and view[-tail:] == _DIGEST_FIELD + whole:
-        # The highest field comes last in a deterministic serialization, so what it covers
-        # is every stored byte before it: hashed as stored, no re-serialization needed.
-        covered = digest(view[:-tail])
+    # Fields numbered above it come after it in a deterministic serialization: of those this
+    # reader knows, only repository_id (19, 16 bytes).
+    after = _REPOSITORY_FIELD + m.repository_id if m.repository_id else b""
+    tail = len(_DIGEST_FIELD) + DIGEST_SIZE + len(after)
+    if len(view) >= tail and view[len(view) - tail:] == _DIGEST_FIELD + whole + after:
+        # What it covers is every stored byte but its own: hashed as stored, no re-serialization.
+        h = StreamDigest()
+        h.update(view[: len(view) - tail])
+        h.update(after)
+        covered = h.digest()
     else:
         # Fields this reader does not know follow it (a newer writer): what it covers is
         # then our serialization without it, which must be exactly the stored bytes.

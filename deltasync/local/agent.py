@@ -53,6 +53,7 @@ from ..errors import (
     ObjectNotFoundError,
     RefError,
     RepositoryFormatError,
+    RepositoryIdentityError,
     RepositoryNotFoundError,
     SignatureError,
     UsageError,
@@ -74,7 +75,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Errors no retry can fix: a one-shot run fails at once (a following agent still waits them out).
-PERMANENT = (UsageError, CopyInUseError, SignatureError, RefError, RepositoryFormatError, CheckpointError)
+PERMANENT = (UsageError, CopyInUseError, SignatureError, RefError, RepositoryFormatError, CheckpointError,
+             RepositoryIdentityError)
 FINAL = (*PERMANENT, EmptyRepositoryError, RepositoryNotFoundError)
 
 
@@ -211,6 +213,9 @@ class Agent:
         self._base_by_kind: dict[str, int] = {}
         self._fetched_by_kind_at_start: dict[str, int] = {}
         self._watched_latest: int | None = None
+        self._identity: tuple[bytes | None] | None = None  # the repository's identity as last read
+        self._identity_read_at = -float("inf")
+        self._holds: tuple[Any, ...] | None = None  # (state, identity) found to hold their version: polls skip the manifest
         if engine is not None:
             self._bind(engine)
 
@@ -316,12 +321,20 @@ class Agent:
         # version a long-running agent sees (the copy's object cache keeps the recent ones).
         # The newest signed refs accepted live in the copy's state: a replayed (older) ref is
         # refused across restarts too.
-        return Repository(self.store, trusted_keys=self.trusted_keys, ref_grace=self.config.ref_grace,
+        repo = Repository(self.store, trusted_keys=self.trusted_keys, ref_grace=self.config.ref_grace,
                           ref_memory=self._state_db())
+        # The identity as last read (every look reads it again, _check_identity), else the one
+        # the kept objects are of: a rollback among them reads nothing from the repository.
+        known = self._identity if self._identity is not None else self.cache.bound() if self.cache is not None else None
+        if known is not None:
+            repo.assume_identity(known[0])
+        return repo
 
     def _observe(self) -> int | None:
         """Read the pin and the latest version; returns the target (None: nothing to serve yet)."""
         repo = self._repository()
+        if time.monotonic() - self._identity_read_at >= self.config.relist_interval:
+            self._check_identity(repo)
         pinned = repo.pinned()
         latest = self._latest(repo)
         now = time.time()
@@ -339,6 +352,34 @@ class Agent:
             target = f.target_version
         self._flush()
         return target
+
+    def _check_identity(self, repo: Repository) -> None:
+        """Read the repository's identity (repo/repository.py, Identity): at the first look and
+        with every listing (``relist_interval``; signed refs name it, so with trusted keys a
+        ref of another one is refused at once, see Repository.read_ref). With
+        trusted keys it must be the one the copy recorded from this URL (RepositoryIdentityError:
+        another repository's objects copied over it, or one deleted and created again). Without,
+        another one there is followed as the repository now at that URL: objects kept of the
+        old one are dropped, an engine reads it afresh, and the copy is rebuilt, since it does
+        not hold the new one's version digests."""
+        found = Repository(self.store).identity()  # read now, whatever the kept objects are of
+        self._identity_read_at = time.monotonic()
+        if self._identity is not None and self._identity[0] == found:
+            return
+        state = self._state_db().state()
+        recorded = state.repository_id if state is not None and state_url(state.repo) == self.figures.repo else ""
+        shown = found.hex() if found is not None else ""
+        if state is not None and recorded and shown != recorded and repo.trusted_keys is not None:
+            raise RepositoryIdentityError(
+                self.store.url, f"has identity {shown or '(none)'}, but {self.root} holds version {state.version} of "
+                f"repository {recorded} from it: another repository's objects copied over it, or it was deleted and "
+                "created again; refused (follow it into a new directory)")
+        if self.cache is not None and self.cache.bind(found) and self._identity is not None:
+            log.warning("%s is another repository now (identity %s): objects kept of the old one dropped",
+                        self.store.url, shown or "(none)")
+        if self._identity is not None and self.engine is not None:
+            self._bind(self.engine)  # its repository object cached the old one's manifests
+        self._identity = (found,)
 
     def _latest(self, repo: Repository) -> int | None:
         now = time.monotonic()
@@ -404,9 +445,15 @@ class Agent:
         state, wip = db.state(), db.wip()
         if state is None or state.version != target:
             return True
+        if self._holds != (state, self._identity):
+            # Held only with the target's version digest and repository, never by the number
+            # (checked once per state and identity: versions do not change under one identity).
+            if not state.holds(self._repository().manifest(target)):
+                return True
+            self._holds = (state, self._identity)
         if wip is not None:  # an interrupted move to another version (its slot stays marked dirty)
             db.set_wip(None)
-        return self.engine is not None and self.engine.version != target
+        return self.engine is not None and not self.engine.holds(target)
 
     def _update(self, target: int) -> Update:
         repo = self._repository()
@@ -446,14 +493,14 @@ class Agent:
         # payloads of the deltas it walks come from the kept objects when they are there.
         self.store.capture = self._capture(repo, previous, target)
         engine = self.engine
-        if engine is not None and not engine.needs_files and engine.version != target and previous not in (None, target):
+        if engine is not None and not engine.needs_files and not engine.holds(target) and previous not in (None, target):
             # The engine takes the change straight from the fetch: its swap does not wait for
             # the copy's rewrite (at RL densities about a copy of the model, DESIGN.md 6). A
             # first load fills the copy first and the engine reads it: one fetch of the snapshot.
             self.last_swap = engine.update(target)
         result = update_copy(sub, self.root, repo.manifest(target), stop=self._should_stop,
                              move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
-        if engine is not None and engine.version != target:
+        if engine is not None and not engine.holds(target):
             # An engine that loads files, or one catching up with a copy already there (read from it).
             self.last_swap = engine.update(target)
         return str(result)
@@ -619,6 +666,7 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
         "repo": (state.repo if state is not None and state.repo else stats.get("repo", "")),
         "version": version,
         "version_digest": state.version_digest if state is not None else None,
+        "repository_id": (state.repository_id or None) if state is not None else None,
         "installed_unix": state.installed_unix if state is not None else None,
         "running": running,
         "lag_versions": lag_versions,

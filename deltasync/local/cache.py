@@ -141,6 +141,40 @@ class LocalCache:
             with contextlib.suppress(OSError):
                 path.unlink()
 
+    def bound(self) -> tuple[bytes | None] | None:
+        """The identity :meth:`bind` kept objects for, as a 1-tuple (None: not bound yet)."""
+        try:
+            name = (self.root / "repository").read_text().strip()
+        except OSError:
+            return None
+        if name == "-":
+            return (None,)
+        try:
+            return (bytes.fromhex(name),)
+        except ValueError:
+            return None
+
+    def bind(self, identity: bytes | None) -> bool:
+        """Keep objects of the repository with ``identity`` only (its ``deltasync.json`` id;
+        None: one without): kept objects of another one (deleted and created again at the
+        same URL, say, whose version N is another) are all dropped. Returns whether they were."""
+        mark = self.root / "repository"
+        name = identity.hex() if identity is not None else "-"
+        try:
+            held: str | None = mark.read_text().strip()
+        except OSError:
+            held = None
+        if held == name:
+            return False
+        dropped = held is not None or (self.root.is_dir() and any(self.root.iterdir()))
+        with self._lock:
+            self._pieces.clear()
+        for sub in ("manifests", "blobs", "packs"):
+            shutil.rmtree(self.root / sub, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        mark.write_text(name + "\n")
+        return dropped
+
     def forget_packs(self) -> None:
         """Drop every kept pack piece."""
         with self._lock:

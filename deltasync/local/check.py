@@ -70,10 +70,13 @@ class CheckReport:
     foreign: list[str] = field(default_factory=list)  # files in DIR that are not the version's
     repaired: bool = False
     fetched_bytes: int = 0
+    other_repository: str = ""
+    """Why the copy does not hold this version of the repository asked about (``repo=`` given):
+    another version digest or repository identity under the same number; "" when it does."""
 
     @property
     def ok(self) -> bool:
-        return (not self.drifted or self.repaired) and not self.foreign
+        return (not self.drifted or self.repaired) and not self.foreign and not self.other_repository
 
 
 def check_copy(
@@ -97,10 +100,24 @@ def check_copy(
     if db is None or state is None:
         raise UsageError(f"{root} holds no deltasync copy (pull or subscribe into it first)")
     if not repair:
-        info = held_manifest(db, state, _repository(repo, state.repo, trusted_keys, required=False))
+        upstream = _repository(repo, state.repo, trusted_keys, required=False)
+        info = held_manifest(db, state, upstream)
         if info is None:
             raise UsageError(f"the manifest of version {state.version} is unknown here; pass the repository")
-        return _check(root, _data_root(root, db), info, workers)
+        report = _check(root, _data_root(root, db), info, workers)
+        if repo is not None and upstream is not None:
+            # Asked about a repository: the copy is at version N of it only if it holds N's digest there.
+            theirs = upstream.manifest(state.version)
+            named = theirs.pb.repository_id.hex()
+            if state.version_digest != theirs.pb.version_digest.hex() or (
+                state.repository_id and named and state.repository_id != named
+            ):
+                report.other_repository = (
+                    f"{root} holds another version {state.version} than {upstream.url}'s (version digest "
+                    f"{state.version_digest[:16]}…, repository {state.repository_id or '-'}; {upstream.url} has "
+                    f"{theirs.pb.version_digest.hex()[:16]}…, repository {theirs.pb.repository_id.hex() or '-'}): "
+                    f"pull it from {upstream.url} to have that one")
+        return report
     with copy_lock(root):
         finish_install(root)
         ensure_slots(root, db)

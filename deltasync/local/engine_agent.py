@@ -107,7 +107,7 @@ class EngineAgent(Agent):
 
     def _needs_update(self, target: int) -> bool:
         assert self.engine is not None
-        return not self._verified or self.engine.version != target
+        return not self._verified or not self.engine.holds(target)
 
     def _move(self, sub: Subscriber, repo: Repository, previous: int | None, target: int) -> str:
         assert self.engine is not None

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError
+from ..errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError, RepositoryIdentityError
 from ..format import dtypes
 from ..format.checkpoint import FileReader
 from ..format.codec import FULL, SAME, EncodedChunk, decode_reverse
@@ -65,6 +65,7 @@ from .slots import (
     untouched,
 )
 from .state import (
+    LocalState,
     ProgressRecorder,
     PullStopped,
     SlotInfo,
@@ -135,28 +136,53 @@ def update_copy(
         assert db is not None
         record = ensure_slots(root, db)
         state = db.state()
-        held = _held(db, sub, state.version if state is not None else None)
+        repo_url = repo_url or (state.repo if state is not None else "")
+        _check_identity(sub, root, state, info, repo_url)
+        held = _held(db, sub, state)
         settle_foreign(root, output_files(held) if held is not None else (), output_files(info), move_aside=move_aside)
         record = _after_power_loss(sub, root, db, record)
-        if held is not None and record.active is not None and held.version == info.version:
+        if held is not None and record.active is not None and state is not None and state.holds(info):
             if db.wip() is not None:
                 db.set_wip(None)  # an interrupted move elsewhere: its slot stays marked dirty
             _repair_if_touched(sub, root, db, record, held)
             return FillResult(info.version, held.version, held=True)
         name = other(record.active)
         result = _Fill(sub, root, db, record, name, held, info, stop).run()
-        switch(root, db, name, info, repo=repo_url or (state.repo if state is not None else ""), synced=fsync)
+        switch(root, db, name, info, repo=repo_url, synced=fsync)
         return result
 
 
-def _held(db: StateDB, sub: Subscriber, version: int | None) -> ManifestInfo | None:
-    if version is None:
+def _check_identity(sub: Subscriber, root: Path, state: LocalState | None, info: ManifestInfo, repo_url: str) -> None:
+    """With trusted keys, the repository at the URL a copy was pulled from must be the one it
+    recorded (repo/repository.py, Identity): another one there is refused, not followed.
+    Pulling from another URL is the user's choice of another repository (rebuilt, not refused)."""
+    if state is None or not state.repository_id or sub.repo.trusted_keys is None:
+        return
+    from ..pull.subscriber import state_url
+
+    named = info.pb.repository_id.hex()
+    if named == state.repository_id or state_url(state.repo) != state_url(repo_url):
+        return
+    raise RepositoryIdentityError(
+        repo_url, f"version {info.version} is of repository {named or '(none named)'}, but {root} holds version "
+        f"{state.version} of repository {state.repository_id} from this URL: another repository's objects, or one "
+        "deleted and created again, refused; pull into a new directory to follow it")
+
+
+def _held(db: StateDB, sub: Subscriber, state: LocalState | None) -> ManifestInfo | None:
+    """The manifest of what the served slot holds (as recorded; the repository's only when it
+    has the recorded version digest and identity)."""
+    if state is None:
         return None
     held = db.manifest()
-    if held is not None and held.version == version:
+    if held is not None and held.version == state.version:
         return held
     with contextlib.suppress(DeltasyncError):
-        return sub.repo.manifest(version)
+        found = sub.repo.manifest(state.version)
+        if found.pb.version_digest.hex() == state.version_digest and (
+            not state.repository_id or found.pb.repository_id.hex() == state.repository_id
+        ):
+            return found
     return None
 
 

@@ -86,6 +86,16 @@ class LocalState:
     repo: str = ""
     """URL of the repository it was pulled from ("" when unknown)."""
     installed_unix: float = 0.0
+    repository_id: str = ""
+    """Hex identity of that repository, as the version's manifest names it ("" when it names
+    none: committed before identities, or recorded by older deltasync). A copy holds version N
+    of a repository only when this and the version digest are that repository's."""
+
+    def holds(self, info: ManifestInfo) -> bool:
+        """Whether this is ``info``'s version of ``info``'s repository: the same version digest,
+        and no other identity (never the version number alone)."""
+        return (self.version == info.version and self.version_digest == info.pb.version_digest.hex()
+                and self.repository_id == info.pb.repository_id.hex())
 
 
 @dataclass(frozen=True)
@@ -228,7 +238,7 @@ class StateDB:
         try:
             return LocalState(
                 int(raw["version"]), str(raw["version_digest"]), tuple(str(f) for f in raw["files"]),
-                str(raw.get("repo", "")), float(raw.get("installed_unix", 0.0)),
+                str(raw.get("repo", "")), float(raw.get("installed_unix", 0.0)), str(raw.get("repository_id", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -287,6 +297,7 @@ class StateDB:
             "files": output_files(info),
             "repo": repo,
             "installed_unix": time.time(),
+            "repository_id": info.pb.repository_id.hex(),
         }
         raw_manifest = serialize(info.pb)
 
@@ -306,7 +317,7 @@ class StateDB:
         progress: one small transaction per version."""
         state = {
             "version": info.version, "version_digest": info.pb.version_digest.hex(), "files": [], "repo": repo,
-            "installed_unix": time.time(), "engine": engine,
+            "installed_unix": time.time(), "engine": engine, "repository_id": info.pb.repository_id.hex(),
         }
 
         def fn(txn: lmdb.Transaction) -> None:
@@ -356,7 +367,7 @@ class StateDB:
 
         state = {
             "version": info.version, "version_digest": info.pb.version_digest.hex(), "files": output_files(info),
-            "repo": repo, "installed_unix": time.time(),
+            "repo": repo, "installed_unix": time.time(), "repository_id": info.pb.repository_id.hex(),
         }
         raw_manifest = serialize(info.pb)
 
@@ -478,8 +489,7 @@ def write_local_state(out: str | os.PathLike[str], info: ManifestInfo, *, repo: 
     assert db is not None
     held = db.state()
     if (
-        held is not None and db.wip() is None and held.version == info.version
-        and held.version_digest == info.pb.version_digest.hex() and (held.repo == repo or not repo)
+        held is not None and db.wip() is None and held.holds(info) and (held.repo == repo or not repo)
         and db.manifest() is not None
     ):
         return

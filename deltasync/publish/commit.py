@@ -211,7 +211,8 @@ def signing_policy(repo: Repository, parent: int | None) -> bool:
 
     A repository that signs must not extend an unsigned chain: a subscriber with trusted keys
     refuses a delta whose chain back to its snapshot has an unsigned version, so the first
-    signed version after unsigned ones is a snapshot (False). Publishing unsigned after signed
+    signed version after unsigned ones is a snapshot (False); likewise the first signed version
+    naming the repository's identity after versions that name none. Publishing unsigned after signed
     versions is allowed but warned about: trusting subscribers will refuse it and every delta
     on top of it until the next signed snapshot."""
     if parent is None:
@@ -221,9 +222,17 @@ def signing_policy(repo: Repository, parent: int | None) -> bool:
             log.warning("publishing an unsigned version after signed ones (version %d is signed): subscribers with "
                         "--trusted-key refuse it and the deltas on top of it until a signed snapshot", parent)
         return True
-    unsigned = [info.version for info in repo.chain(parent) if not info.pb.signature]
+    chain = repo.chain(parent)
+    unsigned = [info.version for info in chain if not info.pb.signature]
     if unsigned:
         log.info("this version is stored as a snapshot: it starts a signed chain (version %d, on the chain it would "
                  "extend, is unsigned)", unsigned[-1])
+        return False
+    # Nor a chain of versions that name no repository (committed before identities): a chain
+    # is of one repository throughout (repo/repository.py, Identity).
+    nameless = [info.version for info in chain if not info.pb.repository_id]
+    if nameless and repo.identity() is not None:
+        log.info("this version is stored as a snapshot: it starts a chain bound to the repository's identity "
+                 "(version %d, on the chain it would extend, was committed before identities)", nameless[-1])
         return False
     return True

@@ -2,7 +2,7 @@
 
 Layout (all keys relative to the store root)::
 
-    deltasync.json                  format marker, written once
+    deltasync.json                  format marker and the repository's identity, written once
     packs/<xxh3-128>.pack           immutable, content-addressed encoded chunks
     blobs/<xxh3-128>                zstd of one part of a non-tensor file, content-addressed
     manifests/<version:020d>.pb     one per committed version: its presence is the commit
@@ -26,6 +26,24 @@ So a store writer can neither roll a trusting subscriber back with an old or uns
 freeze it unnoticed by withholding the newest manifest or replaying an old ``refs/latest``:
 at worst it stops updates, and that is an error on the subscriber, not silence. A quiet
 publisher keeps its refs fresh with :meth:`Repository.refresh_refs` (``deltasync refresh-refs``).
+
+**Identity.** A repository is created with an identity: 16 random bytes, the ``"id"`` of
+``deltasync.json`` (``{"format": 1, "id": "<32 hex>"}``), so one deleted and created again at
+the same URL is another repository. Every manifest names it (``repository_id``) and every
+signed ref too (``"repository"``), both covered by their signatures: one key signing many
+repositories (one key per team, many runs) cannot have a version, a ref or a chain of one
+accepted as another's. A reader refuses (RepositoryIdentityError) a manifest naming another
+identity than the marker's, a chain mixing identities, and, with trusted keys, a signed ref
+naming another identity or none while the repository has one. A copy or an agent records the
+identity it holds (local/state.py) and compares it, with the version digest, before calling
+itself current; with trusted keys it refuses a repository at the same URL whose identity
+changed (objects of another repository copied over it). A repository created before
+identities has a marker without ``"id"``: its next publisher (:meth:`Repository.create`) writes
+one, derived from the stored bytes of its oldest manifest so that racing publishers write the
+same; versions committed before then name none and are read as before (bound by their
+signature and the refs' manifest digests only), and a signing publisher's first version that
+names the identity is a snapshot (publish/commit.py ``signing_policy``), so that no chain
+mixes them.
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -52,6 +71,7 @@ from ..errors import (
     ObjectTooLargeError,
     RefError,
     RepositoryFormatError,
+    RepositoryIdentityError,
     RepositoryNotFoundError,
     SignatureError,
     UsageError,
@@ -88,7 +108,9 @@ MARKER = "deltasync.json"
 LATEST = "refs/latest"
 PIN = "refs/pin"
 BLOB_PART_BYTES = BLOB_PART_SIZE  # bytes of every part of a non-tensor file but its last
-MAX_MARKER_BYTES = 4096  # deltasync.json is '{"format": 1}': anything much larger is not one
+MAX_MARKER_BYTES = 4096  # deltasync.json is '{"format": 1, "id": "..."}': anything much larger is not one
+#: Bytes of a repository's identity (deltasync.json "id", a manifest's repository_id).
+IDENTITY_BYTES = 16
 REF_KEYS = {"latest": LATEST, "pin": PIN}
 #: A ref is a few hundred bytes; a larger object is not one (and is refused before parsing).
 MAX_REF_BYTES = 4096
@@ -302,6 +324,7 @@ class Repository:
         self._manifests: OrderedDict[int, ManifestInfo] = OrderedDict()
         self._squashes: OrderedDict[tuple[int, int], ManifestInfo] = OrderedDict()
         self._lock = threading.Lock()
+        self._identity: tuple[bytes | None] | None = None  # (identity,) once read
 
     # -- existence ---------------------------------------------------------------------------
 
@@ -310,23 +333,81 @@ class Repository:
 
     def ensure_exists(self) -> None:
         """Raise RepositoryNotFoundError / RepositoryFormatError unless this is a repository."""
+        self._read_marker()
+
+    def _read_marker(self) -> bytes | None:
+        """Check ``deltasync.json`` and return the identity it names (None: created before identities)."""
         try:
             raw = self.store.get(MARKER, max_bytes=MAX_MARKER_BYTES)
         except ObjectNotFoundError:
             raise RepositoryNotFoundError(self.url) from None
         try:
-            fmt = json.loads(raw)["format"]
+            marker = json.loads(raw)
+            fmt = marker["format"]
         except (ValueError, KeyError, TypeError, RecursionError):
             raise CorruptObjectError(MARKER, "not a deltasync repository marker") from None
         if fmt != REPO_FORMAT:
             raise RepositoryFormatError(f"repository {self.url} has format {fmt}; this deltasync reads {REPO_FORMAT}")
+        found = marker.get("id")
+        if found is None:
+            return None
+        try:
+            identity = bytes.fromhex(found) if isinstance(found, str) else b""
+        except ValueError:
+            identity = b""
+        if len(identity) != IDENTITY_BYTES:
+            raise CorruptObjectError(MARKER, f"the repository identity is not {IDENTITY_BYTES} bytes of hex")
+        return identity
+
+    def identity(self) -> bytes | None:
+        """The repository's identity (``deltasync.json`` "id", see the module doc); None for a
+        repository created before identities, or none at all. Read once per Repository."""
+        with self._lock:
+            if self._identity is not None:
+                return self._identity[0]
+        try:
+            found = self._read_marker()
+        except RepositoryNotFoundError:
+            return None  # not cached: the publisher may create it
+        with self._lock:
+            self._identity = (found,)
+        return found
+
+    def assume_identity(self, identity: bytes | None) -> None:
+        """Take ``identity`` as the repository's without reading the marker: one that the caller
+        read from it recently (an agent reads it on every look, and keeps objects by it)."""
+        with self._lock:
+            self._identity = (identity,)
 
     def create(self) -> None:
-        """Mark the store as a repository (idempotent)."""
+        """Mark the store as a repository with a new identity (idempotent); a repository of
+        older deltasync, without one, gets one here (see the module doc)."""
+        marker = {"format": REPO_FORMAT, "id": secrets.token_bytes(IDENTITY_BYTES).hex()}
         try:
-            self.store.put(MARKER, json.dumps({"format": REPO_FORMAT}).encode(), if_absent=True)
+            self.store.put(MARKER, json.dumps(marker).encode(), if_absent=True)
         except ObjectExistsError:
-            self.ensure_exists()
+            if self._read_marker() is not None:
+                return
+            versions = self.versions()
+            if versions:
+                # Racing publishers upgrading the same repository write the same identity.
+                oldest = self.store.get(manifest_key(versions[0]), max_bytes=MAX_MANIFEST_BYTES)
+                marker["id"] = digest(b"deltasync repository identity\0" + oldest).hex()
+            self.store.put(MARKER, json.dumps(marker).encode())
+            log.info("repository %s had no identity (created by older deltasync): it is %s from now on", self.url,
+                     marker["id"])
+        with self._lock:
+            self._identity = None  # read again: what the store holds now
+
+    def _check_identity(self, info: ManifestInfo, what: str) -> None:
+        """A manifest naming an identity must name this repository's (module doc)."""
+        named = info.pb.repository_id
+        if not named:
+            return
+        mine = self.identity()
+        if mine is not None and named != mine:
+            raise RepositoryIdentityError(self.url, f"{what} belongs to repository {named.hex()}, not to this one "
+                                          f"({mine.hex()}): an object of another repository, refused")
 
     # -- versions ----------------------------------------------------------------------------
 
@@ -416,6 +497,7 @@ class Repository:
                                "key is configured: refusing it "
                                "(a publisher with a signing key signs its refs; `deltasync refresh-refs` signs old ones)")
             trusted.verify_ref(key, ref.body)
+            self._check_ref_identity(ref)
         except RefError:
             if ref.version is not None:
                 # A repository not signed by our keys says so best through its manifest's refusal.
@@ -443,6 +525,23 @@ class Repository:
             if ref.counter == counter and ref.version != version:
                 raise RefError(key, f"names {ref.describe()}, but counter {counter} named version {version}")
         return ref
+
+    def _check_ref_identity(self, ref: Ref) -> None:
+        """A signed ref must name this repository's identity, and must name one when it has one."""
+        assert ref.body is not None
+        named, mine = ref.body.get("repository"), self.identity()
+        if mine is None:
+            if named is not None:
+                raise RepositoryIdentityError(self.url, f"{ref.key} names repository {str(named)[:40]!r}, but this "
+                                              "repository has no identity: a ref of another repository, refused")
+            return
+        if named is None:
+            raise RefError(ref.key, f"names no repository (it names {ref.describe()}) while this repository has "
+                           f"identity {mine.hex()}: a ref from before identities or of another repository; the "
+                           "publisher's next publish or `deltasync refresh-refs` signs one naming it")
+        if named != mine.hex():
+            raise RepositoryIdentityError(self.url, f"{ref.key} names repository {str(named)[:40]}, not this one "
+                                          f"({mine.hex()}): a ref of another repository, refused")
 
     def accept_ref(self, ref: Ref) -> None:
         """Check that a signed ref's version is committed with the manifest it signed, then
@@ -495,6 +594,9 @@ class Repository:
         whole = digest(serialize(self.manifest(version).pb)).hex() if version is not None else ""
         body: dict[str, Any] = {"format": 1, "name": name, "version": version, "counter": counter, "issued_unix": now,
                                 "expires_unix": now + max(1, round(self.ref_ttl)), "manifest": whole}
+        identity = self.identity()
+        if identity is not None:
+            body["repository"] = identity.hex()  # signed with the rest: a ref of this repository only
         if name == "latest":
             # TUF's snapshot role, in small: the latest ref names the pin it goes with, so even a
             # reader that has seen no pin yet refuses a deleted or older one. The pin is always
@@ -587,6 +689,7 @@ class Repository:
                 raise RepositoryNotFoundError(self.url) from None
             raise VersionNotFoundError(version, self.url) from None
         info = parse_manifest(raw, expect_version=version, authenticate=self._authenticator(version))
+        self._check_identity(info, f"version {version}")
         with self._lock:
             self._manifests[version] = info
             _trim(self._manifests)
@@ -623,6 +726,13 @@ class Repository:
                     version, f"its delta chain goes through version {v}: {e.detail}; a signed chain starts at a signed "
                     "snapshot (the first version published with a signing key after unsigned ones is one)"
                 ) from None
+            if out and info.pb.repository_id != out[0].pb.repository_id and (
+                info.pb.repository_id or self.trusted_keys is not None
+            ):
+                raise RepositoryIdentityError(
+                    self.url, f"version {version}: its delta chain goes through version {v}, which names "
+                    f"{_named(info.pb.repository_id)} where version {version} names {_named(out[0].pb.repository_id)}: "
+                    "a chain mixing repositories, refused")
             out.append(info)
             if info.is_snapshot or v == stop_at:
                 break
@@ -638,6 +748,7 @@ class Repository:
         Of racing publishers of the same id exactly one succeeds; the others get
         VersionConflictError and nothing of theirs becomes visible.
         """
+        manifest.repository_id = self.identity() or b""
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
         data = seal(manifest)  # last: the whole-manifest digest covers the signature too
@@ -690,6 +801,7 @@ class Repository:
             raise CorruptObjectError(f"squash {a}->{c}", e.detail) from None
         except SignatureError as e:
             raise SignatureError(c, f"squash {a}->{c}: {e.detail}") from None
+        self._check_identity(info, f"squash {a}->{c}")
         _check_squash(info, self.manifest(a), self.manifest(c))
         with self._lock:
             self._squashes[(a, c)] = info
@@ -701,6 +813,7 @@ class Repository:
         ObjectExistsError when one is stored for the same pair already (it stays: any valid
         one serves)."""
         a, c = manifest.parent, manifest.version
+        manifest.repository_id = self.identity() or b""
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
         data = seal(manifest)
@@ -738,6 +851,10 @@ class Repository:
         if digest(data) != d:
             raise CorruptObjectError(key, "blob content does not match its digest")
         return data
+
+
+def _named(identity: bytes) -> str:
+    return f"repository {identity.hex()}" if identity else "no repository"
 
 
 def _zstd_bound(size: int) -> int:

@@ -108,7 +108,7 @@ class VllmEngine(HttpEngine):
         else:
             chunks = sum(len(t.chunks) for t in info.pb.tensors)
             staged = HttpStaged(version, model_path="", chunks_total=chunks, extra={"preset": "vllm"})
-        held = self._held_info if self._held_info is not None and self._held_info.version == self._version else None
+        held = self._held_info if self._held_info is not None and self.holds(self._held_info.version) else None
         names = set(names_to_load(held, info, COMMON_PACKED))
         staged.bytes_to_write = sum(t.nbytes for t in info.pb.tensors if t.name in names)
         staged.extra = {**staged.extra, "tensors_loaded_estimate": len(names)}
@@ -143,10 +143,13 @@ class VllmEngine(HttpEngine):
             if not pending:
                 return
             time.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            delay = min(delay * 2, 0.05)  # a status call is cheap; oversleeping lengthens the update
 
     def _update_info(self, version: int) -> dict[str, Any]:
         update: dict[str, Any] = {"version": version}
+        key = self.version_key(version)
+        if key:  # the version of this repository, not another's under the same number
+            update["version_digest"] = key[:16].hex()
         if self.copy is not None:
             update["copy"] = str(self.copy)
         if self.repo_url is not None:
