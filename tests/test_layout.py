@@ -139,3 +139,20 @@ def test_old_flat_module_names_are_gone() -> None:
     for old in ("agent", "gc", "subscriber", "localstate", "dtypes", "relay_cache"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"deltasync.{old}")
+
+
+def test_engines_use_only_the_public_face_of_local_copies() -> None:
+    """Engines read versions from copies through ``deltasync.local`` (its ``__init__``), never
+    through the modules behind it (slots, state, placement…), at module level or inside functions."""
+    reaching = []
+    for module, path in _modules():
+        if not module.startswith("deltasync.engines"):
+            continue
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, node.module] if node.module else base) if node.level else node.module or ""
+                if target.startswith("deltasync.local."):
+                    reaching.append(f"{module}: from {target} import ...")
+    assert not reaching, "\n".join(reaching)

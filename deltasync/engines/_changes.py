@@ -37,9 +37,7 @@ from ..format import dtypes
 from ..format.checkpoint import FileReader
 from ..format.digest import digest
 from ..format.manifest import ManifestInfo, key_of
-from ..local.placement import placements, read_placed
-from ..local.slots import slot_dir
-from ..local.state import CopyInUseError, StateDB, copy_lock
+from ..local import CopyInUseError, StateDB, copy_lock, placements, read_placed, slot_dir
 from ..pull.pipeline import LocalBits
 from ..pull.subscriber import Subscriber
 from ..v1 import manifest_pb2 as pb

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UsageError
 from ..format.digest import StreamDigest
 from ..format.signing import PublicKeyLike
-from ..local.state import read_local_state
+from ..local import read_local_state
 from ..pull.subscriber import Subscriber
 from ..repo.repository import Repository
 from ..storage import Store

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..errors import ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError
 from ..format.digest import StreamDigest
 from ..format.manifest import ManifestInfo
-from ..local.placement import Bits
+from ..local import Bits
 from ..publish.squash import verify_squash
 from ..pull.pipeline import blob_parts
 from ..pull.subscriber import Subscriber

@@ -42,9 +42,7 @@ from ...format import dtypes
 from ...format.checkpoint import FileReader
 from ...format.digest import digest
 from ...format.manifest import ManifestInfo, key_of, logical_shape
-from ...local.placement import placements, read_placed
-from ...local.slots import other, slot_dir
-from ...local.state import CopyInUseError, StateDB, copy_lock
+from ...local import CopyInUseError, StateDB, copy_lock, other, placements, read_placed, slot_dir
 from ...pull.select import TensorRequest, assemble
 from ...v1 import manifest_pb2 as pb
 

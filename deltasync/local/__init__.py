@@ -1,0 +1,27 @@
+"""Local copies and agents: a directory kept at a version, and the long-running subscribers
+that keep copies and engines current.
+
+:mod:`~deltasync.local.agent` (:class:`Agent`: follow pin/latest into a directory copy),
+:mod:`~deltasync.local.engine_agent` (an engine kept current with no copy),
+:mod:`~deltasync.local.slotfill` (bring the slot not served forward in place),
+:mod:`~deltasync.local.slots` (two slots and the atomic switch),
+:mod:`~deltasync.local.placement` (where tensor bytes sit in files),
+:mod:`~deltasync.local.state` (the copy's LMDB state and lock),
+:mod:`~deltasync.local.check` (check and repair a copy) and
+:mod:`~deltasync.local.cache` (objects a copy or agent keeps).
+
+The names below are the face the engines use (they read a version's bytes from a copy, under
+its lock); ``tests/test_layout.py`` keeps engines off the modules behind it.
+"""
+
+from __future__ import annotations
+
+from .placement import Bits as Bits, Placement as Placement, placements as placements, read_placed as read_placed
+from .slots import other as other, slot_dir as slot_dir
+from .state import (
+    CopyInUseError as CopyInUseError,
+    LocalState as LocalState,
+    StateDB as StateDB,
+    copy_lock as copy_lock,
+    read_local_state as read_local_state,
+)
