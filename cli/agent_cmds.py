@@ -1,4 +1,4 @@
-"""The agent: subscribe keeps a directory copy (and an engine) at the version to serve."""
+"""The agent: subscribe keeps a directory copy and/or an engine at the version to serve."""
 
 from __future__ import annotations
 
@@ -23,13 +23,21 @@ from deltasync.cli._common import (
     trusted_key_option,
     workers_option,
 )
-from deltasync.errors import DeltasyncError
+from deltasync.errors import UsageError
 
 
 @cli.command()
 @dir_argument
 @repo_option
 @out_option("Directory to keep at the version to serve (or DIR).")
+@click.option("--state", "state_dir", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
+              help="Engine-first: keep only the --engine at the version to serve, no directory copy; its state "
+                   "(version, digest, figures) and the kept packs of its chain live in DIR/.deltasync "
+                   "(`deltasync status --state DIR`). For torch: and fanout engines.")
+@click.option("--tensors", "patterns", multiple=True, metavar="PATTERN",
+              help="torch engines: hold only the tensors whose names match PATTERN (fnmatch, e.g. 'layers.1?.*'; "
+                   "repeatable); only their chunks are fetched and decoded. A FACTORY may also return "
+                   "deltasync.Slice values (a shard of a tensor): only the chunks covering it are fetched.")
 @click.option("--follow", is_flag=True, help="Keep running: bring the directory to every new target (SIGTERM stops).")
 @click.option("--poll-interval", type=click.FloatRange(0.01, 3600), default=0.5, show_default=True, metavar="SECONDS",
               help="How often the repository's latest and pin refs are read.")
@@ -61,18 +69,34 @@ def subscribe(
     directory: Path | None, repo: str, out: Path | None, follow: bool, poll_interval: float, metrics_port: int | None,
     metrics_host: str,
     keep_versions: int, retries: int, engine_spec: str | None, pause_mode: str, move_aside: bool, fsync: bool,
-    trusted_keys: tuple[Path, ...], ref_grace: float, workers: int, quiet: bool,
+    trusted_keys: tuple[Path, ...], ref_grace: float, workers: int, quiet: bool, state_dir: Path | None,
+    patterns: tuple[str, ...],
 ) -> None:
-    """Bring a directory to the version to serve (the pinned one, else the latest); with --follow, keep it there.
+    """Bring a directory (and/or an engine) to the version to serve (the pinned one, else the latest); with
+    --follow, keep it there.
 
     Resumes where a killed run stopped. State, figures and kept payloads live in DIR/.deltasync
     (see `deltasync status DIR`). SIGTERM or SIGINT stops after the current chunk, exit status 0.
+    With --engine, a version that did not reach the engine is an error (retried; exit status 1
+    once the retries of a run without --follow are spent). With --state DIR instead of a
+    directory, the engine alone is kept (engine-first: nothing of the model is written to disk).
     """
     import signal
 
     from deltasync.local.agent import Agent, AgentConfig, Update
 
-    out = local_dir(directory, out, "subscribe")
+    if state_dir is not None:
+        if directory is not None or out is not None:
+            raise UsageError("give a directory to keep (DIR or --out DIR) or --state DIR for an engine alone, not both")
+        if engine_spec is None:
+            raise UsageError("--state DIR keeps an engine's state: give --engine too (or DIR to keep a directory copy)")
+        if engine_spec.startswith(("http", "vllm@")):
+            raise UsageError(f"the engine {engine_spec} loads versions from files: keep a directory copy for it "
+                             "(--out DIR) instead of --state")
+    else:
+        out = local_dir(directory, out, "subscribe")
+    if patterns and not (engine_spec or "").startswith("torch"):
+        raise UsageError("--tensors applies to torch:MODULE:FACTORY engines")
     retry_log = RetryLog(retries, follow)
     config = AgentConfig(
         poll_interval=poll_interval, metrics_port=metrics_port, metrics_host=metrics_host,
@@ -90,47 +114,49 @@ def subscribe(
             if engine_spec.startswith("vllm@"):
                 options["pause_mode"] = pause_mode
         else:
-            options["copy"] = str(out)  # changed chunks come from the agent's copy: one fetch, one decode
+            if out is not None:
+                options["copy"] = str(out)  # a copy already at the version (a restart) is read, not fetched
             # MODULE from the current directory, as `python -m deltasync` finds it (the console
             # script's sys.path starts with its own bin directory instead).
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())
         if trusted_keys:
             options["trusted_keys"] = trusted_keys
+        if patterns:
+            engine_spec, options["model"] = "torch", _held_tensors(engine_spec, patterns)
         engine = build_engine(engine_spec, **options)
 
     def report(u: Update) -> None:
         retry_log.failures = 0
-        click.echo(f"version {u.version} ({u.how}, {mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
-        if engine is not None:
-            to_engine(u.version)
+        if state_dir is None:
+            click.echo(f"version {u.version} ({u.how}, {mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
+        swap = u.swap
+        if swap is not None:
+            # In-process engines at the copy's version are swapped from the fetched change
+            # before the copy is rewritten; others after it, reading it (Agent(engine=...)).
+            fetched = u.fetched_bytes if state_dir is not None else swap.fetched_bytes
+            click.echo(f"engine serves version {swap.version} (pause {swap.pause_s * 1e3:.1f} ms, "
+                       f"{swap.chunks_changed} chunks changed, {mib(fetched)} fetched, {u.seconds:.2f}s)")
         sys.stdout.flush()
 
-    def to_engine(version: int | None) -> None:
-        # The engine stages (the changed chunks, read from the copy and verified) before its
-        # pause; a failed swap leaves it serving its previous version, and the next update
-        # tries again.
-        assert engine is not None
-        try:
-            swap = engine.update(version)
-        except DeltasyncError as e:
-            click.echo(f"deltasync: error: engine update to version {version}: {e}", err=True)
-            return
-        if swap is not None:
-            click.echo(f"engine serves version {swap.version} (pause {swap.pause_s * 1e3:.1f} ms, "
-                       f"{swap.chunks_changed} chunks changed, {mib(swap.fetched_bytes)} fetched)")
-
     def ready(a: Agent) -> None:
-        held = a.current()
-        if engine is not None and held is not None:
-            to_engine(held)  # the version the copy holds now; updates follow
         if a.metrics_port is not None:
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{a.metrics_port}/metrics")
         if follow:
-            click.echo(f"following {repo} into {out}; SIGTERM stops")
+            click.echo(f"following {repo} into {out if state_dir is None else f'the engine (state in {state_dir})'}; "
+                       "SIGTERM stops")
         sys.stdout.flush()
 
-    agent = Agent(repo, out, config, trusted_keys=trusted_keys, on_update=report, on_ready=ready)
+    agent: Agent
+    if state_dir is not None:
+        from deltasync.local.engine_agent import EngineAgent
+
+        assert engine is not None
+        agent = EngineAgent(engine, state_dir, config, repo=repo, trusted_keys=trusted_keys or None,
+                            on_update=report, on_ready=ready)
+    else:
+        assert out is not None
+        agent = Agent(repo, out, config, trusted_keys=trusted_keys, on_update=report, on_ready=ready, engine=engine)
 
     def on_signal(signum: int, frame: object) -> None:
         agent.stop()
@@ -144,11 +170,30 @@ def subscribe(
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+    what = out if state_dir is None else "the engine"
     if agent.stopping:
         if version is None:
             click.echo("stopped before any version was held; the next run resumes any update in progress")
         else:
-            click.echo(f"stopped at version {version}; the next run resumes any update in progress")
+            click.echo(f"stopped at version {version} ({what}); the next run resumes any update in progress")
     else:
-        click.echo(f"{out} is at version {version}")
+        click.echo(f"{what} is at version {version}")
+
+
+def _held_tensors(spec: str, patterns: tuple[str, ...]) -> dict[str, object]:
+    """The tensors of a torch:MODULE:FACTORY model whose names match one of ``patterns``."""
+    import fnmatch
+
+    from deltasync.engines import _call_factory
+    from deltasync.engines.torch_engine import held_tensors
+
+    kind, _, ref = spec.partition(":")
+    if kind != "torch" or not ref:
+        raise UsageError("--tensors needs --engine torch:MODULE:FACTORY")
+    model = _call_factory(ref)
+    values = dict(model) if isinstance(model, dict) else held_tensors(model)
+    held = {n: t for n, t in values.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    if not held:
+        raise UsageError(f"no tensor of the model matches {' or '.join(patterns)}")
+    return held
 

@@ -78,12 +78,18 @@ def pull(
 @cli.command()
 @dir_argument
 @out_option("The local copy (or DIR).")
+@click.option("--state", "state_dir", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
+              help="An engine-first agent's state (subscribe --engine SPEC --state DIR): the engine's version.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
-def status(directory: Path | None, out: Path | None, as_json: bool) -> None:
-    """Show a local copy's version, lag, agent, bytes fetched, apply time and last error (safe while an agent runs)."""
+def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_json: bool) -> None:
+    """Show a local copy's (or an engine's) version, lag, agent, bytes fetched, apply time and last error (safe
+    while an agent runs)."""
+    from deltasync.errors import UsageError
     from deltasync.local.agent import read_status
 
-    directory = local_dir(directory, out, "status")
+    if state_dir is not None and (directory is not None or out is not None):
+        raise UsageError("give a local copy (DIR or --out DIR) or an engine's --state DIR, not both")
+    directory = state_dir if state_dir is not None else local_dir(directory, out, "status")
 
     s = read_status(directory)
     if as_json:
@@ -101,7 +107,8 @@ def status(directory: Path | None, out: Path | None, as_json: bool) -> None:
         lag += f", {s['lag_seconds']:.1f}s"
     agent = f"running (pid {s.get('pid')}, {s.get('state')})" if s["running"] else "not running"
     rows = [
-        ("directory", s["directory"]),
+        ("state" if s.get("engine") else "directory", s["directory"]),
+        *([("engine", str(s["engine"]))] if s.get("engine") else []),
         ("repository", s["repo"] or "-"),
         ("version", f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
         ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}"),
@@ -116,6 +123,14 @@ def status(directory: Path | None, out: Path | None, as_json: bool) -> None:
                  else f"to {last['version']} (none held before)")
         rows.append(("last update", f"{moved}: {last['how']}, "
                                     f"{mib(int(last['fetched_bytes']))} fetched, applied in {last['seconds']:.2f}s"))
+    if s.get("engine_kind") is not None:
+        if not s.get("engine"):  # a copy with an engine (an engine alone: its version is the version above)
+            behind = "" if s.get("engine_current") else f" (the directory holds {opt(s['version'])})"
+            rows.append(("engine", f"{s['engine_kind']} at version {opt(s.get('engine_version'))}{behind}, updated "
+                                   f"{ago(s.get('engine_updated_unix'))}"))
+        if s.get("engine_last_error"):
+            rows.append(("engine error", f"{ago(s.get('engine_last_error_unix'))}: update to version "
+                                         f"{opt(s.get('engine_last_error_version'))}: {s['engine_last_error']}"))
     wip = s.get("wip")
     if wip:
         done = f"{wip['chunks_done']}/{wip['chunks_total']} chunks"

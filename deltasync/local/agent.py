@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +67,7 @@ from ..storage import Store, open_store
 from .cache import CachedStore, LocalCache
 from .slotfill import update_copy
 from .slots import finish_install
-from .state import STATE_DIR, CopyInUseError, PullStopped, StateDB, copy_lock
+from .state import STATE_DIR, CopyInUseError, EngineState, LocalState, PullStopped, StateDB, copy_lock
 
 if TYPE_CHECKING:
     from ..engines.base import Engine, SwapRecord
@@ -493,17 +493,44 @@ class Agent:
         # payloads of the deltas it walks come from the kept objects when they are there.
         self.store.capture = self._capture(repo, previous, target)
         engine = self.engine
-        if engine is not None and not engine.needs_files and not engine.holds(target) and previous not in (None, target):
-            # The engine takes the change straight from the fetch: its swap does not wait for
-            # the copy's rewrite (at RL densities about a copy of the model, DESIGN.md 6). A
-            # first load fills the copy first and the engine reads it: one fetch of the snapshot.
-            self.last_swap = engine.update(target)
+        if (engine is not None and not engine.needs_files and previous is not None and previous != target
+                and engine.holds(previous)):
+            # The engine, at the copy's version, takes the change straight from the fetch: its
+            # swap does not wait for the copy's rewrite (at RL densities about a copy of the
+            # model, DESIGN.md 6). Otherwise (a first load, an engine that knows no version) the
+            # copy goes first and the engine reads it: one fetch.
+            self.last_swap = self._swap_engine(target)
         result = update_copy(sub, self.root, repo.manifest(target), stop=self._should_stop,
                              move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
         if engine is not None and not engine.holds(target):
             # An engine that loads files, or one catching up with a copy already there (read from it).
-            self.last_swap = engine.update(target)
+            self.last_swap = self._swap_engine(target)
         return str(result)
+
+    def _swap_engine(self, target: int, *, force: bool = False) -> SwapRecord | None:
+        """``engine.update(target)``, its outcome recorded in the state (:class:`EngineState`,
+        shown by ``deltasync status``): the version the engine holds after it, or why it did
+        not take the target, which is then raised. A version that did not reach the engine is
+        a failed update, retried like any other (the engine serves what it held: its update
+        restores it on failure); a run without ``follow`` fails once its retries are spent."""
+        engine = self.engine
+        assert engine is not None
+        db = self._state_db()
+        held = db.engine() or EngineState(engine.kind)
+        try:
+            swap = engine.update(target, force=force)
+        except (DeltasyncError, OSError) as e:
+            message = str(e) if isinstance(e, DeltasyncError) else f"{type(e).__name__}: {e}"
+            same = held.version == engine.version
+            db.set_engine(replace(held, kind=engine.kind, version=engine.version,
+                                  version_digest=held.version_digest if same else "",
+                                  repository_id=held.repository_id if same else "", last_error=message,
+                                  last_error_unix=time.time(), last_error_version=target))
+            raise
+        info = self._repository().manifest(target)
+        db.set_engine(replace(held, kind=engine.kind, version=target, version_digest=info.pb.version_digest.hex(),
+                              repository_id=info.pb.repository_id.hex(), updated_unix=time.time()))
+        return swap
 
     def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
         """Packs worth keeping from this pull: those of the deltas between the version held
@@ -667,6 +694,7 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
         "version": version,
         "version_digest": state.version_digest if state is not None else None,
         "repository_id": (state.repository_id or None) if state is not None else None,
+        **_engine_status(db.engine(), state),
         "installed_unix": state.installed_unix if state is not None else None,
         "running": running,
         "lag_versions": lag_versions,
@@ -676,6 +704,20 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
     if not running and out_status.get("state") not in (None, "stopped"):
         out_status["state"] = "not running"
     return out_status
+
+
+def _engine_status(engine: EngineState | None, state: LocalState | None) -> dict[str, Any]:
+    """The engine's record as status fields (none without an engine): its version next to the
+    copy's (``engine_current``: the same version digest and repository), its last error."""
+    if engine is None:
+        return {}
+    current = (state is not None and engine.version == state.version and engine.version_digest == state.version_digest
+               and engine.repository_id == state.repository_id)
+    return {
+        "engine_kind": engine.kind, "engine_version": engine.version, "engine_version_digest": engine.version_digest or None,
+        "engine_current": current, "engine_updated_unix": engine.updated_unix, "engine_last_error": engine.last_error,
+        "engine_last_error_unix": engine.last_error_unix, "engine_last_error_version": engine.last_error_version,
+    }
 
 
 def _alive(pid: object) -> bool:

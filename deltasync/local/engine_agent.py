@@ -117,9 +117,10 @@ class EngineAgent(Agent):
         db.set_wip(WorkInProgress(target, "engine", time.time()))
         # First update of a run: the engine's bits are checked chunk by chunk against the
         # target's digests (whatever version it or the state claims).
-        swap = self.engine.update(target, force=not self._verified)
+        swap = self._swap_engine(target, force=not self._verified)
         self._verified = True
         db.record_engine(info, repo=state_url(repo.url), engine=self.engine.kind)
+        db.update_stats({"engine": self.engine.kind})  # deltasync status: what the state is of
         self.last_swap = swap
         if swap is None:
             return "engine already there"

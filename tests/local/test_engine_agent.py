@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -420,3 +421,67 @@ def test_sigkill_at_random_points_then_the_exact_latest_version(tmp_path: Path) 
     status = read_status(state_dir)
     assert status["version"] == versions[-1] and status["lag_versions"] == 0
     assert status["version_digest"] == Repository(str(repo)).manifest(versions[-1]).pb.version_digest.hex()
+
+
+# -- the command line: subscribe --engine SPEC --state DIR, status --state DIR ---------------------------
+
+ENGINE_FACTORY = """
+import atexit, hashlib, json, os
+import torch
+
+def build():
+    model = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, shape, dtype in json.loads(os.environ["LAYOUT"])}
+
+    @atexit.register
+    def dump():  # what the engine held when the command ended
+        with open(os.environ["DIGESTS"], "w") as f:
+            json.dump({n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                       for n, t in model.items()}, f)
+
+    return model
+"""
+
+
+def test_cli_subscribe_with_state_keeps_an_engine_without_a_copy(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    run = Run(repo, snapshot_every=3)
+    run.step()
+    (tmp_path / "engine_factory.py").write_text(ENGINE_FACTORY)
+    spec = json.dumps([(n, list(shape), str(dtype).removeprefix("torch.")) for n, shape, dtype in LAYOUT])
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "LAYOUT": spec,
+           "DIGESTS": str(tmp_path / "digests.json")}
+    state = tmp_path / "state"
+
+    def deltasync(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "deltasync", *args], capture_output=True, text=True, timeout=120,
+                              env=env, cwd=tmp_path)
+
+    for _ in range(3):  # versions 1..4 (a snapshot at 4), each in a fresh process: a restart every time
+        run.step()
+        r = deltasync("subscribe", "--repo", str(repo), "--engine", "torch:engine_factory:build", "--state", str(state),
+                      "--quiet")
+        assert r.returncode == 0, r.stderr
+        assert f"engine serves version {run.versions[-1]}" in r.stdout and f"the engine is at version {run.versions[-1]}" \
+            in r.stdout, r.stdout
+        assert json.loads((tmp_path / "digests.json").read_text()) == sha256s(pulled(repo, run.versions[-1]))
+    assert sorted(p.name for p in state.iterdir()) == [".deltasync"]  # no copy of the model
+    s = deltasync("status", "--state", str(state), "--json")
+    assert s.returncode == 0, s.stderr
+    status = json.loads(s.stdout)
+    assert status["version"] == run.versions[-1] and status["engine"] == "torch" and status["lag_versions"] == 0
+    assert status["last_error"] is None
+    text = deltasync("status", "--state", str(state))
+    assert "engine       torch" in text.stdout, text.stdout
+
+    # A shard by name: only the matching tensors are held, fetched and checked.
+    r = deltasync("subscribe", "--repo", str(repo), "--engine", "torch:engine_factory:build", "--state",
+                  str(tmp_path / "shard"), "--tensors", "layers.[12].*", "--quiet")
+    assert r.returncode == 0, r.stderr
+    expected = sha256s(pulled(repo, run.versions[-1]))
+    held = json.loads((tmp_path / "digests.json").read_text())
+    zeros = sha256s(zeros_like(run.state))
+    assert held == {n: expected[n] if n in ("layers.1.weight", "layers.2.weight") else zeros[n] for n in expected}
+
+    refused = deltasync("subscribe", "--repo", str(repo), "--engine", "http:generic@http://127.0.0.1:9", "--state",
+                        str(tmp_path / "s2"))
+    assert refused.returncode != 0 and "--out DIR" in refused.stderr, refused.stderr
