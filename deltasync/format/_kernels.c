@@ -341,6 +341,66 @@ DEFINE_SCAN(AVX512, scan_impl_avx512, change_mask64_avx512)
 #endif
 
 static int use_avx512 = 0; /* set once at import */
+#if HAVE_AVX512
+static int use_vbmi2 = 0; /* AVX-512 VBMI2 (compress of bytes and words); set once at import */
+#define VBMI2 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2")))
+
+/* The scan of 2-byte elements with VBMI2: per 64 elements, the changed ones' positions and
+ * values are compressed out of the vectors (no loop over the changes); full vectors are stored,
+ * the lanes past the changes are overwritten next or land in the 64 entries reserved ahead. */
+VBMI2 static int64_t scan_w2_vbmi2(const uint8_t *t, const uint8_t *b, size_t n, size_t limit, Changes *c) {
+    size_t count = 0, e = 0;
+    int collect = 1;
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (; e + 64 <= n; e += 64) {
+        const uint8_t *tg = t + 2 * e, *bg = b + 2 * e;
+        for (int line = 0; line < 2; line++) {
+            __builtin_prefetch(tg + PREFETCH + 64 * line, 0, 2);
+            __builtin_prefetch(bg + PREFETCH + 64 * line, 0, 2);
+        }
+        __m512i t0 = _mm512_loadu_si512(tg), t1 = _mm512_loadu_si512(tg + 64);
+        __m512i b0 = _mm512_loadu_si512(bg), b1 = _mm512_loadu_si512(bg + 64);
+        __mmask32 m0 = _mm512_cmpneq_epi16_mask(t0, b0), m1 = _mm512_cmpneq_epi16_mask(t1, b1);
+        uint64_t m = (uint64_t)m0 | (uint64_t)m1 << 32;
+        size_t cnt = (size_t)__builtin_popcountll(m);
+        count += cnt;
+        if (!collect || !m) continue;
+        if (count > limit) {
+            collect = 0;
+            continue;
+        }
+        if (c->len + 64 > c->cap && !changes_reserve(c, c->len + 64, 2)) return -1;
+        size_t len = c->len, c0 = (size_t)__builtin_popcount(m0);
+        uint8_t *tv = c->tv + 2 * len, *bv = c->bv + 2 * len;
+        _mm512_storeu_si512(tv, _mm512_maskz_compress_epi16(m0, t0));
+        _mm512_storeu_si512(bv, _mm512_maskz_compress_epi16(m0, b0));
+        _mm512_storeu_si512(tv + 2 * c0, _mm512_maskz_compress_epi16(m1, t1));
+        _mm512_storeu_si512(bv + 2 * c0, _mm512_maskz_compress_epi16(m1, b1));
+        uint32_t *out = c->idx + len;
+        for (int q = 0; q < 4; q++) {
+            __mmask16 mq = (__mmask16)(m >> (16 * q));
+            __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(e + 16 * (size_t)q)));
+            _mm512_storeu_si512(out, _mm512_maskz_compress_epi32(mq, at));
+            out += __builtin_popcount(mq);
+        }
+        c->len = len + cnt;
+    }
+    for (; e < n; e++) {
+        if (load_elem(t + 2 * e, 2) == load_elem(b + 2 * e, 2)) continue;
+        count++;
+        if (!collect) continue;
+        if (count > limit) {
+            collect = 0;
+            continue;
+        }
+        if (c->len + 64 > c->cap && !changes_reserve(c, c->len + 64, 2)) return -1;
+        memcpy(c->tv + c->len * 2, t + 2 * e, 2);
+        memcpy(c->bv + c->len * 2, b + 2 * e, 2);
+        c->idx[c->len++] = (uint32_t)e;
+    }
+    return (int64_t)count;
+}
+#endif
 
 #if HAVE_AVX512
 AVX512 static int64_t scan_any_avx512(const uint8_t *t, const uint8_t *b, size_t n, int w, size_t limit,
@@ -356,6 +416,7 @@ AVX512 static int64_t scan_any_avx512(const uint8_t *t, const uint8_t *b, size_t
 
 static int64_t scan_any(const uint8_t *t, const uint8_t *b, size_t n, int w, size_t limit, Changes *c) {
 #if HAVE_AVX512
+    if (use_vbmi2 && w == 2) return scan_w2_vbmi2(t, b, n, limit, c);
     if (use_avx512) return scan_any_avx512(t, b, n, w, limit, c);
 #endif
     switch (w) {
@@ -541,46 +602,99 @@ PyDoc_STRVAR(rice_decode_doc,
 
 static const char RICE_OOM[] = "out of memory";
 
-/* Decodes m >= 1 Rice-coded positions, each < n, from a ``len``-byte stream into idx: NULL,
- * or the reason the stream is not exactly what rice_write writes (RICE_OOM when out of
- * memory). k <= MAX_RICE_K. Runs without the GIL. */
+#define RICE_SLACK 16 /* idx entries past m that rice_read may scribble on (see pass 1) */
+
+/* Pass 1 of rice_read over whole words while they hold fewer than the m - *j one bits still
+ * wanted: the positions of their one bits into idx[*j...], 16 at a time (the rest of a group of
+ * 16 is overwritten next, or lands in the RICE_SLACK spare). Returns the word it stopped at. */
+#if HAVE_AVX512
+__attribute__((target("avx512f,avx512bw,avx512vbmi2"))) static uint64_t ones_vbmi2(const uint8_t *buf, uint64_t words,
+                                                                                  size_t m, uint32_t *idx, size_t *j) {
+    const __m512i iota = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45,
+                                         44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26,
+                                         25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                         4, 3, 2, 1, 0);
+    size_t at = *j;
+    uint64_t wi = 0;
+    for (; wi < words; wi++) {
+        uint64_t word = load64(buf + 8 * wi);
+        size_t c = (size_t)__builtin_popcountll(word);
+        if (at + c >= m) break;
+        __m512i pos = _mm512_maskz_compress_epi8(word, iota), b0 = _mm512_set1_epi32((int)(64 * wi));
+        uint32_t *o = idx + at;
+        _mm512_storeu_si512(o, _mm512_add_epi32(b0, _mm512_cvtepu8_epi32(_mm512_castsi512_si128(pos))));
+        if (c > 16) _mm512_storeu_si512(o + 16, _mm512_add_epi32(b0, _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(pos, 1))));
+        if (c > 32) _mm512_storeu_si512(o + 32, _mm512_add_epi32(b0, _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(pos, 2))));
+        if (c > 48) _mm512_storeu_si512(o + 48, _mm512_add_epi32(b0, _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(pos, 3))));
+        at += c;
+    }
+    *j = at;
+    return wi;
+}
+#endif
+
+/* Decodes m >= 1 Rice-coded positions, each < n, from a ``len``-byte stream into idx (room for
+ * m + RICE_SLACK entries): NULL, or the reason the stream is not exactly what rice_write
+ * writes (RICE_OOM when out of memory). k <= MAX_RICE_K. Runs without the GIL.
+ *
+ * With at_i the position of the i-th one bit of the unary stream, at_i - i zero bits precede
+ * it: the sum of the first i + 1 unary parts. So position i is i + ((at_i - i) << k) + L_i,
+ * L_i the sum of the first i + 1 low parts, and no code waits on the one before it. */
 static const char *rice_read(const uint8_t *data, size_t len, size_t m, int k, uint64_t n, uint32_t *idx) {
     uint64_t lbits = (uint64_t)m * (uint64_t)k, llen = (lbits + 7) / 8;
     if ((uint64_t)len < llen + 1) return "Rice stream too short";
     uint64_t ulen = (uint64_t)len - llen;
+    /* An accepted unary stream holds at most n bits (its parts sum to at most (n - m) >> k):
+     * longer is refused before anything is read, which also keeps bit positions in u32. */
+    if (ulen > (n + 7) / 8) return "Rice stream has trailing data";
     uint8_t *buf = padded_copy(data, (size_t)ulen), *low = padded_copy(data + ulen, (size_t)llen);
     const char *err = NULL;
     if (!buf || !low) {
         err = RICE_OOM;
         goto done;
     }
-    /* Pass 1: the unary parts, from the positions of the one bits (word by word, so codes do
-     * not wait on each other); q goes into idx for now. */
-    const uint64_t qmax = n >> k, words = (ulen + 7) / 8;
-    uint64_t last = UINT64_MAX; /* position of the previous one bit; the first "previous" is -1 */
+    /* Pass 1: the positions of the first m one bits. Eight are written per word without
+     * asking how many there are (the rest is overwritten next; idx has RICE_SLACK spare). */
+    const uint64_t words = (ulen + 7) / 8;
+    uint64_t last = 0, wi = 0;
     size_t j = 0;
-    for (uint64_t wi = 0; wi < words && j < m; wi++) {
+#if HAVE_AVX512
+    if (use_vbmi2) wi = ones_vbmi2(buf, words, m, idx, &j);
+#endif
+    for (; wi < words; wi++) {
         uint64_t word = load64(buf + 8 * wi);
-        while (word && j < m) {
-            uint64_t at = 64 * wi + (uint64_t)__builtin_ctzll(word), q = at - last - 1;
-            if (q > qmax) {
-                err = "position past the end of the chunk";
-                break;
-            }
-            idx[j++] = (uint32_t)q;
-            last = at;
-            word &= word - 1;
+        size_t c = (size_t)__builtin_popcountll(word);
+        uint32_t b0 = (uint32_t)(64 * wi);
+        if (j + c >= m) { /* the word with the m-th one bit */
+            for (; j < m; j++, word &= word - 1) idx[j] = b0 + (uint32_t)__builtin_ctzll(word);
+            last = idx[m - 1];
+            break;
         }
-        if (err) break;
+        uint32_t *o = idx + j;
+        for (int r = 0; r < 8; r++, word &= word - 1) o[r] = b0 + low_bit(word);
+        for (int r = 8; word; r++, word &= word - 1) o[r] = b0 + low_bit(word);
+        j += c;
     }
-    if (!err && j < m) err = "Rice stream ends early";
-    /* Pass 2: positions from the unary parts and the low bits. */
-    uint64_t pos = UINT64_MAX;
-    for (size_t i = 0; i < m && !err; i++) {
-        pos += 1 + (((uint64_t)idx[i] << k) | get_bits57(low, (uint64_t)i * (uint64_t)k, k));
-        if (pos >= n) err = "position past the end of the chunk";
+    if (j < m) {
+        err = "Rice stream ends early";
+        goto done;
+    }
+    /* The unary parts sum to last + 1 - m; more than n >> k puts the last position past n
+     * (and keeps every sum below from overflowing). */
+    if (last + 1 - m > (n >> k)) {
+        err = "position past the end of the chunk";
+        goto done;
+    }
+    /* Pass 2: positions from the one bits and the running sum of the low bits. */
+    const uint64_t mask = ((uint64_t)1 << k) - 1;
+    uint64_t sum_low = 0, pos = 0;
+    for (size_t i = 0; i < m; i++) {
+        uint64_t at = (uint64_t)i * (uint64_t)k;
+        sum_low += (load64(low + (at >> 3)) >> (at & 7)) & mask;
+        pos = (uint64_t)i + ((uint64_t)(idx[i] - (uint32_t)i) << k) + sum_low;
         idx[i] = (uint32_t)pos;
     }
+    if (pos >= n) err = "position past the end of the chunk"; /* positions increase: the last is the largest */
     if (!err && !exact_padding(buf, (size_t)ulen, last + 1)) err = "Rice stream has trailing data";
     if (!err && !exact_padding(low, (size_t)llen, lbits)) err = "Rice low bits have trailing data";
 done:
@@ -602,7 +716,7 @@ static PyObject *k_rice_decode(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const char *err = NULL;
     size_t m = (size_t)count;
-    uint32_t *idx = (uint32_t *)malloc(m * sizeof(uint32_t));
+    uint32_t *idx = (uint32_t *)malloc((m + RICE_SLACK) * sizeof(uint32_t));
     if (!idx) {
         PyErr_NoMemory();
         goto done;
@@ -676,6 +790,36 @@ static inline __attribute__((always_inline)) size_t symbols_impl(const uint8_t *
     return m;
 }
 
+#if HAVE_AVX512
+/* symbols_impl for 2-byte elements, 32 changes per step: the symbols packed four to a byte
+ * with two multiply-adds, the escapes compressed out of the vector into e16 (room for count +
+ * 32) and widened into esc afterwards. */
+VBMI2 static size_t symbols_w2_vbmi2(const uint8_t *t, const uint8_t *b, size_t count, uint8_t *syms, uint64_t *esc,
+                                     uint16_t *e16, int *bad) {
+    size_t m = 0, i = 0;
+    __mmask32 zero = 0;
+    const __m512i one = _mm512_set1_epi16(1), three = _mm512_set1_epi16(3), four = _mm512_set1_epi16(4);
+    const __m256i w14 = _mm256_set1_epi16(0x0401), w116 = _mm256_set1_epi32(0x00100001);
+    for (; i + 32 <= count; i += 32) {
+        __m512i d = _mm512_sub_epi16(_mm512_loadu_si512(t + 2 * i), _mm512_loadu_si512(b + 2 * i));
+        __m512i z = _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15));
+        zero |= _mm512_cmpeq_epi16_mask(z, _mm512_setzero_si512());
+        __m256i sym = _mm512_cvtepi16_epi8(_mm512_min_epu16(_mm512_sub_epi16(z, one), three));
+        __m256i pairs = _mm256_maddubs_epi16(sym, w14);          /* s0 + 4 s1, s2 + 4 s3, ... */
+        __m256i quads = _mm256_madd_epi16(pairs, w116);          /* (s0 + 4 s1) + 16 (s2 + 4 s3) */
+        _mm_storel_epi64((__m128i *)(syms + i / 4), _mm256_cvtepi32_epi8(quads));
+        __mmask32 big = _mm512_cmpge_epu16_mask(z, four);
+        _mm512_storeu_si512(e16 + m, _mm512_maskz_compress_epi16(big, _mm512_sub_epi16(z, four)));
+        m += (size_t)__builtin_popcount(big);
+    }
+    for (size_t j = 0; j < m; j++) esc[j] = e16[j];
+    int tail_bad = 0;
+    m += symbols_impl(t + 2 * i, b + 2 * i, count - i, 2, syms + i / 4, esc + m, &tail_bad);
+    *bad = zero != 0 || tail_bad;
+    return m;
+}
+#endif
+
 PyDoc_STRVAR(pack2_doc,
              "pack2(target_values, base_values, width) -> (symbols, k, prefix, suffix)\n\n"
              "z = zigzag(target - base) >= 1 of every change as the 2-bit symbol min(z - 1, 3), four\n"
@@ -713,6 +857,13 @@ static PyObject *k_pack2(PyObject *self, PyObject *args) {
     uint64_t plen = 0, slen = 0;
     Py_BEGIN_ALLOW_THREADS
     const uint8_t *t = (const uint8_t *)tb.buf, *b = (const uint8_t *)bb.buf;
+#if HAVE_AVX512
+    uint16_t *e16 = NULL;
+    if (use_vbmi2 && w == 2 && (e16 = (uint16_t *)malloc((count + 32) * sizeof(uint16_t)))) {
+        m = symbols_w2_vbmi2(t, b, count, syms, esc, e16, &bad);
+        free(e16);
+    } else
+#endif
     switch (w) {
     case 1: m = symbols_impl(t, b, count, 1, syms, esc, &bad); break;
     case 2: m = symbols_impl(t, b, count, 2, syms, esc, &bad); break;
@@ -776,17 +927,136 @@ PyDoc_STRVAR(unpack2_doc,
              "Inverse of pack2: the ``count`` zigzagged changes as w-byte elements. ValueError\n"
              "unless the streams are exactly what pack2 writes for some changes.");
 
-/* Symbol i's value: z = symbol + 1, or the next escape's z for symbol 3 (esc has a spare slot,
- * so reading one past the last escape is harmless). */
+/* For every byte of four symbols and every width, the four elements it stands for: in
+ * Z_TABLE the zigzagged changes z = symbol + 1, in D_TABLE the changes themselves (unzigzag(z)
+ * in w bytes, what apply2 adds); 0 for symbol 3, an escape, written afterwards. Filled at import. */
+static uint8_t Z_TABLE[4][256 * 4 * 8], D_TABLE[4][256 * 4 * 8];
+
+static int width_slot(int w) { return w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : 3; }
+
+static void fill_tables(void) {
+    for (int slot = 0, w = 1; slot < 4; slot++, w *= 2)
+        for (unsigned byte = 0; byte < 256; byte++)
+            for (unsigned r = 0; r < 4; r++) {
+                uint64_t sym = (byte >> (2 * r)) & 3, z = sym == 3 ? 0 : sym + 1;
+                uint64_t d = sym == 3 ? 0 : unzigzag(z) & width_mask(w);
+                store_elem(Z_TABLE[slot] + (4 * byte + r) * (unsigned)w, z, w);
+                store_elem(D_TABLE[slot] + (4 * byte + r) * (unsigned)w, d, w);
+            }
+}
+
+/* The n elements of ``n`` symbols from ``table`` (Z_TABLE or D_TABLE), four at a time, then the
+ * escapes in order over the symbol 3s: their z, or unzigzag(z) when ``changes``. */
 static inline __attribute__((always_inline)) void fill_impl(const uint8_t *s, size_t n, const uint64_t *esc,
-                                                            uint8_t *out, int w) {
-    size_t j = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint64_t sym = (s[i >> 2] >> (2 * (i & 3))) & 3;
-        uint64_t z = sym == 3 ? esc[j] : sym + 1;
-        j += sym == 3;
-        store_elem(out + i * (size_t)w, z, w);
+                                                            uint8_t *out, int w, int changes) {
+    const uint8_t *table = changes ? D_TABLE[width_slot(w)] : Z_TABLE[width_slot(w)];
+    const size_t quad = 4 * (size_t)w;
+    for (size_t i = 0; i < n / 4; i++) memcpy(out + i * quad, table + s[i] * quad, quad);
+    if (n & 3) memcpy(out + (n / 4) * quad, table + s[n / 4] * quad, (n & 3) * (size_t)w);
+    /* Symbol 3s: both bits of a pair set. A word of 32 symbols at a time (the last one copied
+     * out, so that nothing is read past the stream). */
+    size_t j = 0, bytes = (n + 3) / 4;
+    for (size_t at = 0; at < bytes; at += 8) {
+        uint64_t x = 0;
+        memcpy(&x, s + at, bytes - at < 8 ? bytes - at : 8);
+        uint64_t e = x & (x >> 1) & 0x5555555555555555u;
+        for (; e; e &= e - 1) {
+            size_t i = 4 * at + (size_t)(__builtin_ctzll(e) >> 1);
+            if (i >= n) break; /* padding symbols are 0: never reached in a checked stream */
+            uint64_t z = esc[j++];
+            store_elem(out + i * (size_t)w, changes ? unzigzag(z) : z, w);
+        }
     }
+}
+
+/* The escapes of ``n`` 2-bit symbols (the symbol 3s among them: *m_out), decoded and checked
+ * with everything else about the streams but the symbols' own values: NULL, or why the
+ * streams are not what pack2 writes (RICE_OOM when out of memory). On success *esc_out is a
+ * malloc'd array of the escapes' z, plus a spare 0 (fill_impl reads one past the last). */
+static const char *escapes_read(const uint8_t *s, size_t n, int k, const uint8_t *pdata, size_t plen,
+                                const uint8_t *sdata, size_t slen, int w, uint64_t **esc_out) {
+    const char *err = NULL;
+    size_t m = 0; /* escapes: symbols 3 among the first n */
+    for (size_t i = 0; i < n / 4; i++) m += (size_t)__builtin_popcount(s[i] & (s[i] >> 1) & 0x55);
+    for (size_t i = n & ~(size_t)3; i < n; i++) m += ((s[i >> 2] >> (2 * (i & 3))) & 3) == 3;
+    uint8_t *pre = padded_copy(pdata, plen), *suf = padded_copy(sdata, slen);
+    uint64_t *esc = (uint64_t *)malloc((m + 1 + RICE_SLACK) * sizeof(uint64_t));
+    if (!pre || !suf || !esc) {
+        err = RICE_OOM;
+        goto done;
+    }
+    const uint64_t emax = width_mask(w) - 4, hmax = emax >> k;
+    const uint64_t kmask = k ? ~(uint64_t)0 >> (64 - k) : 0, lmax = emax & kmask;
+    const uint64_t sbits = 8 * (uint64_t)slen, words = (plen + 7) / 8;
+    uint64_t ppos = 0, spos = 0;
+    /* The positions of the prefixes' one bits (as in rice_read's pass 1), into esc. */
+    size_t found = 0;
+    for (uint64_t wi = 0; wi < words && found < m; wi++) {
+        uint64_t word = load64(pre + 8 * wi), b0 = 64 * wi;
+        size_t c = (size_t)__builtin_popcountll(word);
+        if (found + c >= m) {
+            for (; found < m; found++, word &= word - 1) esc[found] = b0 + (uint64_t)__builtin_ctzll(word);
+            break;
+        }
+        uint64_t *o = esc + found;
+        for (int r = 0; r < 8; r++, word &= word - 1) o[r] = b0 + low_bit(word);
+        for (int r = 8; word; r++, word &= word - 1) o[r] = b0 + low_bit(word);
+        found += c;
+    }
+    if (found < m) err = "escape stream ends early";
+    uint64_t last = UINT64_MAX;
+    for (size_t j = 0; j < m && !err; j++) {
+        uint64_t nb = esc[j] - last - 1, lo, hi; /* prefix j: nb zero bits, then a one */
+        last = esc[j];
+        if (nb > 63 || spos + (uint64_t)k + nb > sbits) {
+            err = "escape runs past its stream";
+            break;
+        }
+        uint64_t nmask = ((uint64_t)1 << nb) - 1;
+        if ((uint64_t)k + nb <= 57) { /* the usual case: one load */
+            uint64_t v = load64(suf + (spos >> 3)) >> (spos & 7);
+            lo = v & kmask;
+            hi = nmask + ((v >> k) & nmask); /* e >> k */
+        } else {
+            lo = get_bits(suf, spos, k);
+            hi = nmask + get_bits(suf, spos + (uint64_t)k, (int)nb);
+        }
+        spos += (uint64_t)k + nb;
+        if (hi > hmax || (hi == hmax && lo > lmax)) {
+            err = "escaped change wider than the element";
+            break;
+        }
+        esc[j] = ((hi << k) | lo) + 4;
+    }
+    ppos = last + 1;
+    esc[m] = 0;
+    if (!err && (n & 3) && (s[n >> 2] >> (2 * (n & 3))) != 0) err = "symbol stream has trailing data";
+    if (!err && !m && k != 0) err = "escape parameter without escapes";
+    if (!err && !exact_padding(pre, plen, ppos)) err = "escape stream has trailing data";
+    if (!err && !exact_padding(suf, slen, spos)) err = "escape stream has trailing data";
+done:
+    free(pre);
+    free(suf);
+    if (err) {
+        free(esc);
+        esc = NULL;
+    }
+    *esc_out = esc;
+    return err;
+}
+
+/* The argument checks unpack2 and apply2 share; 0 with an exception set when one fails. */
+static int zz2_args(int w, Py_ssize_t count, int k) {
+    if (!check_width(w)) return 0;
+    if (count < 1) {
+        PyErr_Format(PyExc_ValueError, "bad count %zd", count);
+        return 0;
+    }
+    if (k < 0 || k >= 8 * w) {
+        PyErr_Format(PyExc_ValueError, "bad escape parameter %d", k);
+        return 0;
+    }
+    return 1;
 }
 
 static PyObject *k_unpack2(PyObject *self, PyObject *args) {
@@ -794,9 +1064,7 @@ static PyObject *k_unpack2(PyObject *self, PyObject *args) {
     Py_ssize_t count;
     int k, w;
     if (!PyArg_ParseTuple(args, "OniOOi:unpack2", &so, &count, &k, &po, &fo, &w)) return NULL;
-    if (!check_width(w)) return NULL;
-    if (count < 1) return PyErr_Format(PyExc_ValueError, "bad count %zd", count);
-    if (k < 0 || k >= 8 * w) return PyErr_Format(PyExc_ValueError, "bad escape parameter %d", k);
+    if (!zz2_args(w, count, k)) return NULL;
     Py_buffer sb, pb, fb;
     if (get_buffer(so, &sb, 0) < 0) return NULL;
     if (get_buffer(po, &pb, 0) < 0) {
@@ -810,7 +1078,6 @@ static PyObject *k_unpack2(PyObject *self, PyObject *args) {
     }
     PyObject *result = NULL;
     const char *err = NULL;
-    uint8_t *pre = NULL, *suf = NULL;
     uint64_t *esc = NULL;
     size_t n = (size_t)count;
     const uint8_t *s = (const uint8_t *)sb.buf;
@@ -818,75 +1085,27 @@ static PyObject *k_unpack2(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "symbol stream of the wrong size");
         goto done;
     }
-    size_t m = 0; /* escapes: symbols 3 among the first n */
-    for (size_t i = 0; i < n / 4; i++) m += (size_t)__builtin_popcount(s[i] & (s[i] >> 1) & 0x55);
-    for (size_t i = n & ~(size_t)3; i < n; i++) m += ((s[i >> 2] >> (2 * (i & 3))) & 3) == 3;
-    pre = padded_copy(pb.buf, (size_t)pb.len);
-    suf = padded_copy(fb.buf, (size_t)fb.len);
-    esc = (uint64_t *)malloc((m + 1) * sizeof(uint64_t));
     result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * (size_t)w));
-    if (!pre || !suf || !esc || !result) {
-        if (result) Py_CLEAR(result);
-        else PyErr_Clear();
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (!result) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result); /* not shared yet: filled without the GIL */
     Py_BEGIN_ALLOW_THREADS
-    const uint64_t emax = width_mask(w) - 4, hmax = emax >> k;
-    const uint64_t lmax = k ? emax & (~(uint64_t)0 >> (64 - k)) : 0;
-    const uint64_t pbits = 8 * (uint64_t)pb.len, sbits = 8 * (uint64_t)fb.len;
-    uint64_t ppos = 0, spos = 0;
-    /* The unary prefixes first, word by word from the one bits (as in rice_decode); nb into esc. */
-    uint64_t last = UINT64_MAX;
-    size_t found = 0;
-    for (uint64_t wi = 0; wi < (pbits + 63) / 64 && found < m; wi++) {
-        uint64_t word = load64(pre + 8 * wi);
-        for (; word && found < m; word &= word - 1) {
-            uint64_t at = 64 * wi + (uint64_t)__builtin_ctzll(word);
-            esc[found++] = at - last - 1;
-            last = at;
-        }
-    }
-    ppos = last + 1;
-    if (found < m) err = "escape stream ends early";
-    for (size_t j = 0; j < m && !err; j++) {
-        uint64_t nb = esc[j];
-        if (nb > 63 || spos + (uint64_t)k + nb > sbits) {
-            err = "escape runs past its stream";
-            break;
-        }
-        uint64_t low = get_bits(suf, spos, k);
-        spos += (uint64_t)k;
-        uint64_t hi = ((uint64_t)1 << nb) - 1 + get_bits(suf, spos, (int)nb); /* e >> k */
-        spos += nb;
-        if (hi > hmax || (hi == hmax && low > lmax)) {
-            err = "escaped change wider than the element";
-            break;
-        }
-        esc[j] = ((hi << k) | low) + 4;
-    }
-    esc[m] = 0;
-    if (!err && (n & 3) && (s[n >> 2] >> (2 * (n & 3))) != 0) err = "symbol stream has trailing data";
-    if (!err && !m && k != 0) err = "escape parameter without escapes";
-    if (!err && !exact_padding(pre, (size_t)pb.len, ppos)) err = "escape stream has trailing data";
-    if (!err && !exact_padding(suf, (size_t)fb.len, spos)) err = "escape stream has trailing data";
+    err = escapes_read(s, n, k, (const uint8_t *)pb.buf, (size_t)pb.len, (const uint8_t *)fb.buf, (size_t)fb.len,
+                       w, &esc);
     if (!err) {
         switch (w) {
-        case 1: fill_impl(s, n, esc, out, 1); break;
-        case 2: fill_impl(s, n, esc, out, 2); break;
-        case 4: fill_impl(s, n, esc, out, 4); break;
-        default: fill_impl(s, n, esc, out, 8); break;
+        case 1: fill_impl(s, n, esc, out, 1, 0); break;
+        case 2: fill_impl(s, n, esc, out, 2, 0); break;
+        case 4: fill_impl(s, n, esc, out, 4, 0); break;
+        default: fill_impl(s, n, esc, out, 8, 0); break;
         }
     }
     Py_END_ALLOW_THREADS
     if (err) {
         Py_CLEAR(result);
-        PyErr_SetString(PyExc_ValueError, err);
+        if (err == RICE_OOM) PyErr_NoMemory();
+        else PyErr_SetString(PyExc_ValueError, err);
     }
 done:
-    free(pre);
-    free(suf);
     free(esc);
     PyBuffer_Release(&sb);
     PyBuffer_Release(&pb);
@@ -986,6 +1205,101 @@ done:
     if (have_base) PyBuffer_Release(&bb);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&vb);
+    return result;
+}
+
+/* -- apply2: 2-bit symbols applied straight from their stream -------------------------- */
+
+/* apply_impl for the add transform, with the changes themselves (unzigzagged) in ``d``. */
+static inline __attribute__((always_inline)) void add_impl(uint8_t *o, const uint8_t *src, size_t n,
+                                                           const uint32_t *idx, const uint8_t *d, size_t m, int w) {
+    size_t i = 0;
+#define ADD_ONE                                                                 \
+    do {                                                                        \
+        uint8_t *p = o + (size_t)idx[i] * (size_t)w;                            \
+        store_elem(p, load_elem(p, w) + load_elem(d + i * (size_t)w, w), w);    \
+    } while (0)
+    if (!src) { /* in place: the changed elements' cache lines come from memory; ask early */
+        for (; i + 64 < m; i++) {
+            __builtin_prefetch(o + (size_t)idx[i + 64] * (size_t)w, 1, 3);
+            ADD_ONE;
+        }
+        for (; i < m; i++) ADD_ONE;
+        return;
+    }
+    const size_t block = (size_t)(32768 / w); /* elements */
+    for (size_t start = 0; start < n; start += block) {
+        size_t end = start + block < n ? start + block : n;
+        memcpy(o + start * (size_t)w, src + start * (size_t)w, (end - start) * (size_t)w);
+        for (; i < m && idx[i] < end; i++) ADD_ONE;
+    }
+#undef ADD_ONE
+}
+
+PyDoc_STRVAR(apply2_doc,
+             "apply2(out, base, indices, symbols, k, prefix, suffix, width)\n\n"
+             "scatter(out, base, indices, unpack2(symbols, count, k, prefix, suffix, width), width, 1)\n"
+             "with count = len(indices) // 4, in one pass: the values are never materialized. The\n"
+             "same inputs are refused, and ``out`` is written only once everything has been checked.");
+
+static PyObject *k_apply2(PyObject *self, PyObject *args) {
+    PyObject *oo, *bo, *io, *so, *po, *fo;
+    int k, w;
+    if (!PyArg_ParseTuple(args, "OOOOiOOi:apply2", &oo, &bo, &io, &so, &k, &po, &fo, &w)) return NULL;
+    PyObject *objs[5] = {io, so, po, fo, oo};
+    Py_buffer bufs[5], bb = {0};
+    int got = 0, have_base = bo != Py_None;
+    for (; got < 5; got++)
+        if (get_buffer(objs[got], &bufs[got], got == 4) < 0) break;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    uint64_t *esc = NULL;
+    if (got < 5) goto done;
+    if (have_base && get_buffer(bo, &bb, 0) < 0) {
+        have_base = 0;
+        goto done;
+    }
+    Py_buffer *ib = &bufs[0], *sb = &bufs[1], *pb = &bufs[2], *fb = &bufs[3], *ob = &bufs[4];
+    size_t m = (size_t)ib->len / 4;
+    if (!zz2_args(w, (Py_ssize_t)m, k)) goto done;
+    if ((size_t)sb->len != (m + 3) / 4) {
+        PyErr_SetString(PyExc_ValueError, "symbol stream of the wrong size");
+        goto done;
+    }
+    size_t n = (size_t)ob->len / (size_t)w;
+    const uint32_t *idx = (const uint32_t *)ib->buf;
+    const uint8_t *s = (const uint8_t *)sb->buf;
+    int mismatched = ob->len % w || ib->len % 4 || (have_base && bb.len != ob->len), bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    err = escapes_read(s, m, k, (const uint8_t *)pb->buf, (size_t)pb->len, (const uint8_t *)fb->buf,
+                       (size_t)fb->len, w, &esc);
+    if (!err && !mismatched) {
+        bad = idx[m - 1] >= n;
+        for (size_t i = 1; i < m; i++) bad |= idx[i] <= idx[i - 1];
+    }
+    uint8_t *d = NULL;
+    if (!err && !mismatched && !bad && !(d = (uint8_t *)malloc(m * (size_t)w))) err = RICE_OOM;
+    if (d) {
+        uint8_t *o = (uint8_t *)ob->buf;
+        const uint8_t *src = have_base && bb.buf != ob->buf ? (const uint8_t *)bb.buf : NULL;
+        switch (w) {
+        case 1: fill_impl(s, m, esc, d, 1, 1), add_impl(o, src, n, idx, d, m, 1); break;
+        case 2: fill_impl(s, m, esc, d, 2, 1), add_impl(o, src, n, idx, d, m, 2); break;
+        case 4: fill_impl(s, m, esc, d, 4, 1), add_impl(o, src, n, idx, d, m, 4); break;
+        default: fill_impl(s, m, esc, d, 8, 1), add_impl(o, src, n, idx, d, m, 8); break;
+        }
+        free(d);
+    }
+    Py_END_ALLOW_THREADS
+    if (err == RICE_OOM) PyErr_NoMemory();
+    else if (err) PyErr_SetString(PyExc_ValueError, err);
+    else if (mismatched) PyErr_SetString(PyExc_ValueError, "scatter: buffers of mismatched sizes");
+    else if (bad) PyErr_SetString(PyExc_ValueError, "scatter: indices must be increasing and in range");
+    else result = Py_NewRef(Py_None);
+done:
+    free(esc);
+    if (have_base) PyBuffer_Release(&bb);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     return result;
 }
 
@@ -1610,7 +1924,7 @@ static PyObject *k_class_select(PyObject *self, PyObject *args) {
     io = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * k));
     vo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(k * (size_t)w));
     maps = (uint8_t *)malloc((size_t)map_bytes);
-    scratch = (uint32_t *)malloc(4 * (size_t)most);
+    scratch = (uint32_t *)malloc(4 * ((size_t)most + RICE_SLACK));
     if (!io || !vo || !maps || !scratch) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
@@ -1687,6 +2001,7 @@ static PyMethodDef methods[] = {
     {"pack2", k_pack2, METH_VARARGS, pack2_doc},
     {"unpack2", k_unpack2, METH_VARARGS, unpack2_doc},
     {"scatter", k_scatter, METH_VARARGS, scatter_doc},
+    {"apply2", k_apply2, METH_VARARGS, apply2_doc},
     {"class_thresholds", k_class_thresholds, METH_VARARGS, class_thresholds_doc},
     {"class_encode", k_class_encode, METH_VARARGS, class_encode_doc},
     {"class_select", k_class_select, METH_VARARGS, class_select_doc},
@@ -1702,10 +2017,12 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__kernels(void) {
+    fill_tables();
 #if HAVE_AVX512
     __builtin_cpu_init();
     use_avx512 = __builtin_cpu_supports("avx512bw") && !getenv("DELTASYNC_NO_AVX512");
     use_popcnt = __builtin_cpu_supports("popcnt") && !getenv("DELTASYNC_NO_POPCNT");
+    use_vbmi2 = use_avx512 && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512vl");
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddStringConstant(m, "simd", use_avx512 ? "avx512bw" : BASELINE_SIMD) < 0) {

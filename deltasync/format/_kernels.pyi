@@ -18,6 +18,10 @@ def unpack2(symbols: _Data, count: int, k: int, prefix: _Data, suffix: _Data, wi
 def scatter(
     out: npt.NDArray[np.uint8], base: _Data | None, indices: _Data, values: _Data, width: int, transform: int, /
 ) -> None: ...
+def apply2(
+    out: npt.NDArray[np.uint8], base: _Data | None, indices: _Data, symbols: _Data, k: int, prefix: _Data,
+    suffix: _Data, width: int, /,
+) -> None: ...
 
 simd: str
 """The compare instructions the scan uses: "avx512bw", "sse2" or "none" (chosen at import)."""

@@ -288,6 +288,16 @@ def scatter(
         o[idx] += unzigzag(v)
 
 
+
+def apply2(
+    out: npt.NDArray[np.uint8], base: Data | None, indices: Data, symbols: Data, k: int, prefix: Data,
+    suffix: Data, width: int, /,
+) -> None:
+    """``scatter`` of ``unpack2``'s values with the add transform (the C kernel does it in one
+    pass); ``out`` is written only once everything has been checked."""
+    values = unpack2(symbols, len(indices) // 4, k, prefix, suffix, width)
+    scatter(out, base, indices, values, width, 1)
+
 MAX_CLASSES = 8
 BIN_SHIFT: dict[int, int] = {1: 3, 2: 7, 4: 23, 8: 52}
 """Magnitude bins: an element's bits without the sign bit, shifted right by this (for bf16 and

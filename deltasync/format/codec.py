@@ -151,6 +151,10 @@ class _Kernels(Protocol):
     def pack2(self, target_values: Data, base_values: Data, width: int, /) -> tuple[bytes, int, bytes, bytes]: ...
     def unpack2(self, symbols: Data, count: int, k: int, prefix: Data, suffix: Data, width: int, /) -> bytes: ...
     def scatter(self, out: Bytes, base: Data | None, indices: Data, values: Data, width: int, transform: int, /) -> None: ...
+    def apply2(
+        self, out: Bytes, base: Data | None, indices: Data, symbols: Data, k: int, prefix: Data, suffix: Data,
+        width: int, /,
+    ) -> None: ...
     def class_thresholds(self, base: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /) -> bytes: ...
     def class_encode(
         self, base: Data, width: int, thresholds: Data, indices: Data, target_values: Data, base_values: Data, /
@@ -566,8 +570,7 @@ class PlanesZstdCodec:
         elif enc == DENSE:
             self._decode_dense(chunk.payload, base, out, width)
         elif enc == SPARSE:
-            indices, values, mode = self._decode_sparse(chunk.payload, width, nbytes // width, base)
-            _K.scatter(out, None if in_place else base, indices, values, width, mode)
+            self._decode_sparse(chunk.payload, width, base, out, in_place)
         else:
             raise CorruptObjectError("chunk", f"unknown encoding {enc}")
         return out
@@ -749,8 +752,10 @@ class PlanesZstdCodec:
         else:
             np.add(base.view(u), unzigzag(c), out=out.view(u))
 
-    def _decode_sparse(self, payload: bytes, width: int, n: int, base: Bytes) -> tuple[bytes, Data, int]:
-        """(u32 indices, values as elements, scatter transform) of a sparse payload, all checked."""
+    def _decode_sparse(self, payload: bytes, width: int, base: Bytes, out: Bytes, in_place: bool) -> None:
+        """Apply a sparse payload to ``out`` (which holds the base already when ``in_place``),
+        once all of it has been checked."""
+        n = len(out) // width
         if len(payload) < _SPARSE_HEADER.size:
             raise CorruptObjectError("sparse chunk", "truncated header")
         transform, coding, pos_param, value_param, count, pos_len = _SPARSE_HEADER.unpack_from(payload)
@@ -768,14 +773,19 @@ class PlanesZstdCodec:
                 raise CorruptObjectError("sparse chunk", "magnitude classes in a codec version 1 chunk")
             if coding != _CLASSES:
                 indices = self._decode_positions(pos_raw, coding, pos_param, count, n)
+            src = None if in_place else base
             if transform == _ZIGZAG2:
-                values: Data = self._decode_zigzag2(val_raw, count, value_param, width)
+                symbols, prefix, suffix = self._zigzag2_streams(val_raw, count)
+                if coding != _CLASSES:  # the values go from their streams straight into out
+                    _K.apply2(out, src, indices, symbols, value_param, prefix, suffix, width)
+                    return
+                values: Data = _K.unpack2(symbols, count, value_param, prefix, suffix, width)
                 transform = _ZIGZAG
             else:
                 values = unplanes(_unzstd(val_raw, count * width, "sparse chunk values"), width)
             if coding == _CLASSES:  # values come class after class: put them in index order
                 indices, values = self._decode_classes(pos_raw, pos_param, n, base, width, values)
-            return indices, values, transform
+            _K.scatter(out, src, indices, values, width, transform)
         except ValueError as e:  # the kernels refuse malformed streams
             raise CorruptObjectError("sparse chunk", str(e)) from None
 
@@ -842,13 +852,14 @@ class PlanesZstdCodec:
         gaps[escapes] += large.view(np.uint32)
         return gaps
 
-    def _decode_zigzag2(self, data: memoryview, count: int, k: int, width: int) -> bytes:
+    def _zigzag2_streams(self, data: memoryview, count: int) -> tuple[bytes, memoryview, memoryview]:
+        """The symbols (decompressed), escape prefixes and escape suffixes of a 2-bit value section."""
         sym_len = _U32.unpack(_take(data, 0, _U32.size, "symbol length"))[0]
         symbols = _unzstd(_take(data, _U32.size, sym_len, "symbol frame"), (count + 3) // 4, "sparse chunk values")
         at = _U32.size + sym_len
         prefix_len = _U32.unpack(_take(data, at, _U32.size, "escape length"))[0]
         prefix = _take(data, at + _U32.size, prefix_len, "escape prefix")
-        return _K.unpack2(symbols, count, k, prefix, data[at + _U32.size + prefix_len :], width)
+        return symbols, prefix, data[at + _U32.size + prefix_len :]
 
 
 def _check_width(width: int) -> None:

@@ -842,6 +842,13 @@ def test_kernels_agree(case: Case, limit_fraction: float) -> None:
         work = case.base.copy()
         k.scatter(work, None, idx, values, w, 1)
         outs.append(work.tobytes())
+        # apply2: the same changes applied straight from their 2-bit streams
+        out = np.zeros_like(case.base)
+        k.apply2(out, case.base, idx, packed[0], packed[1], packed[2], packed[3], w)
+        outs.append(out.tobytes())
+        work = case.base.copy()
+        k.apply2(work, None, idx, packed[0], packed[1], packed[2], packed[3], w)
+        outs.append(work.tobytes())
     assert outs == [case.target.tobytes()] * len(outs)
 
 
@@ -888,6 +895,17 @@ def test_kernels_refuse_the_same_damaged_streams(case: Case, data: st.DataObject
     streams[which] = _mutate(streams[which], data)
     bad_ek = data.draw(st.sampled_from([ek, ek, ek + 1, max(0, ek - 1), 8 * w - 1, 8 * w]))
     _same_outcome([lambda m=m: m.unpack2(streams[0], count, bad_ek, streams[1], streams[2], w) for m in KERNEL_IMPLS])
+
+    def apply2(impl: ModuleType) -> bytes:
+        work = case.base.copy()
+        try:
+            impl.apply2(work, None, idx, streams[0], bad_ek, streams[1], streams[2], w)
+        except ValueError:
+            assert work.tobytes() == case.base.tobytes(), "apply2 wrote out before refusing its streams"
+            raise
+        return work.tobytes()
+
+    _same_outcome([lambda m=m: apply2(m) for m in KERNEL_IMPLS])
 
 
 @pytest.mark.skipif(c_kernels is None or getattr(c_kernels, "simd", "") != "avx512bw", reason="no AVX-512 here")
