@@ -36,7 +36,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -244,7 +244,8 @@ class PackcastNode:
         self._retained_raw: dict[str, bytes] = {}  # node 0: the manifests of the round being planned
         if rank == 0:
             self._store.set("next", "1")
-            self._fetch_pool = ThreadPoolExecutor(max(2, min(8, cache.io_concurrency)), thread_name_prefix="deltasync-packcast")
+            self._fetchers = max(2, min(8, cache.io_concurrency))
+            self._fetch_pool = ThreadPoolExecutor(self._fetchers, thread_name_prefix="deltasync-packcast")
         else:
             try:
                 self._store.wait(["next"], timedelta(seconds=timeout))
@@ -305,6 +306,7 @@ class PackcastNode:
         them: the manifests of the path, then the packs by first use."""
         plan, chain = sub.plan(target, self.engine.version)
         out: dict[str, int] = {}
+        self._retained_raw.clear()
         for info in chain.infos:
             if info.version == plan.base:
                 continue  # the nodes at node 0's version hold it already
@@ -325,16 +327,20 @@ class PackcastNode:
                         out.setdefault(pack.key, int(pack.size))
         return list(out.items())
 
-    def _fetch(self, key: str, size: int) -> bytes:
-        raw = self._retained_raw.pop(key, None) if not key.startswith(_PACK) else None
-        if raw is None:
+    def _fetch(self, key: str, size: int, offset: int, length: int) -> bytes:
+        """Bytes ``offset .. offset+length`` of an object of the round (ranged reads: a piece
+        goes out while the rest of its pack is still on its way)."""
+        raw = self._retained_raw.get(key)
+        if raw is not None:
+            data = raw[offset : offset + length]
+        else:
             try:
-                raw = self.cache.inner.get(key, max_bytes=size)
+                data = self.cache.inner.get(key, (offset, length))
             except (DeltasyncError, OSError) as e:
                 log.warning("packcast: fetching %s failed (%s); the nodes read it from the relay", key, e)
-                raw = b""
-            self.cache.upstream_bytes += len(raw)
-        return raw[:size].ljust(size, b"\0")  # what does not match its key or digest is refused on arrival
+                data = b""
+            self.cache.upstream_bytes += len(data)
+        return data[:length].ljust(length, b"\0")  # what does not match its key or digest is refused on arrival
 
     # -- other nodes -------------------------------------------------------------------------------
 
@@ -450,17 +456,29 @@ class PackcastNode:
 
     def _send(self, pg: Any, piece: Any, objects: list[tuple[str, int]], total: int) -> None:
         view = piece.numpy()
+        step = len(view)
+        parts = [(key, size, off, min(step, size - off)) for key, size in objects for off in range(0, size, step)]
+        whole: dict[str, bytearray] = {}
         filled = 0
-        # Fetches run ahead in the pool (io_concurrency at a time) while earlier pieces go out.
-        for (key, _), raw in zip(objects, self._fetch_pool.map(lambda o: self._fetch(*o), objects), strict=True):
-            self.cache.offer(key, raw)  # this node's own engine starts on it now
-            src = np.frombuffer(raw, dtype=np.uint8)
+        window: deque[Future[bytes]] = deque()
+        ahead = 2 * self._fetchers
+        todo = iter(parts)
+        for key, size, off, n in parts:
+            # Fetches run ahead (a bounded window) while earlier pieces go out.
+            while len(window) < ahead and (nxt := next(todo, None)) is not None:
+                window.append(self._fetch_pool.submit(self._fetch, *nxt))
+            data = window.popleft().result()
+            got = whole.setdefault(key, bytearray())
+            got += data
+            if off + n == size:
+                self.cache.offer(key, bytes(whole.pop(key)))  # this node's own engine starts on it now
+            src = np.frombuffer(data, dtype=np.uint8)
             at = 0
-            while at < len(src):
-                take = min(len(view) - filled, len(src) - at)
+            while at < n:
+                take = min(step - filled, n - at)
                 view[filled : filled + take] = src[at : at + take]
                 filled, at = filled + take, at + take
-                if filled == len(view):
+                if filled == step:
                     self._broadcast(pg, piece)
                     filled = 0
         if filled:

@@ -1,0 +1,466 @@
+"""Inside a cluster: commit -> every engine serving, for N nodes, today's paths next to packcast.
+
+    python -m benchmarks.bench_fanout [--nodes 4,8,16,32] [--model-mib 8] [--link-mbps 0.1] [--reps 2]
+
+One publisher commits RL-like versions (``--fraction`` of the bf16 elements move by one ulp
+at random positions) of a small model to a local repository. One relay (``deltasync serve``'s
+RelayServer) serves it behind a modelled WAN link (``--wan-mbps``). N
+agent processes (forked once; at most ``max(--nodes)``) each keep a torch engine of the whole
+model in memory and bring it to every version, along the paths asked for (``--paths``; by
+default copy and packcast), measured in the same run:
+
+* ``copy``: today's path: each agent pulls the version into a directory copy from the relay,
+  then its engine stages from the copy (``deltasync subscribe --out DIR --engine torch``);
+* ``engine``: each agent's engine pulls from the relay, no copy (an engine-first agent, item 1);
+* ``packcast``: node 0 fetches the version's stored bytes from the relay once and broadcasts
+  them over a gloo group; every node decodes and applies them (engines/packcast.py).
+
+Links are modelled, as the machine has none: every read from the relay pays the relay's
+egress link (``--link-mbps``, one link shared by every agent, a token bucket in shared
+memory), and node 0's broadcast pays its own link at the same rate (a pipelined chain,
+which nccl's ring and gloo's pipelined broadcast approach, crosses each link about once).
+The agents learn of a version from the benchmark at once (no watch interval).
+
+Printed per N and path: commit -> every engine serving (median over ``--reps`` versions),
+its ratio to N = 4, and per agent and version the bytes received, bytes written to local
+disk (``/proc/self/io`` write_bytes) and peak RSS. Then a projection to 1 TB across 4
+clusters x 32 nodes from the rates measured here, with the stages after the commit in
+sequence and overlapped at pack granularity.
+
+The agents share this machine's cores: every node decodes every version, so the CPU work
+of a round grows with N here while on a cluster each node has its own cores. The
+``cpu/node`` column says how much of a round that is; keep the model small (``--model-mib``)
+so that the links, not the 2 cores, are the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Imported before the agents fork, so that each starts with them loaded (and no threads).
+import torch
+
+from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
+from deltasync.engines import TorchEngine
+from deltasync.engines.packcast import PackCache, PackcastNode
+from deltasync.storage import LocalStore, Store, WrappingStore
+
+PATHS = ("copy", "engine", "packcast")
+TENSOR_ELEMS = 256 * 1024  # 512 KiB of bf16 per tensor
+PIECE = 256 << 10  # bytes per broadcast piece
+
+
+class SharedLink(WrappingStore):
+    """Reads pay one link shared by every process holding it (a token bucket in shared memory)."""
+
+    def __init__(self, inner: Store, link: tuple[Any, Any], rate: float) -> None:
+        super().__init__(inner)
+        self.free_at, self.enabled = link
+        self.rate = rate
+        self.bytes_read = 0
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        data = self.inner.get(key, byte_range)
+        self.bytes_read += len(data)
+        if self.enabled.value:
+            with self.free_at.get_lock():
+                start = max(time.time(), self.free_at.value)
+                self.free_at.value = done = start + len(data) / self.rate
+            delay = done - time.time()
+            if delay > 0:
+                time.sleep(delay)
+        return data
+
+
+class PacedNode(PackcastNode):
+    """Node 0's broadcast pays its link: a piece leaves no faster than the link carries it."""
+
+    rate = 0.0
+    paced = True
+
+    def _broadcast(self, pg: Any, piece: Any) -> None:
+        if self.rank == 0 and self.paced:
+            due = getattr(self, "_due", 0.0)
+            start = max(time.time(), due)
+            self._due = start + piece.numel() / self.rate
+            delay = self._due - time.time()
+            if delay > 0:
+                time.sleep(delay)
+        super()._broadcast(pg, piece)
+
+
+def io_written() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class Setup:
+    path: str
+    rank: int
+    nodes: int
+    relay: str
+    port: int
+    work: str
+    names: list[str]
+    rate: float
+
+
+def agent(conn: Connection, link: tuple[Any, Any]) -> None:
+    """One node: builds the path it is told to, then updates its engine on each command."""
+    from deltasync.storage import GrpcStore
+
+    torch.set_num_threads(1)
+    state: dict[str, Any] = {}
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "exit":
+            return
+        try:
+            if cmd == "setup":
+                s: Setup = arg
+                state.clear()
+                relay = SharedLink(GrpcStore(s.relay), link, s.rate)
+                held = {n: torch.zeros(TENSOR_ELEMS, dtype=torch.bfloat16) for n in s.names}
+                state.update(setup=s, relay=relay, held=held)
+                if s.path == "copy":
+                    out = Path(s.work) / f"copy-{s.rank}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    state["out"] = out
+                    state["engine"] = TorchEngine(held, relay, workers=1, copy=out)
+                elif s.path == "engine":
+                    state["engine"] = TorchEngine(held, relay, workers=1)
+                else:
+                    cache = PackCache(relay)
+                    engine = TorchEngine(held, cache, workers=1)
+                    PacedNode.rate = s.rate
+                    state["cache"], state["engine"] = cache, engine
+                    state["node"] = PacedNode(engine, cache, rank=s.rank, world=s.nodes, master=f"127.0.0.1:{s.port}",
+                                              timeout=60.0, piece_bytes=PIECE, prefix=f"bench-{s.nodes}")
+                conn.send(("ok", None))
+            elif cmd == "update":
+                conn.send(("ok", update(state, int(arg))))
+            elif cmd == "close":
+                node = state.get("node")
+                if node is not None:
+                    node.close()
+                state.clear()
+                conn.send(("ok", None))
+        except BaseException as e:  # report, and stay available for the next command
+            import traceback
+
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def update(state: dict[str, Any], version: int) -> dict[str, float]:
+    s: Setup = state["setup"]
+    engine: TorchEngine = state["engine"]
+    relay: SharedLink = state["relay"]
+    cache: PackCache | None = state.get("cache")
+    received0 = relay.bytes_read + (cache.received_bytes if cache is not None and s.rank else 0)
+    written0, cpu0 = io_written(), time.process_time()
+    record = None
+    if s.path == "copy":
+        from deltasync.pull.subscriber import Subscriber
+
+        sub = state.setdefault("sub", Subscriber(relay, workers=1))
+        sub.update_dir(state["out"], version)
+        record = engine.update(version)
+    elif s.path == "engine":
+        record = engine.update(version)
+    else:
+        node: PacedNode = state["node"]
+        if s.rank == 0:
+            record = node.update(version).record
+        else:
+            node.follow(rounds=1)
+            record = node.reports[-1].record
+    served = time.time()
+    assert engine.version == version
+    received = relay.bytes_read + (cache.received_bytes if cache is not None and s.rank else 0) - received0
+    return {
+        "served_at": served, "received": received, "written": io_written() - written0,
+        "cpu": time.process_time() - cpu0, "rss": peak_rss_mib(),
+        "stage_s": record.stage_s if record else 0.0, "pause_s": record.pause_s if record else 0.0,
+        "bytes_written": record.bytes_written if record else 0,
+    }
+
+
+class Fleet:
+    def __init__(self, n: int, link: tuple[Any, Any]) -> None:
+        ctx = mp.get_context("fork")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=agent, args=(theirs, link), daemon=True)
+            p.start()
+            self.conns.append(mine)
+            self.procs.append(p)
+
+    def call(self, ranks: range, cmd: str, arg: Any) -> list[Any]:
+        for r in ranks:
+            self.conns[r].send((cmd, arg(r) if callable(arg) else arg))
+        out = []
+        for r in ranks:
+            status, value = self.conns[r].recv()
+            if status != "ok":
+                raise RuntimeError(f"agent {r}: {value}")
+            out.append(value)
+        return out
+
+    def close(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(OSError):
+                c.send(("exit", None))
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def step(state: dict[str, torch.Tensor], fraction: float, rng: np.random.Generator) -> None:
+    for t in state.values():
+        bits = t.view(torch.int16).numpy()
+        pos = np.unique(rng.integers(0, bits.size, max(1, int(bits.size * fraction))))
+        bits[pos] += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="4,8,16,32", help="N values, comma-separated")
+    ap.add_argument("--paths", default="copy,packcast", help=f"of {','.join(PATHS)} (engine: about 3 min more)")
+    ap.add_argument("--model-mib", type=float, default=8.0, help="bf16 model size (512 KiB tensors)")
+    ap.add_argument("--fraction", type=float, default=0.01, help="elements changed per version")
+    ap.add_argument("--reps", type=int, default=2, help="timed versions per N and path")
+    ap.add_argument("--link-mbps", type=float, default=0.1, help="modelled node link and relay egress, MB/s")
+    ap.add_argument("--wan-mbps", type=float, default=0.2, help="modelled WAN link of the relay, MB/s")
+    ap.add_argument("--dir", default=None, help="where to work (default: a temporary directory under .)")
+    ap.add_argument("--clusters", type=int, default=4, help="projection: clusters, one relay each")
+    ap.add_argument("--agents", type=int, default=32, help="projection: nodes per cluster")
+    ap.add_argument("--wan-gbps", type=float, default=10.0, help="projection: each relay's upstream link")
+    ap.add_argument("--lan-gbps", type=float, default=25.0, help="projection: each node's link")
+    ap.add_argument("--node-cores", type=int, default=32, help="projection: cores per node decoding")
+    ap.add_argument("--rate-mib", type=float, default=64.0, help="model size for the per-node rates of the projection")
+    ap.add_argument("--pack-mib", type=float, default=64.0, help="projection: pack size (the unit of overlap)")
+    args = ap.parse_args()
+    nodes = [int(n) for n in args.nodes.split(",")]
+    paths = [p for p in args.paths.split(",") if p]
+    rate = args.link_mbps * 1e6
+
+    link = (mp.Value("d", 0.0), mp.Value("b", 1))
+    fleet = Fleet(max(nodes), link)  # forked before any thread of this process exists
+    from deltasync.relay import build_server
+    from deltasync.testing import free_port
+
+    with tempfile.TemporaryDirectory(prefix="bench-fanout-", dir=args.dir or ".") as d:
+        work = Path(d)
+        repo = str(work / "repo")
+        rng = np.random.default_rng(7)
+        tensors = max(1, int(args.model_mib * 2))
+        model = {f"layers.{i}.weight": torch.from_numpy(
+            (rng.normal(0, 0.02, TENSOR_ELEMS).astype(np.float32).view(np.uint32) >> 16).astype(np.int16)
+        ).view(torch.bfloat16) for i in range(tensors)}
+        names = list(model)
+        raw = sum(t.numel() * 2 for t in model.values())
+        pub = Publisher(repo, PublisherConfig(codec=PlanesZstdCodec(), snapshot_every=100000, pack_bytes=64 << 10,
+                                              workers=1, progress=False))
+        version = int(pub.publish(model))
+        wan = SharedLink(LocalStore(repo), (mp.Value("d", 0.0), link[1]), args.wan_mbps * 1e6)
+        relay = build_server(wan, "127.0.0.1:0", cache_dir=work / "relay").start()
+        print(f"model {raw / 2**20:.1f} MiB bf16 ({tensors} tensors), {args.fraction:.2%} of elements changed per version; "
+              f"links modelled: relay egress and node links {args.link_mbps:g} MB/s, WAN {args.wan_mbps:g} MB/s; "
+              f"{os.cpu_count()} cores shared by every agent")
+        rows: list[dict[str, Any]] = []
+        stored: list[float] = []
+        publish_s: list[float] = []
+        try:
+            for n in nodes:
+                ranks = range(n)
+                for path in paths:
+                    port = free_port()
+                    fleet.call(ranks, "setup", lambda r, n=n, path=path, port=port: Setup(
+                        path, r, n, relay.url, port, str(work), names, rate))
+                    # Untimed: bring every engine (and copy) to the latest version, links off.
+                    link[1].value = 0
+                    PacedNode.paced = False
+                    fleet.call(ranks, "update", version)
+                    link[1].value = 1
+                    times, per_agent = [], []
+                    for _ in range(args.reps):
+                        step(model, args.fraction, rng)
+                        t0 = time.perf_counter()
+                        res = pub.publish(model)
+                        publish_s.append(time.perf_counter() - t0)
+                        stored.append(res.stored_bytes / raw)
+                        version = int(res)
+                        committed = time.time()
+                        for bucket in (link[0], wan.free_at):
+                            with bucket.get_lock():
+                                bucket.value = time.time()
+                        out = fleet.call(ranks, "update", version)
+                        times.append(max(o["served_at"] for o in out) - committed)
+                        per_agent.extend(out)
+                    fleet.call(ranks, "close", None)
+                    if path == "copy":
+                        for r in ranks:
+                            shutil.rmtree(work / f"copy-{r}", ignore_errors=True)
+                    rows.append({
+                        "n": n, "path": path, "s": statistics.median(times),
+                        "received": statistics.mean(a["received"] for a in per_agent),
+                        "written": statistics.mean(a["written"] for a in per_agent),
+                        "rss": max(a["rss"] for a in per_agent),
+                        "cpu": statistics.mean(a["cpu"] for a in per_agent),
+                        "stage": statistics.median(a["stage_s"] for a in per_agent),
+                        "pause": statistics.median(a["pause_s"] for a in per_agent),
+                        "pause_bytes": statistics.median(a["bytes_written"] for a in per_agent),
+                        "stored": res.stored_bytes,
+                    })
+                    row = rows[-1]
+                    print(f"  N={n:>2} {path:<8} commit->all serving {row['s']:7.3f} s   per agent: received "
+                          f"{row['received'] / 1e3:8.1f} kB, written {row['written'] / 1e3:8.1f} kB, cpu {row['cpu']:.3f} s, "
+                          f"peak RSS {row['rss']:.0f} MiB", flush=True)
+        finally:
+            fleet.close()
+            relay.stop()
+        rates = measure_rates(work, args.rate_mib, args.fraction, rng)
+    report(rows, nodes, paths, raw, statistics.median(stored), statistics.median(publish_s), rates, args)
+
+
+def measure_rates(work: Path, mib: float, fraction: float, rng: np.random.Generator) -> dict[str, float]:
+    """Per-node work at a size where fixed costs are small: one engine, one thread, a local repository."""
+    elems = 8 << 20  # 16 MiB tensors: a large model's tensors are larger still
+    tensors = max(1, int(mib / 16))
+    model = {f"layers.{i}.weight": torch.from_numpy(
+        (rng.normal(0, 0.02, elems).astype(np.float32).view(np.uint32) >> 16).astype(np.int16)
+    ).view(torch.bfloat16) for i in range(tensors)}
+    raw = sum(t.numel() * 2 for t in model.values())
+    repo = str(work / "rates")
+    pub = Publisher(repo, PublisherConfig(codec=PlanesZstdCodec(), workers=1, progress=False))
+    held = {n: torch.zeros_like(t) for n, t in model.items()}
+    engine = TorchEngine(held, repo, workers=1)
+    engine.update(int(pub.publish(model)))
+    stage, pause, written, publish = [], [], [], []
+    for i in range(4):  # the first delta pays one-time costs (torch's indexing kernels): not counted
+        step(model, fraction, rng)
+        t0 = time.perf_counter()
+        v = int(pub.publish(model))
+        t1, c1 = time.perf_counter(), time.thread_time()
+        rec = engine.update(v)
+        cpu = time.thread_time() - c1  # workers=1 decodes on this thread; the machine is shared
+        assert rec is not None
+        if i:
+            publish.append(t1 - t0)
+            stage.append(min(rec.stage_s, cpu))
+            pause.append(rec.pause_s)
+            written.append(rec.bytes_written)
+    out = {"raw": raw, "stage": statistics.median(stage), "pause": statistics.median(pause),
+           "written": statistics.median(written), "publish": statistics.median(publish)}
+    print(f"\nper-node rates, one engine at {raw / 2**20:.0f} MiB on one thread (local repository; median of 3 "
+          f"versions): stage {out['stage'] * 1e3:.1f} ms ({raw / out['stage'] / 1e9:.2f} GB/s of model), pause "
+          f"{out['pause'] * 1e3:.2f} ms for {out['written'] / 1e3:.0f} kB written ({out['written'] / out['pause'] / 1e9:.2f}"
+          f" GB/s), publish {out['publish'] * 1e3:.1f} ms")
+    return out
+
+
+def report(rows: list[dict[str, Any]], nodes: list[int], paths: list[str], raw: int, stored: float,
+           publish_s: float, rates: dict[str, float], args: argparse.Namespace) -> None:
+    by = {(r["n"], r["path"]): r for r in rows}
+    print(f"\ncommit -> every engine serving (median of {args.reps} versions; stored delta {stored * raw / 1e3:.0f} kB "
+          f"= {stored:.4f} x raw)")
+    print(f"| {'N':>3} | " + " | ".join(f"{p:>16}" for p in paths) + " |")
+    print(f"|{'-' * 5}|" + "|".join("-" * 18 for _ in paths) + "|")
+    for n in nodes:
+        print(f"| {n:>3} | " + " | ".join(f"{by[(n, p)]['s']:>7.3f} s ({by[(n, p)]['s'] / by[(nodes[0], p)]['s']:>4.2f}x)"
+                                           for p in paths) + " |")
+    print("per agent and version (mean): bytes received / written to local disk / cpu; peak RSS (max)")
+    for p in paths:
+        for n in nodes:
+            r = by[(n, p)]
+            print(f"  {p:<8} N={n:>2}: {r['received'] / 1e3:8.1f} kB received ({r['received'] / r['stored']:.2f}x the "
+                  f"stored delta), {r['written'] / 1e3:8.1f} kB written ({r['written'] / r['stored']:.2f}x), cpu "
+                  f"{r['cpu'] * 1e3:6.1f} ms, peak RSS {r['rss']:.0f} MiB")
+    last = nodes[-1]
+    if "packcast" in paths:
+        ratio = by[(last, "packcast")]["s"] / by[(nodes[0], "packcast")]["s"]
+        print(f"target: packcast at N={last} <= 1.5x N={nodes[0]}: {ratio:.2f}x ({'holds' if ratio <= 1.5 else 'does not hold'})")
+        project(rates, stored, args)
+
+
+def project(r: dict[str, float], stored: float, args: argparse.Namespace) -> None:
+    """Commit -> every engine serving for 1 TB, 4 clusters x 32 nodes, from the rates measured."""
+    model = 1e12
+    delta = model * stored
+    pack = args.pack_mib * 2**20
+    raw = r["raw"]
+    stage_core_s = r["stage"] / raw  # seconds per model byte on one core
+    written = model * (r["written"] / raw)
+    pause_core_s = r["pause"] / max(1.0, r["written"])
+    wan, lan = args.wan_gbps * 1e9 / 8, args.lan_gbps * 1e9 / 8
+    stages = [
+        ("WAN: each relay reads the delta once", delta / wan,
+         f"{args.clusters} relays in parallel, {args.wan_gbps:g} Gbit/s each"),
+        ("relay -> node 0 of the cluster", delta / lan, f"{args.lan_gbps:g} Gbit/s, once per cluster (not per node)"),
+        ("fan-out: node 0 -> every node", delta / lan,
+         f"pipelined chain/ring: each link carries the delta once, {args.lan_gbps:g} Gbit/s node links"),
+        ("decode + verify + stage on each node", model * stage_core_s / args.node_cores,
+         f"{r['stage'] * 1e3:.1f} ms per {raw / 2**20:.0f} MiB on 1 core, measured; {args.node_cores} cores per node"),
+        ("pause: write the changed elements", written * pause_core_s / args.node_cores,
+         f"{written / 1e9:.1f} GB at {r['written'] / r['pause'] / 1e9:.2f} GB/s per core, measured; written by "
+         f"{args.node_cores} cores in parallel (one thread: {written * pause_core_s:.1f} s)"),
+    ]
+    print(f"\nprojection: 1 TB model, {args.fraction:.2%} of elements changed (stored delta {delta / 1e9:.1f} GB, "
+          f"ratio measured here), {args.clusters} clusters x {args.agents} nodes; engines hold the weights in "
+          f"memory (no page cache, no directory copy); packs of {args.pack_mib:g} MiB")
+    print(f"| {'stage after the commit':<40} | {'seconds':>8} | basis")
+    print(f"|{'-' * 42}|{'-' * 10}|------")
+    for name, seconds, basis in stages:
+        print(f"| {name:<40} | {seconds:>8.1f} | {basis}")
+    seq = sum(s for _, s, _ in stages)
+    flow = stages[:4]
+    slowest = max(s for _, s, _ in flow)
+    # Overlapped at pack granularity: the slowest stage, plus one pack through the others, plus
+    # the pause (nothing is served from the new version before it) and the chain's fill.
+    fill = sum(s * pack / delta for _, s, _ in flow) - slowest * pack / delta + (args.agents - 1) * PIECE / lan
+    overlapped = slowest + fill + stages[4][1]
+    print(f"| {'commit -> every engine serving, in sequence':<40} | {seq:>8.1f} | stages one after another")
+    print(f"| {'commit -> every engine serving, overlapped':<40} | {overlapped:>8.1f} | slowest stage + one pack "
+          f"through the others + chain fill + pause")
+    print(f"| {f'today: relay -> {args.agents} nodes, by itself':<40} | {delta * args.agents / lan:>8.1f} | "
+          f"LAN stage alone: the relay's egress carries the delta {args.agents} times")
+    need = model / (args.node_cores * max(1e-9, 20 - stages[4][1] - fill))
+    print("assumptions: per-core rates scale with cores (memory bandwidth is the first limit this ignores: about 3 "
+          f"passes over the model per node, {3 * model / (model * stage_core_s / args.node_cores) / 1e9:.0f} GB/s); "
+          "each node holds the weights in host memory (a GPU engine adds its host->device copy, not measured here); "
+          "the relay serves each pack once it has landed whole; no page cache or disk on the path")
+    print(f"the decode stage is the bound: 20 s needs >= {need / 1e9:.2f} GB/s of model per core "
+          f"(measured {1 / stage_core_s / 1e9:.2f})")
+    print(f"targets: commit -> serving <= 20 s: {overlapped:.1f} s ({'holds' if overlapped <= 20 else 'does not hold'}); "
+          f"pause <= 1 s: {stages[4][1]:.2f} s ({'holds' if stages[4][1] <= 1 else 'does not hold'})")
+    print(f"(before the commit, not counted: publishing took {r['publish'] * 1e3:.0f} ms per {raw / 2**20:.0f} MiB on "
+          "one thread here; see bench_lastmile for encode and upload at scale)")
+
+
+if __name__ == "__main__":
+    main()
