@@ -2,13 +2,15 @@
 
     bash scripts/install_vllm.sh      # once: the vLLM environment
     python -m benchmarks.bench_vllm [--hidden 1536] [--layers 16] [--vocab 32768] [--fractions 0.001,0.01,0.1]
+                                    [--repeats 3] [--no-restart]
 
 A random-weight Qwen2 checkpoint (``tests/vllm_model.py``, untied LM head; 0.88 GB in bf16
-at the defaults) is published, then for each fraction f one version changing f of the
-elements of every tensor at random positions (by a visible amount), one changing f of the
-elements of a single layer's MLP (what a partial update looks like), and one changing f of
-the input embeddings only. Two servers start from agent copies of version 1, both with the
-deltasync plugin:
+at the defaults) is published, then, per row, ``--repeats`` versions (rows interleaved, each
+version a step from the one before): for each fraction f, f of the elements of every tensor
+at random positions (by a visible amount), f of the elements of a single layer's MLP (what a
+partial update looks like), and f of the input embeddings only; and always 0.1% of every
+tensor (an RL step's change). Two servers start from agent copies of version 1, both with
+the deltasync plugin and the same settings (printed first, with the machine):
 
 * **backend**: ``--weight-transfer-config '{"backend": "deltasync"}'``, driven by
   :class:`~deltasync.engines.VllmEngine` (pause mode ``keep``);
@@ -16,16 +18,19 @@ deltasync plugin:
 
 Each version is pulled into both copies (outside the timing), then swapped into both
 servers. Printed per version: the pause (pause → resume, as the engine measures it) and the
-end-to-end update time, for both, and their ratio; what the backend's workers did (tensors
-patched in place / tensors reloaded through whole modules, from the server log); last, the
-wall time of a server restart on the new version (start → ``/health``), measured once. After
-each swap both servers must give the same greedy generation.
+end-to-end update time (staging included), for both, and their ratio; what the backend's
+workers did (tensors patched in place / tensors reloaded through whole modules) and their
+cost estimate next to the time they measured, from the server log. Then the medians of each
+row, and last the wall time of a server restart on the new version (start → ``/health``),
+measured once. After each swap both servers must give the same greedy generation.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -33,13 +38,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import deltasync
 from deltasync.engines import HttpEngine, VllmEngine
+from deltasync.engines.vllm.weights import DEFAULT_STAGE_MAX_BYTES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_server import ROOT, VllmServer, vllm_python
@@ -80,57 +86,103 @@ def perturb(src: Path, dst: Path, *, fraction: float, seed: int, only: str | Non
     return dst
 
 
+#: The row every run has: the change an RL step makes.
+RL_STEP = (0.001, "every tensor", None)
+
+MAX_MODEL_LEN, KV_CACHE_GIB = 512, 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--fractions", default="0.001,0.01,0.1")
+    ap.add_argument("--repeats", type=int, default=3, help="versions per row (medians are printed per row)")
+    ap.add_argument("--no-restart", action="store_true", help="skip timing a server restart")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     a = ap.parse_args()
+    if a.repeats < 1:
+        raise SystemExit("bench_vllm: --repeats must be >= 1")
     py, why = vllm_python()
     if py is None:
         raise SystemExit(f"bench_vllm: {why}")
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=a.dir))
     try:
-        run(py, root, a.hidden, a.layers, a.vocab, [float(x) for x in a.fractions.split(",")])
+        run(py, root, a.hidden, a.layers, a.vocab, [float(x) for x in a.fractions.split(",")], a.repeats,
+            restart=not a.no_restart)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: list[float]) -> None:
+def rows_of(fractions: list[float]) -> list[tuple[float, str, str | None]]:
+    rows = [(f, label, only) for f in fractions for label, only in KINDS]
+    if not any(f == RL_STEP[0] and label == RL_STEP[1] for f, label, _ in rows):
+        rows.insert(0, RL_STEP)
+    return rows
+
+
+def print_config(py: Path, hidden: int, layers: int, vocab: int, size: int, fractions: list[float],
+                 repeats: int) -> None:
+    probe = subprocess.run([str(py), "-c", "import torch, vllm; print(vllm.__version__, torch.__version__, "
+                            "torch.get_num_threads())"], capture_output=True, text=True, timeout=300)
+    lines = probe.stdout.strip().splitlines()
+    vllm_v, torch_v, threads = [*(lines[-1].split() if lines else []), "?", "?", "?"][:3]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    print("configuration:")
+    print(f"  model       Qwen2, hidden {hidden}, {layers} layers, vocab {vocab} (untied LM head), "
+          f"{size / 1e9:.2f} GB bf16")
+    print(f"  rows        {', '.join(f'{f:.1%} of {label}' for f, label, _ in rows_of(fractions))}; "
+          f"{repeats} version(s) each, medians per row")
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    print(f"  vLLM        {vllm_v} (torch {torch_v}; {threads} torch threads in a plain process, "
+          f"VLLM_CPU_OMP_THREADS_BIND={binding}); both servers: --enforce-eager, --dtype bfloat16, "
+          f"--max-model-len {MAX_MODEL_LEN}, {KV_CACHE_GIB} GiB KV cache, deltasync plugin")
+    print("  backend     --weight-transfer-config {\"backend\": \"deltasync\"}, VllmEngine pause mode keep, "
+          f"stage_max_bytes {DEFAULT_STAGE_MAX_BYTES >> 20} MiB")
+    print("  reload      http:vllm preset (vLLM's reload_weights from the copy)")
+    print(f"  machine     {platform.machine()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at start, "
+          f"python {platform.python_version()}")
+
+
+def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: list[float], repeats: int, *,
+        restart: bool = True) -> None:
     tok = root / "tokenizer"
     t0 = time.perf_counter()
     base = build_model(py, root / "v1", tok, hidden=hidden, layers=layers, vocab=vocab)
     size = sum(f.stat().st_size for f in base.glob("*.safetensors"))
-    print(f"model: Qwen2, hidden {hidden}, {layers} layers, vocab {vocab}, {size / 1e9:.2f} GB bf16 "
-          f"(built in {time.perf_counter() - t0:.0f} s)")
+    print_config(py, hidden, layers, vocab, size, fractions, repeats)
+    print(f"  (model built in {time.perf_counter() - t0:.0f} s)", flush=True)
     repo = str(root / "repo")
     pub = deltasync.Publisher(repo)
     pub.publish_dir(base)
     versions: list[tuple[int, str]] = []
     prev = base
-    for i, f in enumerate(fractions):
-        for k, (label, only) in enumerate(KINDS):
-            d = perturb(prev, root / f"v{len(versions) + 2}", fraction=f, seed=i * len(KINDS) + k, only=only)
-            v: int = pub.publish_dir(d)
+    rows = rows_of(fractions)
+    for r in range(repeats):
+        for k, (f, label, only) in enumerate(rows):
+            d = perturb(prev, root / f"v{len(versions) + 2}", fraction=f, seed=r * len(rows) + k, only=only)
+            v: int = pub.publish_dir(d, base_dir=prev)  # a delta, as a trainer publishes it
             versions.append((v, f"{f:.1%} of {label}"))
+            if r or k:
+                shutil.rmtree(prev)  # the copies and the repository hold it now
             prev = d
     sub = deltasync.Subscriber(repo)
     copies = {name: root / f"copy-{name}" for name in ("backend", "reload")}
     for c in copies.values():
         sub.update_dir(c, 1)
     backend = VllmServer(py, copies["backend"], tokenizer=tok, log=root / "backend.log",
-                         weight_transfer={"backend": "deltasync"}, max_model_len=512)
-    reload = VllmServer(py, copies["reload"], tokenizer=tok, log=root / "reload.log", max_model_len=512)
+                         weight_transfer={"backend": "deltasync"}, max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB)
+    reload = VllmServer(py, copies["reload"], tokenizer=tok, log=root / "reload.log", max_model_len=MAX_MODEL_LEN,
+                        kv_cache_gib=KV_CACHE_GIB)
     with backend, reload:
         eng_b = VllmEngine(backend.url, repo, model_dir=copies["backend"], pause_mode="keep")
         eng_r = HttpEngine(reload.url, repo, model_dir=copies["reload"], preset="vllm")
         eng_b.update(1)
         eng_r.update(1)
         print(f"\n{'version':<30} {'backend pause':>14} {'reload pause':>13} {'ratio':>7} {'backend e2e':>12} "
-              f"{'reload e2e':>11}  patched/reloaded tensors")
-        ratios: dict[str, list[float]] = {}
+              f"{'reload e2e':>11}  patched/reloaded tensors, worker estimate / measured")
+        results: dict[str, list[Swap]] = {}
         for v, what in versions:
             for c in copies.values():
                 sub.update_dir(c, v)
@@ -145,18 +197,44 @@ def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: l
             if not same:
                 raise SystemExit(f"bench_vllm: version {v}: the two servers generate differently")
             ratio = rr.pause_s / rb.pause_s
-            ratios.setdefault(what.split(" of ", 1)[1], []).append(ratio)
             rec = worker_record(backend.log, v)
             did = f"{rec.get('tensors_patched', '?')}/{rec.get('tensors_reloaded', '?')} of {rec.get('tensors_total', '?')}"
+            est, meas = float(rec.get("estimate_s", float("nan"))), float(rec.get("measured_s", float("nan")))
+            results.setdefault(what, []).append(Swap(rb.pause_s, rr.pause_s, e2e_b, e2e_r, did, est, meas))
             print(f"v{v} {what:<27} {rb.pause_s:>12.3f} s {rr.pause_s:>11.3f} s {ratio:>6.1f}x {e2e_b:>10.3f} s "
-                  f"{e2e_r:>9.3f} s  {did}", flush=True)
-    t = time.perf_counter()
-    with VllmServer(py, copies["reload"], tokenizer=tok, log=root / "restart.log", max_model_len=512):
-        restart = time.perf_counter() - t
-    print(f"\nserver restart on the last version (start → /health): {restart:.1f} s")
-    for kind, rs in ratios.items():
-        print(f"reload pause ÷ backend pause, {kind}: median {statistics.median(rs):.1f}x "
-              f"(target ≥ 10x at 1% changed)")
+                  f"{e2e_r:>9.3f} s  {did}, {est:.3f} s / {meas:.3f} s", flush=True)
+    print_medians(results)
+    if restart:
+        t = time.perf_counter()
+        with VllmServer(py, copies["reload"], tokenizer=tok, log=root / "restart.log", max_model_len=MAX_MODEL_LEN,
+                        kv_cache_gib=KV_CACHE_GIB):
+            took = time.perf_counter() - t
+        print(f"\nserver restart on the last version (start → /health): {took:.1f} s")
+
+
+class Swap(NamedTuple):
+    """One version swapped into both servers."""
+
+    backend_pause: float
+    reload_pause: float
+    backend_e2e: float
+    reload_e2e: float
+    did: str
+    estimate: float
+    measured: float
+
+
+def print_medians(results: dict[str, list[Swap]]) -> None:
+    print(f"\nmedians per row ({'/'.join(str(len(r)) for r in results.values())} versions)")
+    print(f"| {'version':<24} | backend pause | reload pause | reload ÷ backend | backend end to end "
+          "| reload end to end | reload ÷ backend | patched / reloaded | worker estimate / measured |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for what, rs in results.items():
+        bp, rp = statistics.median(r.backend_pause for r in rs), statistics.median(r.reload_pause for r in rs)
+        be, re_ = statistics.median(r.backend_e2e for r in rs), statistics.median(r.reload_e2e for r in rs)
+        est, meas = statistics.median(r.estimate for r in rs), statistics.median(r.measured for r in rs)
+        print(f"| {what:<24} | {bp:.3f} s | {rp:.3f} s | {rp / bp:.1f}x | {be:.3f} s | {re_:.3f} s | {re_ / be:.1f}x "
+              f"| {rs[-1].did} | {est:.3f} s / {meas:.3f} s |")
 
 
 if __name__ == "__main__":

