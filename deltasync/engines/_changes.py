@@ -91,6 +91,8 @@ class VersionChanges:
     chunks_total: int
     chunks_changed: int
     fetched_bytes: int
+    bytes_in_place: int = 0
+    """Bytes of chunks the pipeline wrote straight into the served bits (``dest`` arrays that are them)."""
 
     @property
     def elements(self) -> int:
@@ -150,6 +152,7 @@ def compute_changes(
     slots = threading.BoundedSemaphore(2 * workers)  # decoded chunks waiting for a diff stay bounded
     pending: list[tuple[pb.Tensor, Future[DenseRun | tuple[Index, Words] | None]]] = []
     total = 0
+    in_place: list[int] = []
 
     def sink(t: pb.Tensor, off: int, data: Bits) -> None:
         nonlocal total
@@ -160,6 +163,10 @@ def compute_changes(
             old = held.pop((key, off), None)
         if not seen:  # the pipeline read every chunk it was given; this is only a safety net
             old = read(key, off, len(data))
+        into = dest.get(key) if dest is not None else None
+        if old is not None and old is not data and into is not None and np.may_share_memory(old, into):
+            in_place.append(len(data))  # the pipeline wrote the target into the served bits (TorchEngine.load)
+            return
         if old is not None and (old is data or np.may_share_memory(old, data)):
             return  # the pipeline returned the served bits: already the target
         if old is None and dest is not None:
@@ -190,7 +197,7 @@ def compute_changes(
                 entry.sparse_new.append(new)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    return VersionChanges(version, out, total, changed, plan.fetch_bytes)
+    return VersionChanges(version, out, total, changed + len(in_place), plan.fetch_bytes, sum(in_place))
 
 
 def _changes_from_copy(

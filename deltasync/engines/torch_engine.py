@@ -16,6 +16,7 @@ finish on the old weights first, new ones wait. If a write fails half way the ol
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from ._changes import (
     map_words,
 )
 from ._fused import FusedScatter, fuse_writes
-from .base import Engine, EngineError, Staged
+from .base import Engine, EngineError, Staged, SwapRecord
 
 if TYPE_CHECKING:
     import torch
@@ -404,6 +405,56 @@ class TorchEngine(Engine):
         assert isinstance(staged, TorchStaged)
         if staged.changes is not None:
             update_edges(self._edges, staged.edges, staged.changes)
+
+    # -- a full pass in place ------------------------------------------------------------------------
+
+    def load(self, version: int | None = None) -> SwapRecord:
+        """Bring the tensors to ``version`` (default: the latest) in place, paused for the whole pass.
+
+        For a first load (an empty engine, a restart, a node joining): each chunk is checked
+        against its digest and, where it differs, fetched, decoded and verified straight into
+        the tensor, so memory stays O(chunks in flight) instead of a staged copy of the model
+        (:meth:`update`'s stage then swap holds every changed byte, and the old ones). Requests
+        wait for the whole pass. If it fails half way the tensors hold a mix and the engine
+        knows no version (``version`` None) until a load or an update succeeds; nothing is
+        restored. Engines holding regions or tensors off the CPU take :meth:`update` instead.
+        """
+        self._check_open()
+        if version is not None and (not isinstance(version, int) or version < 1):
+            raise UsageError(f"version must be a positive integer, got {version!r}")
+        with self._mutex:
+            target = self._resolve(version)
+            info = self.subscriber.repo.manifest(target)
+            held = {n: (dtypes.from_torch(t.dtype), self._geometry[n].full_shape) for n, t in self.tensors.items()}
+            keys = check_layout(info, held, strict=self.strict)
+            entries = info.entries()
+            dest = {key: self._host.get(entries[key].name) for key in keys}
+            if self._sliced or any(entries[k].full_shape or arr is None for k, arr in dest.items()):
+                record = self.update(target, force=True)
+                assert record is not None
+                return record
+            previous = self._version
+            t0 = time.perf_counter()
+            self._pause()
+            t1 = time.perf_counter()
+            try:
+                self._version, self._version_key = None, None  # a mix until the pass completes
+                self._generation += 1  # updates staged before are stale
+                changes = compute_changes(
+                    self.subscriber, target, held_version=None, read=self._read_factory(info), keys=keys,
+                    dense_fraction=self.dense_fraction, dest={k: a for k, a in dest.items() if a is not None},
+                )
+                self._version, self._version_key = target, self.version_key(target)
+            finally:
+                self._resume()
+            t2 = time.perf_counter()
+            record = SwapRecord(
+                version=target, previous=previous, pause_s=t2 - t1, drain_s=t1 - t0, stage_s=0.0,
+                bytes_written=changes.bytes_in_place, elements_changed=changes.elements, chunks_changed=changes.chunks_changed,
+                chunks_total=changes.chunks_total, fetched_bytes=changes.fetched_bytes, extra={"in_place": True},
+            )
+            self.swaps.append(record)
+            return record
 
     # -- the served bits, as the pipeline's local copy ----------------------------------------------
 

@@ -507,6 +507,10 @@ class Agent:
             self.last_swap = self._swap_engine(target)
         return str(result)
 
+    def _engine_update(self, engine: Engine, target: int, force: bool) -> SwapRecord | None:
+        """How the engine takes ``target`` (a hook: the engine-first agent loads a first pass in place)."""
+        return engine.update(target, force=force)
+
     def _swap_engine(self, target: int, *, force: bool = False) -> SwapRecord | None:
         """``engine.update(target)``, its outcome recorded in the state (:class:`EngineState`,
         shown by ``deltasync status``): the version the engine holds after it, or why it did
@@ -518,7 +522,7 @@ class Agent:
         db = self._state_db()
         held = db.engine() or EngineState(engine.kind)
         try:
-            swap = engine.update(target, force=force)
+            swap = self._engine_update(engine, target, force)
         except (DeltasyncError, OSError) as e:
             message = str(e) if isinstance(e, DeltasyncError) else f"{type(e).__name__}: {e}"
             same = held.version == engine.version

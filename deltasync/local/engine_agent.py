@@ -44,7 +44,7 @@ from .cache import LocalCache
 from .state import STATE_DIR, StateDB, WorkInProgress
 
 if TYPE_CHECKING:
-    from ..engines.base import Engine
+    from ..engines.base import Engine, SwapRecord
 
 
 class EngineAgent(Agent):
@@ -126,6 +126,16 @@ class EngineAgent(Agent):
             return "engine already there"
         how = f"engine: {swap.chunks_changed}/{swap.chunks_total} chunks changed, pause {swap.pause_s * 1e3:.1f} ms"
         return how if previous is not None else f"{how} (from a snapshot)"
+
+    def _engine_update(self, engine: Engine, target: int, force: bool) -> SwapRecord | None:
+        # An engine that knows no version (a first load, a restart, a node joining) is loaded
+        # in place where it can (TorchEngine.load: memory O(chunks in flight), not a staged
+        # copy of the model and of its old bits); it serves nothing known yet.
+        load = getattr(engine, "load", None)
+        if not self._verified and engine.version is None and callable(load):
+            record: SwapRecord = load(target)
+            return record
+        return engine.update(target, force=force)
 
     def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
         """Packs worth keeping: those of the chain from the target's snapshot, and of the

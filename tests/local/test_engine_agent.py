@@ -485,3 +485,21 @@ def test_cli_subscribe_with_state_keeps_an_engine_without_a_copy(tmp_path: Path)
     refused = deltasync("subscribe", "--repo", str(repo), "--engine", "http:generic@http://127.0.0.1:9", "--state",
                         str(tmp_path / "s2"))
     assert refused.returncode != 0 and "--out DIR" in refused.stderr, refused.stderr
+
+
+def test_a_first_load_is_written_in_place(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    versions = publish_chain(repo, 3, snapshot_every=10)
+    counting = CountingStore(LocalStore(str(repo)))
+    engine = TorchEngine(zeros_like(make_state(0, LAYOUT)), counting, workers=2)
+    record = engine.load(versions[-1])
+    assert record.extra["in_place"] and engine.version == versions[-1] and engine.holds(versions[-1])
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+    info = Repository(str(repo)).manifest(versions[-1])
+    assert record.chunks_changed == record.chunks_total == sum(len(t.chunks) for t in info.pb.tensors)
+    assert record.bytes_written == sum(t.nbytes for t in info.pb.tensors)
+    before = counting.bytes_read("packs/")
+    again = engine.load(versions[-1])  # every chunk matches its digest: nothing fetched or written
+    assert again.chunks_changed == 0 and again.bytes_written == 0 and counting.bytes_read("packs/") == before
+    assert engine.update(versions[0]) is not None  # and the engine goes on with stage and swap
+    assert_same_bits(engine.tensors, pulled(repo, versions[0]))
