@@ -37,11 +37,11 @@ positions and values.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import math
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,8 @@ class _Bucket:
     positions: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+    positions_n: int = 0  # elements so far, the next piece's offsets
+    values_n: int = 0
 
 
 class DeltasyncCheckpointEngine(CheckpointEngine):
@@ -168,13 +170,12 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         if self._publisher is None:
             from .. import DistributedPublisher
 
-            key = _read_key(self.signing_key)
             if world > 1:
-                if key is not None:
+                if self.signing_key is not None:
                     raise UsageError("signing_key is not supported with several trainer ranks")
                 self._publisher = DistributedPublisher(self.repo, self.config)
             else:
-                self._publisher = Publisher(self.repo, self.config, signing_key=key)
+                self._publisher = Publisher(self.repo, self.config, signing_key=self.signing_key)
         latest = self._publisher.repo.latest()
         version = step if step is not None and step > (latest or 0) else None
         return self._publisher.publish(state, version=version, metadata=metadata)
@@ -184,7 +185,8 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[Any]:
         """Yield the update to version ``global_steps`` (or the next one) in ``wire_format``."""
         if self._subscriber is None:
-            self._subscriber = Subscriber(self.repo, trusted_keys=_read_keys(self.trusted_keys))
+            keys = [self.trusted_keys] if isinstance(self.trusted_keys, str) else self.trusted_keys
+            self._subscriber = Subscriber(self.repo, trusted_keys=None if keys is None else list(keys))
         target = await asyncio.to_thread(self._wait_for, global_steps)
         state = await asyncio.to_thread(self._subscriber.pull, target)
         old = self._held
@@ -246,9 +248,8 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
             if dense:
                 positions, values = None, flat
             assert values is not None
-            pos_start = sum(p.numel() for p in bucket.positions) * 4
-            val_start = sum(v.numel() for v in bucket.values)
             n = int(values.numel())
+            pos_start, val_start = 4 * bucket.positions_n, bucket.values_n
             bucket.params.append(DeltaParam(
                 name=name, dtype=_dtype_name(tensor.dtype), shape=list(tensor.shape),
                 pos_start=0 if dense else pos_start, pos_end=0 if dense else pos_start + 4 * n, pos_width=4,
@@ -256,13 +257,14 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
             ))
             if positions is not None:
                 bucket.positions.append(positions)
+                bucket.positions_n += n
             bucket.values.append(values)
+            bucket.values_n += n
             bucket.nbytes += values.nbytes + (0 if positions is None else positions.nbytes)
             if bucket.nbytes >= self.bucket_size:
                 yield self._seal(buckets.pop(key))
-        # sparse flushes first: a dense one only ever follows what it supersedes
-        for key in sorted(buckets, key=lambda k: k[0]):
-            yield self._seal(buckets[key])
+        for bucket in buckets.values():  # the flushes not yet full
+            yield self._seal(bucket)
 
     def _seal(self, bucket: _Bucket) -> list[tuple[str, torch.Tensor]]:
         values = torch.cat(bucket.values).to(self.device)
@@ -277,7 +279,7 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         }
         if bucket.dense:
             spec["verify"] = False
-        raw = bytearray(_json(spec))
+        raw = bytearray(json.dumps(spec).encode())
         spec_t = torch.frombuffer(raw, dtype=torch.uint8).to(self.device)
         named = [("__delta_spec__", spec_t), ("__values__", values)]
         if not bucket.dense:
@@ -322,27 +324,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _json(obj: object) -> bytes:
-    import json
-
-    return json.dumps(obj).encode()
-
-
-def _read_key(path: str | None) -> Any:
-    return None if path is None else path  # Publisher takes a PEM path as well as a key
-
-
-def _read_keys(paths: str | Sequence[str] | None) -> Any:
-    if paths is None or isinstance(paths, str):
-        return paths
-    return list(paths)
-
-
-def dense_bytes(state: Iterable[torch.Tensor]) -> int:
-    """Bytes of a full update (what a replica's first ``receive_weights`` yields in values)."""
-    return sum(t.numel() * t.element_size() for t in state)
-
-
 CheckpointEngineRegistry.register(BACKEND)(DeltasyncCheckpointEngine)
 
-__all__ = ["BACKEND", "DeltasyncCheckpointEngine", "math"]
+__all__ = ["BACKEND", "DeltasyncCheckpointEngine"]

@@ -262,6 +262,32 @@ def test_every_trainer_rank_publishes_its_share(tmp_path: Path) -> None:
     assert same_bits(dict(Subscriber(repo).pull()), torch.load(final))
 
 
+def test_signed_versions_and_a_replica_that_trusts_another_key(tmp_path: Path) -> None:
+    from deltasync import SignatureError
+
+    for name in ("trainer", "stranger"):
+        subprocess.run([sys.executable, "-m", "deltasync", "keygen", "--out", str(tmp_path / name)], check=True,
+                       capture_output=True, timeout=120)
+    repo = str(tmp_path / "repo")
+    import deltasync.integrations.verl  # noqa: F401
+
+    engine = CheckpointEngineRegistry.new("deltasync", bucket_size=1 << 20, is_master=True, repo=repo,
+                                          signing_key=str(tmp_path / "trainer.key"))
+    state = {"w": torch.ones(64, dtype=torch.bfloat16)}
+    asyncio.run(engine.send_weights(iter(list(state.items())), global_steps=1))
+    trusting = CheckpointEngineRegistry.new("deltasync", bucket_size=1 << 20, repo=repo, wire_format="named_tensors",
+                                            trusted_keys=[str(tmp_path / "trainer.pub")])
+
+    async def receive(replica: Any) -> dict[str, torch.Tensor]:
+        return {n: t async for n, t in replica.receive_weights(global_steps=1)}
+
+    assert same_bits(asyncio.run(receive(trusting)), state)
+    wary = CheckpointEngineRegistry.new("deltasync", bucket_size=1 << 20, repo=repo, wire_format="named_tensors",
+                                        trusted_keys=str(tmp_path / "stranger.pub"), timeout=2)
+    with pytest.raises(SignatureError):
+        asyncio.run(receive(wary))
+
+
 def test_without_verl_one_line_says_what_to_install() -> None:
     code = "import sys; sys.modules['verl'] = None\nimport deltasync.integrations.verl"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
