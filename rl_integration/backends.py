@@ -93,7 +93,7 @@ class RayBackend:
             ray.init(address=address, ignore_reinit_error=True)
         self.rollouts: Any = RayQueue(Queue(maxsize=queue_size))
         self.reports: Any = RayQueue(Queue())
-        self._flag = ray.remote(_Flag).remote()
+        self._flag: Any = ray.remote(_Flag).remote()  # actor handles: Ray's stubs do not type their methods' .remote
         self._actors: list[Any] = []
         self._runs: list[Any] = []
 
@@ -103,7 +103,7 @@ class RayBackend:
         actor_cls = self.ray.remote(num_cpus=1)(RolloutWorker)
         stop = RayStopFlag(self._flag)
         for spec in specs:
-            actor = actor_cls.remote(spec)
+            actor: Any = actor_cls.remote(spec)
             self._actors.append(actor)
             self._runs.append(actor.run.remote(self.rollouts, self.reports, stop))
 
