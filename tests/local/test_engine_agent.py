@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -389,6 +390,15 @@ def test_disk_written_per_version_is_about_the_versions_stored_bytes(tmp_path: P
     assert_same_bits(dict(Subscriber(str(repo), workers=2, progress=False).pull(rows[-1][0])), state)
 
 
+def _until_updating(p: subprocess.Popen[bytes], state_dir: Path) -> None:
+    """Return once the agent ``p`` runs has an update in progress (or has ended)."""
+    deadline = time.monotonic() + 60  # bounds a failure only
+    while p.poll() is None and time.monotonic() < deadline:
+        if (state_dir / ".deltasync" / "state.lmdb").exists() and read_status(state_dir)["wip"] is not None:
+            return
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_the_exact_latest_version(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
@@ -404,8 +414,12 @@ def test_sigkill_at_random_points_then_the_exact_latest_version(tmp_path: Path) 
         if i % 2 == 0:
             state = step_state(state, 100 + i, 0.2)
             versions.append(int(pub.publish(state)))
-        p = subprocess.Popen(follow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(0.5, 4.0))  # start-up, planning, fetching, writing, recording, idle
+        p = subprocess.Popen(follow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if i % 2:
+            time.sleep(rng.uniform(0.5, 6.0))  # anywhere: start-up, planning, fetching, writing, recording, idle
+        else:
+            _until_updating(p, state_dir)  # inside an update, however slow the start-up
+            time.sleep(rng.uniform(0.0, 0.8))
         p.kill()
         p.wait()
         status = read_status(state_dir) if (state_dir / ".deltasync").exists() else {"version": None, "wip": None}
@@ -503,3 +517,53 @@ def test_a_first_load_is_written_in_place(tmp_path: Path) -> None:
     assert again.chunks_changed == 0 and again.bytes_written == 0 and counting.bytes_read("packs/") == before
     assert engine.update(versions[0]) is not None  # and the engine goes on with stage and swap
     assert_same_bits(engine.tensors, pulled(repo, versions[0]))
+
+
+# -- a fan-out engine behind an engine-first agent: rank 0 follows, every rank writes its part ---------
+
+
+def _fanout_rank(rank: int, world: int, port: int, repo: str, state_dir: str, queue: Any) -> None:
+    import traceback
+
+    import torch.distributed as dist
+    from test_fanout import _check, _held
+
+    from deltasync.engines import FanoutEngine
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        held = _held(rank, world)
+        engine = FanoutEngine(held, repo if rank == 0 else None, timeout=60.0, heartbeat=0.5)
+        seen: list[int] = []
+        if rank == 0:
+            agent = EngineAgent(engine, state_dir, agent_config())
+            for pin in (None, 2, None):  # the latest (4), back to a pinned 2, the latest again
+                Repository(repo).pin(pin)
+                version = agent.run()
+                assert version is not None
+                _check(held, rank, world, version)
+                seen.append(version)
+            engine.close()
+        else:
+            while (record := engine.update()) is not None:
+                _check(held, rank, world, record.version)
+                seen.append(record.version)
+        queue.put((rank, seen, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_fanout_engine_follows_through_an_engine_first_agent(tmp_path: Path) -> None:
+    from test_fanout import _publish
+
+    from deltasync.testing import spawn_ranks
+
+    repo = str(tmp_path / "repo")
+    _publish(repo)
+    out = spawn_ranks(_fanout_rank, 2, lambda rank, port, q: (rank, 2, port, repo, str(tmp_path / "state"), q))
+    assert out[0] == [4, 2, 4] and out[1] == [4, 2, 4]
+    assert read_status(tmp_path / "state")["version"] == 4
