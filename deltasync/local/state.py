@@ -99,6 +99,27 @@ class LocalState:
 
 
 @dataclass(frozen=True)
+class EngineState:
+    """What an agent's engine holds and how its updates went: one record for both kinds of
+    agent (a copy with an engine, local/agent.py; an engine alone, local/engine_agent.py),
+    read by ``deltasync status`` next to the copy's version."""
+
+    kind: str
+    """The engine's kind (``torch``, ``fanout``, ``vllm``, ``http``)."""
+    version: int | None = None
+    """The version it holds (None: none known yet)."""
+    version_digest: str = ""
+    repository_id: str = ""
+    updated_unix: float | None = None
+    """When it last took a version."""
+    last_error: str | None = None
+    """Why the last update that failed did (kept after later successes: see ``last_error_unix``)."""
+    last_error_unix: float | None = None
+    last_error_version: int | None = None
+    """The version that update was bringing it to."""
+
+
+@dataclass(frozen=True)
 class WorkInProgress:
     """A pull that has started and not yet been recorded as the version held."""
 
@@ -412,6 +433,19 @@ class StateDB:
 
     def stats(self) -> dict[str, Any]:
         return self._json("stats") or {}
+
+    def engine(self) -> EngineState | None:
+        """The engine's record (None: no engine was ever updated here)."""
+        raw = self._json("engine")
+        if raw is None:
+            return None
+        try:
+            return EngineState(**{k: raw[k] for k in EngineState.__dataclass_fields__ if k in raw})
+        except TypeError:
+            return None
+
+    def set_engine(self, record: EngineState) -> None:
+        self._write(lambda txn: txn.put(b"engine", json.dumps(asdict(record)).encode()))
 
     def update_stats(self, fields: dict[str, Any]) -> None:
         """Merge ``fields`` into the stats record."""

@@ -115,13 +115,12 @@ class VllmEngine(HttpEngine):
         if self.stage_max_bytes:
             # The workers read and verify what they will load now, while the server serves;
             # the update after the pause finds it in memory.
-            self._post("/start_weight_update", {}, "start staging")
-            try:
-                self._post("/update_weights", {"update_info": {**self._update_info(version), "stage": True,
-                                                               "stage_max_bytes": self.stage_max_bytes}}, "stage")
-            finally:
-                with contextlib.suppress(EngineError):
-                    self._post("/finish_weight_update", {}, "finish staging")
+            self._start("start staging")
+            # A failed update_weights is closed by vLLM itself (its worker ends the update on any
+            # error): a finish after it would only fail, in the worker, as an unmatched finish.
+            self._post("/update_weights", {"update_info": {**self._update_info(version), "stage": True,
+                                                           "stage_max_bytes": self.stage_max_bytes}}, "stage")
+            self._post("/finish_weight_update", {}, "finish staging")
             self._wait_staged(version)
         return staged
 
@@ -156,10 +155,21 @@ class VllmEngine(HttpEngine):
             update["repo"] = self.repo_url
         return update
 
+    def _start(self, what: str) -> None:
+        """``POST /start_weight_update``; an update left open (one whose end never reached the
+        server: a connection lost mid-call) is closed first, so the next update always starts."""
+        try:
+            self._post("/start_weight_update", {}, what)
+        except EngineError as e:
+            if "already active" not in str(e):
+                raise
+            self._post("/finish_weight_update", {}, "close an update left open")
+            self._post("/start_weight_update", {}, what)
+
     def _pause(self) -> None:
         # Opening the update is bookkeeping (no weights move): done while the server still
         # serves, before the pause.
-        self._post("/start_weight_update", {}, "start weight update")
+        self._start("start weight update")
         try:
             super()._pause()
         except BaseException:
@@ -173,13 +183,10 @@ class VllmEngine(HttpEngine):
 
     def _write(self, staged: Staged) -> int:
         update = self._update_info(staged.version)
-        try:
-            self._post("/update_weights", {"update_info": update}, "update weights")
-        except EngineError:
-            # The workers restored the version they held; make sure no update stays open.
-            with contextlib.suppress(EngineError):  # vLLM closed it already
-                self._post("/finish_weight_update", {}, "close the failed update")
-            raise
+        # On failure the workers restore the version they held, and vLLM closes the update
+        # (its worker ends it on any error; a finish now would fail there as unmatched, and one
+        # left open is closed by the next start). The engine serves the held version.
+        self._post("/update_weights", {"update_info": update}, "update weights")
         self._post("/finish_weight_update", {"weight_version": str(staged.version)}, "finish weight update")
         return staged.bytes_to_write
 
