@@ -51,6 +51,7 @@ _LAZY: _lazy.Table = {
     "Subscriber": "pull.subscriber",
     "Agent": "local.agent",
     "AgentConfig": "local.agent",
+    "EngineAgent": "local.engine_agent",
     "rollback": "local.agent",
 }
 
@@ -97,6 +98,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_structure.py k
         AgentConfig as AgentConfig,
         rollback as rollback,
     )
+    from .local.engine_agent import EngineAgent as EngineAgent
     from .publish.distributed import (
         DistributedPublisher as DistributedPublisher,
     )
