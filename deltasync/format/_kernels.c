@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "deltasync.format._kernels supports little-endian hosts only (numpy fallback elsewhere)"
@@ -178,6 +179,7 @@ typedef struct {
     uint32_t *idx;
     uint8_t *tv, *bv;
     size_t len, cap;
+    int w; /* the element width the value buffers were sized for (in the thread's cache) */
 } Changes;
 
 static int changes_reserve(Changes *c, size_t need, int w) {
@@ -343,7 +345,7 @@ DEFINE_SCAN(AVX512, scan_impl_avx512, change_mask64_avx512)
 static int use_avx512 = 0; /* set once at import */
 #if HAVE_AVX512
 static int use_vbmi2 = 0; /* AVX-512 VBMI2 (compress of bytes and words); set once at import */
-#define VBMI2 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2")))
+#define VBMI2 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2")))
 
 /* The scan of 2-byte elements with VBMI2: per 64 elements, the changed ones' positions and
  * values are compressed out of the vectors (no loop over the changes); full vectors are stored,
@@ -427,6 +429,60 @@ static int64_t scan_any(const uint8_t *t, const uint8_t *b, size_t n, int w, siz
     }
 }
 
+/* Each thread keeps its scan buffers between calls (up to CACHE_BYTES): fresh ones of a few
+ * MiB per chunk cost more in page faults than the scan itself. Freed when the thread ends. */
+#define CACHE_BYTES ((size_t)16 << 20)
+static pthread_key_t changes_key;
+static int changes_key_ok = 0;
+
+static void changes_free(void *p) {
+    Changes *c = (Changes *)p;
+    if (!c) return;
+    free(c->idx);
+    free(c->tv);
+    free(c->bv);
+    free(c);
+}
+
+/* The calling thread's cached buffers (emptied) if sized for w-byte values, or none. */
+static Changes changes_take(int w) {
+    Changes c = {0};
+    Changes *kept = changes_key_ok ? (Changes *)pthread_getspecific(changes_key) : NULL;
+    if (kept && kept->cap) {
+        if (kept->w == w) {
+            c = *kept;
+        } else {
+            free(kept->idx);
+            free(kept->tv);
+            free(kept->bv);
+        }
+        *kept = (Changes){0};
+    }
+    c.len = 0;
+    return c;
+}
+
+/* Give the buffers back to the thread's cache, or free them if too large or no cache. */
+static void changes_keep(Changes *c, int w) {
+    Changes *kept = changes_key_ok ? (Changes *)pthread_getspecific(changes_key) : NULL;
+    if (!kept && changes_key_ok && c->cap * (4 + 2 * (size_t)w) <= CACHE_BYTES) {
+        kept = (Changes *)calloc(1, sizeof(Changes));
+        if (kept && pthread_setspecific(changes_key, kept) != 0) {
+            free(kept);
+            kept = NULL;
+        }
+    }
+    if (kept && !kept->cap && c->cap * (4 + 2 * (size_t)w) <= CACHE_BYTES) {
+        *kept = *c;
+        kept->w = w;
+    } else {
+        free(c->idx);
+        free(c->tv);
+        free(c->bv);
+    }
+    *c = (Changes){0};
+}
+
 PyDoc_STRVAR(scan_doc,
              "scan(target, base, width, limit) -> (count, indices, target_values, base_values)\n\n"
              "Changed elements of two equal-length buffers. ``indices`` are u32, the values are the\n"
@@ -454,11 +510,14 @@ static PyObject *k_scan(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "too many elements for u32 indices");
         goto done;
     }
-    Changes c = {0};
+    Changes c = changes_take(w);
     int64_t count;
     size_t lim = limit < 0 ? 0 : (size_t)limit;
     Py_BEGIN_ALLOW_THREADS
-    count = scan_any((const uint8_t *)tb.buf, (const uint8_t *)bb.buf, n, w, lim, &c);
+    /* Room for 1/8 of the elements changed (an RL step changes a few percent) up front, so
+     * that the buffers rarely grow (each growth copies them); changes_reserve doubles beyond. */
+    count = changes_reserve(&c, (lim < n / 8 ? lim : n / 8) + 64, w) ? 0 : -1;
+    if (count == 0) count = scan_any((const uint8_t *)tb.buf, (const uint8_t *)bb.buf, n, w, lim, &c);
     Py_END_ALLOW_THREADS
     if (count < 0) {
         PyErr_NoMemory();
@@ -471,9 +530,7 @@ static PyObject *k_scan(PyObject *self, PyObject *args) {
                                (Py_ssize_t)(c.len * (size_t)w), c.bv ? (const char *)c.bv : "",
                                (Py_ssize_t)(c.len * (size_t)w));
     }
-    free(c.idx);
-    free(c.tv);
-    free(c.bv);
+    changes_keep(&c, w);
 done:
     PyBuffer_Release(&tb);
     PyBuffer_Release(&bb);
@@ -633,6 +690,46 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi2"))) static uint64_t ones_vbm
 }
 #endif
 
+#if HAVE_AVX512
+/* Pass 2 of rice_read for 1 <= k <= 25, 16 codes per step: 16 codes' low parts span 2k whole
+ * bytes, so every step takes its fields from the same byte offsets and shifts of a 64-byte
+ * window (``low`` has 64 readable bytes past its end; a field and its shift fit in 4 bytes),
+ * then sums them in the vector. Returns how many codes it did; *sum is their low parts' sum. */
+VBMI2 static size_t rice_pass2_vbmi(const uint8_t *low, uint32_t *idx, size_t m, int k, uint64_t *sum) {
+    uint8_t perm[64];
+    uint32_t shift[16];
+    for (int l = 0; l < 16; l++) {
+        for (int b = 0; b < 4; b++) perm[4 * l + b] = (uint8_t)((l * k >> 3) + b);
+        shift[l] = (uint32_t)(l * k & 7);
+    }
+    const __m512i pv = _mm512_loadu_si512(perm), sv = _mm512_loadu_si512(shift), zero = _mm512_setzero_si512();
+    const __m512i kmask = _mm512_set1_epi32((int)(((uint32_t)1 << k) - 1));
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m128i kk = _mm_cvtsi32_si128(k);
+    uint64_t total = 0;
+    uint32_t carry = 0; /* total mod 2**32: what the positions need */
+    size_t i = 0;
+    for (; i + 16 <= m; i += 16) {
+        __m512i f = _mm512_permutexvar_epi8(pv, _mm512_loadu_si512(low + i * (size_t)k / 8));
+        f = _mm512_and_si512(_mm512_srlv_epi32(f, sv), kmask);
+        f = _mm512_add_epi32(f, _mm512_alignr_epi32(f, zero, 15)); /* inclusive prefix sums */
+        f = _mm512_add_epi32(f, _mm512_alignr_epi32(f, zero, 14));
+        f = _mm512_add_epi32(f, _mm512_alignr_epi32(f, zero, 12));
+        f = _mm512_add_epi32(f, _mm512_alignr_epi32(f, zero, 8));
+        uint32_t step = (uint32_t)_mm_extract_epi32(_mm512_extracti32x4_epi32(f, 3), 3); /* < 16 << 25 */
+        __m512i iv = _mm512_add_epi32(iota, _mm512_set1_epi32((int)i));
+        __m512i at = _mm512_sub_epi32(_mm512_loadu_si512(idx + i), iv);
+        __m512i pos = _mm512_add_epi32(_mm512_add_epi32(iv, _mm512_sll_epi32(at, kk)),
+                                       _mm512_add_epi32(f, _mm512_set1_epi32((int)carry)));
+        _mm512_storeu_si512(idx + i, pos);
+        total += step;
+        carry += step;
+    }
+    *sum = total;
+    return i;
+}
+#endif
+
 /* Decodes m >= 1 Rice-coded positions, each < n, from a ``len``-byte stream into idx (room for
  * m + RICE_SLACK entries): NULL, or the reason the stream is not exactly what rice_write
  * writes (RICE_OOM when out of memory). k <= MAX_RICE_K. Runs without the GIL.
@@ -647,12 +744,14 @@ static const char *rice_read(const uint8_t *data, size_t len, size_t m, int k, u
     /* An accepted unary stream holds at most n bits (its parts sum to at most (n - m) >> k):
      * longer is refused before anything is read, which also keeps bit positions in u32. */
     if (ulen > (n + 7) / 8) return "Rice stream has trailing data";
-    uint8_t *buf = padded_copy(data, (size_t)ulen), *low = padded_copy(data + ulen, (size_t)llen);
+    uint8_t *buf = padded_copy(data, (size_t)ulen), *low = (uint8_t *)malloc((size_t)llen + 64);
     const char *err = NULL;
     if (!buf || !low) {
         err = RICE_OOM;
         goto done;
     }
+    if (llen) memcpy(low, data + ulen, (size_t)llen);
+    memset(low + llen, 0, 64); /* zero bytes after the low bits: the vector pass loads 64 at a time */
     /* Pass 1: the positions of the first m one bits. Eight are written per word without
      * asking how many there are (the rest is overwritten next; idx has RICE_SLACK spare). */
     const uint64_t words = (ulen + 7) / 8;
@@ -687,14 +786,18 @@ static const char *rice_read(const uint8_t *data, size_t len, size_t m, int k, u
     }
     /* Pass 2: positions from the one bits and the running sum of the low bits. */
     const uint64_t mask = ((uint64_t)1 << k) - 1;
-    uint64_t sum_low = 0, pos = 0;
-    for (size_t i = 0; i < m; i++) {
+    uint64_t sum_low = 0;
+    size_t i = 0;
+#if HAVE_AVX512
+    if (use_vbmi2 && k >= 1 && k <= 25) i = rice_pass2_vbmi(low, idx, m, k, &sum_low);
+#endif
+    for (; i < m; i++) {
         uint64_t at = (uint64_t)i * (uint64_t)k;
         sum_low += (load64(low + (at >> 3)) >> (at & 7)) & mask;
-        pos = (uint64_t)i + ((uint64_t)(idx[i] - (uint32_t)i) << k) + sum_low;
-        idx[i] = (uint32_t)pos;
+        idx[i] = (uint32_t)((uint64_t)i + ((uint64_t)(idx[i] - (uint32_t)i) << k) + sum_low);
     }
-    if (pos >= n) err = "position past the end of the chunk"; /* positions increase: the last is the largest */
+    /* Positions increase: the last is the largest. Exact in u64 (the stores above may wrap). */
+    if ((uint64_t)(m - 1) + ((last + 1 - m) << k) + sum_low >= n) err = "position past the end of the chunk";
     if (!err && !exact_padding(buf, (size_t)ulen, last + 1)) err = "Rice stream has trailing data";
     if (!err && !exact_padding(low, (size_t)llen, lbits)) err = "Rice low bits have trailing data";
 done:
@@ -716,25 +819,21 @@ static PyObject *k_rice_decode(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const char *err = NULL;
     size_t m = (size_t)count;
-    uint32_t *idx = (uint32_t *)malloc((m + RICE_SLACK) * sizeof(uint32_t));
-    if (!idx) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    /* Decoded straight into the result (not shared yet), then cut to size: no copy. */
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((m + RICE_SLACK) * 4));
+    if (!result) goto done;
+    uint32_t *idx = (uint32_t *)PyBytes_AS_STRING(result);
     Py_BEGIN_ALLOW_THREADS
     err = rice_read((const uint8_t *)db.buf, (size_t)db.len, m, k, (uint64_t)n, idx);
     Py_END_ALLOW_THREADS
-    if (err == RICE_OOM) {
-        PyErr_NoMemory();
-        goto done;
-    }
     if (err) {
-        PyErr_SetString(PyExc_ValueError, err);
+        Py_CLEAR(result);
+        if (err == RICE_OOM) PyErr_NoMemory();
+        else PyErr_SetString(PyExc_ValueError, err);
         goto done;
     }
-    result = PyBytes_FromStringAndSize((const char *)idx, (Py_ssize_t)(m * 4));
+    _PyBytes_Resize(&result, (Py_ssize_t)(m * 4)); /* on failure: result NULL, the error set */
 done:
-    free(idx);
     PyBuffer_Release(&db);
     return result;
 }
@@ -969,12 +1068,46 @@ static inline __attribute__((always_inline)) void fill_impl(const uint8_t *s, si
     }
 }
 
+#if HAVE_AVX512
+/* fill_impl of the changes (D_TABLE) for 2-byte elements, 32 symbols per step: each symbol
+ * moved into its own 16-bit lane and looked up, the escapes' changes expanded into the lanes
+ * of the symbol 3s. The escapes' changes are narrowed to 16 bits in place in esc first. */
+VBMI2 static void fill_changes_w2_vbmi2(const uint8_t *s, size_t n, uint64_t *esc, size_t m, uint16_t *d) {
+    uint16_t *e16 = (uint16_t *)esc; /* esc[j] is read before e16[j] is written: in place is safe */
+    for (size_t j = 0; j < m; j++) e16[j] = (uint16_t)unzigzag(esc[j]);
+    /* lane i (bytes 2i, 2i + 1) takes byte i / 4 of the symbols, then shifts by 2 (i % 4) */
+    const __m512i sel = _mm512_set_epi8(0, 7, 0, 7, 0, 7, 0, 7, 0, 6, 0, 6, 0, 6, 0, 6, 0, 5, 0, 5, 0, 5, 0, 5, 0, 4, 0, 4,
+                                        0, 4, 0, 4, 0, 3, 0, 3, 0, 3, 0, 3, 0, 2, 0, 2, 0, 2, 0, 2, 0, 1, 0, 1, 0, 1,
+                                        0, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i shifts = _mm512_set_epi16(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4,
+                                            2, 0, 6, 4, 2, 0);
+    const __m512i three = _mm512_set1_epi16(3);
+    const uint16_t tab[4] = {0xFFFF, 1, 0xFFFE, 0}; /* unzigzag(symbol + 1); symbol 3: an escape */
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0, 0, (short)0xFFFE, 1, (short)0xFFFF);
+    size_t i = 0, j = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512i src = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(s + i / 4)));
+        __m512i sym = _mm512_maskz_permutexvar_epi8(0x5555555555555555u, sel, src);
+        sym = _mm512_and_si512(_mm512_srlv_epi16(sym, shifts), three);
+        __mmask32 em = _mm512_cmpeq_epi16_mask(sym, three);
+        __m512i dv = _mm512_mask_expandloadu_epi16(_mm512_permutexvar_epi16(sym, table), em, e16 + j);
+        j += (size_t)__builtin_popcount(em);
+        _mm512_storeu_si512(d + i, dv);
+    }
+    for (; i < n; i++) {
+        unsigned sym = (s[i >> 2] >> (2 * (i & 3))) & 3;
+        d[i] = sym == 3 ? e16[j++] : tab[sym];
+    }
+}
+#endif
+
 /* The escapes of ``n`` 2-bit symbols (the symbol 3s among them: *m_out), decoded and checked
  * with everything else about the streams but the symbols' own values: NULL, or why the
  * streams are not what pack2 writes (RICE_OOM when out of memory). On success *esc_out is a
  * malloc'd array of the escapes' z, plus a spare 0 (fill_impl reads one past the last). */
 static const char *escapes_read(const uint8_t *s, size_t n, int k, const uint8_t *pdata, size_t plen,
-                                const uint8_t *sdata, size_t slen, int w, uint64_t **esc_out) {
+                                const uint8_t *sdata, size_t slen, int w, uint64_t **esc_out, size_t *m_out) {
     const char *err = NULL;
     size_t m = 0; /* escapes: symbols 3 among the first n */
     for (size_t i = 0; i < n / 4; i++) m += (size_t)__builtin_popcount(s[i] & (s[i] >> 1) & 0x55);
@@ -1042,6 +1175,7 @@ done:
         esc = NULL;
     }
     *esc_out = esc;
+    *m_out = m;
     return err;
 }
 
@@ -1089,8 +1223,9 @@ static PyObject *k_unpack2(PyObject *self, PyObject *args) {
     if (!result) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result); /* not shared yet: filled without the GIL */
     Py_BEGIN_ALLOW_THREADS
+    size_t n_esc = 0;
     err = escapes_read(s, n, k, (const uint8_t *)pb.buf, (size_t)pb.len, (const uint8_t *)fb.buf, (size_t)fb.len,
-                       w, &esc);
+                       w, &esc, &n_esc);
     if (!err) {
         switch (w) {
         case 1: fill_impl(s, n, esc, out, 1, 0); break;
@@ -1271,8 +1406,9 @@ static PyObject *k_apply2(PyObject *self, PyObject *args) {
     const uint8_t *s = (const uint8_t *)sb->buf;
     int mismatched = ob->len % w || ib->len % 4 || (have_base && bb.len != ob->len), bad = 0;
     Py_BEGIN_ALLOW_THREADS
+    size_t n_esc = 0;
     err = escapes_read(s, m, k, (const uint8_t *)pb->buf, (size_t)pb->len, (const uint8_t *)fb->buf,
-                       (size_t)fb->len, w, &esc);
+                       (size_t)fb->len, w, &esc, &n_esc);
     if (!err && !mismatched) {
         bad = idx[m - 1] >= n;
         for (size_t i = 1; i < m; i++) bad |= idx[i] <= idx[i - 1];
@@ -1282,6 +1418,12 @@ static PyObject *k_apply2(PyObject *self, PyObject *args) {
     if (d) {
         uint8_t *o = (uint8_t *)ob->buf;
         const uint8_t *src = have_base && bb.buf != ob->buf ? (const uint8_t *)bb.buf : NULL;
+#if HAVE_AVX512
+        if (use_vbmi2 && w == 2) {
+            fill_changes_w2_vbmi2(s, m, esc, n_esc, (uint16_t *)d);
+            add_impl(o, src, n, idx, d, m, 2);
+        } else
+#endif
         switch (w) {
         case 1: fill_impl(s, m, esc, d, 1, 1), add_impl(o, src, n, idx, d, m, 1); break;
         case 2: fill_impl(s, m, esc, d, 2, 1), add_impl(o, src, n, idx, d, m, 2); break;
@@ -2018,11 +2160,13 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     fill_tables();
+    if (!changes_key_ok) changes_key_ok = pthread_key_create(&changes_key, changes_free) == 0;
 #if HAVE_AVX512
     __builtin_cpu_init();
     use_avx512 = __builtin_cpu_supports("avx512bw") && !getenv("DELTASYNC_NO_AVX512");
     use_popcnt = __builtin_cpu_supports("popcnt") && !getenv("DELTASYNC_NO_POPCNT");
-    use_vbmi2 = use_avx512 && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512vl");
+    use_vbmi2 = use_avx512 && __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512vbmi") &&
+                __builtin_cpu_supports("avx512vl");
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddStringConstant(m, "simd", use_avx512 ? "avx512bw" : BASELINE_SIMD) < 0) {

@@ -908,6 +908,21 @@ def test_kernels_refuse_the_same_damaged_streams(case: Case, data: st.DataObject
     _same_outcome([lambda m=m: apply2(m) for m in KERNEL_IMPLS])
 
 
+@pytest.mark.parametrize("spread", [0, 1, 3, 7, 12, 20, 25, 26, 31])
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 200])
+def test_rice_decoders_agree_for_every_parameter(spread: int, m: int) -> None:
+    """Gaps of every size (so that rice_encode picks every k, on both sides of the vector path's
+    k <= 25), code counts around its 16-code steps; and the last position one past the chunk."""
+    rng = np.random.default_rng(1000 * spread + m)
+    top = min(1 << (spread + 1), (1 << 32) // (m + 1) - 1)
+    idx = np.cumsum(rng.integers(0, top, m, dtype=np.int64) + 1) - 1
+    data = idx.astype(np.uint32).tobytes()
+    k, rice = _kernels_py.rice_encode(data)
+    n = int(idx[-1]) + 1
+    assert _same_outcome([lambda impl=impl: impl.rice_decode(rice, m, k, n) for impl in KERNEL_IMPLS]) == data
+    assert _same_outcome([lambda impl=impl: impl.rice_decode(rice, m, k, n - 1) for impl in KERNEL_IMPLS]) is ValueError
+
+
 @pytest.mark.skipif(c_kernels is None or getattr(c_kernels, "simd", "") != "avx512bw", reason="no AVX-512 here")
 def test_the_sse2_scan_agrees_with_the_avx512_one() -> None:
     """The scan picks its SIMD at import; run the SSE2 one in a child process and compare."""
