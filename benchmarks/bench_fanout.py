@@ -12,6 +12,8 @@ default copy and packcast), measured in the same run:
 * ``copy``: today's path: each agent pulls the version into a directory copy from the relay,
   then its engine stages from the copy (``deltasync subscribe --out DIR --engine torch``);
 * ``engine``: each agent's engine pulls from the relay, no copy (an engine-first agent, item 1);
+* ``tree`` (not by default): the same from relays in front of the relay (ceil(sqrt(N)) of them,
+  each with its own egress link): where no process group spans the nodes;
 * ``packcast``: node 0 fetches the version's stored bytes from the relay once and broadcasts
   them over a gloo group; every node decodes and applies them (engines/packcast.py).
 
@@ -59,9 +61,10 @@ from deltasync.engines import TorchEngine
 from deltasync.engines.packcast import PackCache, PackcastNode
 from deltasync.storage import LocalStore, Store, WrappingStore
 
-PATHS = ("copy", "engine", "packcast")
+PATHS = ("copy", "engine", "tree", "packcast")
+MAX_SUBRELAYS = 6  # tree: ceil(sqrt(N)) relays behind the relay, for N up to 36
 TENSOR_ELEMS = 256 * 1024  # 512 KiB of bf16 per tensor
-PIECE = 256 << 10  # bytes per broadcast piece
+PIECE = 256 << 10  # projection: bytes per piece of the pipelined broadcast
 
 
 class SharedLink(WrappingStore):
@@ -90,10 +93,10 @@ class PacedNode(PackcastNode):
     """Node 0's broadcast pays its link: a piece leaves no faster than the link carries it."""
 
     rate = 0.0
-    paced = True
+    enabled: Any = None  # the links' shared on/off flag
 
     def _broadcast(self, pg: Any, piece: Any) -> None:
-        if self.rank == 0 and self.paced:
+        if self.rank == 0 and self.enabled.value:
             due = getattr(self, "_due", 0.0)
             start = max(time.time(), due)
             self._due = start + piece.numel() / self.rate
@@ -125,9 +128,11 @@ class Setup:
     work: str
     names: list[str]
     rate: float
+    piece: int
+    bucket: int = 0  # which modelled link the reads pay: 0 the relay's egress, g the g-th sub-relay's
 
 
-def agent(conn: Connection, link: tuple[Any, Any]) -> None:
+def agent(conn: Connection, links: list[tuple[Any, Any]]) -> None:
     """One node: builds the path it is told to, then updates its engine on each command."""
     from deltasync.storage import GrpcStore
 
@@ -141,7 +146,7 @@ def agent(conn: Connection, link: tuple[Any, Any]) -> None:
             if cmd == "setup":
                 s: Setup = arg
                 state.clear()
-                relay = SharedLink(GrpcStore(s.relay), link, s.rate)
+                relay = SharedLink(GrpcStore(s.relay), links[s.bucket], s.rate)
                 held = {n: torch.zeros(TENSOR_ELEMS, dtype=torch.bfloat16) for n in s.names}
                 state.update(setup=s, relay=relay, held=held)
                 if s.path == "copy":
@@ -149,15 +154,15 @@ def agent(conn: Connection, link: tuple[Any, Any]) -> None:
                     shutil.rmtree(out, ignore_errors=True)
                     state["out"] = out
                     state["engine"] = TorchEngine(held, relay, workers=1, copy=out)
-                elif s.path == "engine":
+                elif s.path in ("engine", "tree"):
                     state["engine"] = TorchEngine(held, relay, workers=1)
                 else:
                     cache = PackCache(relay)
                     engine = TorchEngine(held, cache, workers=1)
-                    PacedNode.rate = s.rate
+                    PacedNode.rate, PacedNode.enabled = s.rate, links[0][1]
                     state["cache"], state["engine"] = cache, engine
                     state["node"] = PacedNode(engine, cache, rank=s.rank, world=s.nodes, master=f"127.0.0.1:{s.port}",
-                                              timeout=60.0, piece_bytes=PIECE, prefix=f"bench-{s.nodes}")
+                                              timeout=60.0, piece_bytes=s.piece, prefix=f"bench-{s.nodes}")
                 conn.send(("ok", None))
             elif cmd == "update":
                 conn.send(("ok", update(state, int(arg))))
@@ -187,7 +192,7 @@ def update(state: dict[str, Any], version: int) -> dict[str, float]:
         sub = state.setdefault("sub", Subscriber(relay, workers=1))
         sub.update_dir(state["out"], version)
         record = engine.update(version)
-    elif s.path == "engine":
+    elif s.path in ("engine", "tree"):
         record = engine.update(version)
     else:
         node: PacedNode = state["node"]
@@ -208,13 +213,13 @@ def update(state: dict[str, Any], version: int) -> dict[str, float]:
 
 
 class Fleet:
-    def __init__(self, n: int, link: tuple[Any, Any]) -> None:
+    def __init__(self, n: int, links: list[tuple[Any, Any]]) -> None:
         ctx = mp.get_context("fork")
         self.conns: list[Connection] = []
         self.procs = []
         for _ in range(n):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=agent, args=(theirs, link), daemon=True)
+            p = ctx.Process(target=agent, args=(theirs, links), daemon=True)
             p.start()
             self.conns.append(mine)
             self.procs.append(p)
@@ -256,6 +261,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="timed versions per N and path")
     ap.add_argument("--link-mbps", type=float, default=0.1, help="modelled node link and relay egress, MB/s")
     ap.add_argument("--wan-mbps", type=float, default=0.2, help="modelled WAN link of the relay, MB/s")
+    ap.add_argument("--piece-kib", type=float, default=16.0, help="packcast: bytes per broadcast piece, KiB")
     ap.add_argument("--dir", default=None, help="where to work (default: a temporary directory under .)")
     ap.add_argument("--clusters", type=int, default=4, help="projection: clusters, one relay each")
     ap.add_argument("--agents", type=int, default=32, help="projection: nodes per cluster")
@@ -270,22 +276,26 @@ def main() -> None:
     rate = args.link_mbps * 1e6
 
     link = (mp.Value("d", 0.0), mp.Value("b", 1))
-    fleet = Fleet(max(nodes), link)  # forked before any thread of this process exists
+    links = [link] + [(mp.Value("d", 0.0), link[1]) for _ in range(MAX_SUBRELAYS)]
+    fleet = Fleet(max(nodes), links)  # forked before any thread of this process exists
     from deltasync.relay import build_server
+    from deltasync.storage import GrpcStore
     from deltasync.testing import free_port
 
     with tempfile.TemporaryDirectory(prefix="bench-fanout-", dir=args.dir or ".") as d:
         work = Path(d)
         repo = str(work / "repo")
         rng = np.random.default_rng(7)
+        rates = measure_rates(work, args.rate_mib, args.fraction, rng)  # before the relay's threads exist
         tensors = max(1, int(args.model_mib * 2))
         model = {f"layers.{i}.weight": torch.from_numpy(
             (rng.normal(0, 0.02, TENSOR_ELEMS).astype(np.float32).view(np.uint32) >> 16).astype(np.int16)
         ).view(torch.bfloat16) for i in range(tensors)}
         names = list(model)
         raw = sum(t.numel() * 2 for t in model.values())
-        pub = Publisher(repo, PublisherConfig(codec=PlanesZstdCodec(), snapshot_every=100000, pack_bytes=64 << 10,
-                                              workers=1, progress=False))
+        config = PublisherConfig(codec=PlanesZstdCodec(), snapshot_every=100000, pack_bytes=64 << 10, workers=1,
+                                 progress=False)
+        pub = Publisher(repo, config)
         version = int(pub.publish(model))
         wan = SharedLink(LocalStore(repo), (mp.Value("d", 0.0), link[1]), args.wan_mbps * 1e6)
         relay = build_server(wan, "127.0.0.1:0", cache_dir=work / "relay").start()
@@ -299,12 +309,20 @@ def main() -> None:
             for n in nodes:
                 ranks = range(n)
                 for path in paths:
+                    # A fresh publisher starts with a snapshot: each setup below loads it, not a growing chain.
+                    pub = Publisher(repo, config)
+                    version = int(pub.publish(model))
                     port = free_port()
-                    fleet.call(ranks, "setup", lambda r, n=n, path=path, port=port: Setup(
-                        path, r, n, relay.url, port, str(work), names, rate))
+                    subs = []
+                    if path == "tree":  # relays in front of the relay, each serving ceil(N / k) agents
+                        k = min(MAX_SUBRELAYS, int(np.ceil(np.sqrt(n))))
+                        subs = [build_server(SharedLink(GrpcStore(relay.url), link, rate), "127.0.0.1:0",
+                                             cache_dir=work / f"sub-{n}-{g}").start() for g in range(k)]
+                    fleet.call(ranks, "setup", lambda r, n=n, path=path, port=port, subs=subs: Setup(
+                        path, r, n, subs[r % len(subs)].url if subs else relay.url, port, str(work), names, rate,
+                        int(args.piece_kib * 1024), 1 + r % len(subs) if subs else 0))
                     # Untimed: bring every engine (and copy) to the latest version, links off.
                     link[1].value = 0
-                    PacedNode.paced = False
                     fleet.call(ranks, "update", version)
                     link[1].value = 1
                     times, per_agent = [], []
@@ -316,13 +334,15 @@ def main() -> None:
                         stored.append(res.stored_bytes / raw)
                         version = int(res)
                         committed = time.time()
-                        for bucket in (link[0], wan.free_at):
+                        for bucket in [wan.free_at] + [free_at for free_at, _ in links]:
                             with bucket.get_lock():
                                 bucket.value = time.time()
                         out = fleet.call(ranks, "update", version)
                         times.append(max(o["served_at"] for o in out) - committed)
                         per_agent.extend(out)
                     fleet.call(ranks, "close", None)
+                    for sub in subs:
+                        sub.stop()
                     if path == "copy":
                         for r in ranks:
                             shutil.rmtree(work / f"copy-{r}", ignore_errors=True)
@@ -344,12 +364,12 @@ def main() -> None:
         finally:
             fleet.close()
             relay.stop()
-        rates = measure_rates(work, args.rate_mib, args.fraction, rng)
     report(rows, nodes, paths, raw, statistics.median(stored), statistics.median(publish_s), rates, args)
 
 
 def measure_rates(work: Path, mib: float, fraction: float, rng: np.random.Generator) -> dict[str, float]:
     """Per-node work at a size where fixed costs are small: one engine, one thread, a local repository."""
+    torch.set_num_threads(1)
     elems = 8 << 20  # 16 MiB tensors: a large model's tensors are larger still
     tensors = max(1, int(mib / 16))
     model = {f"layers.{i}.weight": torch.from_numpy(
@@ -366,9 +386,9 @@ def measure_rates(work: Path, mib: float, fraction: float, rng: np.random.Genera
         step(model, fraction, rng)
         t0 = time.perf_counter()
         v = int(pub.publish(model))
-        t1, c1 = time.perf_counter(), time.thread_time()
+        t1, c1 = time.perf_counter(), time.process_time()
         rec = engine.update(v)
-        cpu = time.thread_time() - c1  # workers=1 decodes on this thread; the machine is shared
+        cpu = time.process_time() - c1  # one worker thread decodes; the machine is shared with others
         assert rec is not None
         if i:
             publish.append(t1 - t0)
@@ -405,6 +425,13 @@ def report(rows: list[dict[str, Any]], nodes: list[int], paths: list[str], raw: 
     if "packcast" in paths:
         ratio = by[(last, "packcast")]["s"] / by[(nodes[0], "packcast")]["s"]
         print(f"target: packcast at N={last} <= 1.5x N={nodes[0]}: {ratio:.2f}x ({'holds' if ratio <= 1.5 else 'does not hold'})")
+        first = by[(nodes[0], "packcast")]
+        d = stored * raw
+        stages = {"WAN": d / (args.wan_mbps * 1e6), "relay -> node 0": d / (args.link_mbps * 1e6),
+                  "broadcast": d / (args.link_mbps * 1e6), "decode + apply": first["cpu"]}
+        print(f"overlap (item 4), packcast at N={nodes[0]}: measured {first['s']:.3f} s; its stages in sequence "
+              f"{sum(stages.values()):.3f} s (" + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) +
+              f"); the slowest alone {max(stages.values()):.3f} s")
         project(rates, stored, args)
 
 
