@@ -55,6 +55,7 @@ def _check(held: dict[str, torch.Tensor], version: int) -> None:
 def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any, queue: Any) -> None:
     from deltasync.engines import TorchEngine
     from deltasync.engines.packcast import PackCache, PackcastNode
+    from deltasync.errors import GroupError
 
     try:
         torch.set_num_threads(1)
@@ -84,7 +85,7 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
             cache.offer = dies  # type: ignore[method-assign]
         held = {n: torch.zeros_like(t) for n, t in _states()[0].items()}
         engine = TorchEngine(held, cache, workers=1)
-        timeout = 3.0 if scenario in ("dead", "late", "dies_mid") else 30.0
+        timeout = 3.0 if scenario in ("dead", "late", "dies_mid", "root_dies") else 30.0
         node = PackcastNode(engine, cache, rank=rank, world=world, master=f"127.0.0.1:{port}", timeout=timeout,
                             piece_bytes=512)
         out: dict[str, Any] = {"versions": [], "reports": node.reports, "seconds": []}
@@ -92,6 +93,19 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
         for v in range(first, VERSIONS + 1):
             if scenario == "dead" and rank == 2 and v == 3:
                 os._exit(0)  # dies between rounds, without a word
+            if scenario == "root_dies" and v == 3:
+                if rank == 0:
+                    os._exit(0)
+                waiting = time.monotonic()
+                try:
+                    node.follow(rounds=1)
+                except GroupError as e:
+                    out["lost"] = (str(e), time.monotonic() - waiting)
+                # ... and goes on from the repository through the same cache
+                engine.update(VERSIONS)
+                _check(held, VERSIONS)
+                out["versions"].append(engine.version)
+                break
             start = time.monotonic()
             if rank == 0:
                 node.update(v)
@@ -186,3 +200,12 @@ def test_node_dying_mid_broadcast_the_others_finish_from_the_repository(tmp_path
     assert out[0]["reports"][3].members == (0, 1, 3)  # a fresh group without it
     for rank in (0, 1, 3):
         assert out[rank]["reports"][3].broadcast_error is None
+
+
+@pytest.mark.slow
+def test_node_0_dying_the_others_go_on_from_the_repository(tmp_path: Any) -> None:
+    out = _run(tmp_path, 3, "root_dies", expect=2)
+    for rank in (1, 2):
+        assert out[rank]["versions"] == [1, 2, VERSIONS]
+        message, waited = out[rank]["lost"]
+        assert "node 0" in message and waited < 30.0  # told, not left waiting
