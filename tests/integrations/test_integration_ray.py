@@ -38,6 +38,8 @@ CONFIG: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """A one-node Ray cluster; yields the address a driver joins it by."""
+    # Ray's state API (which actors ran) is served by its dashboard: ray[default], as verl installs it.
+    pytest.importorskip("aiohttp", reason="Ray's dashboard needs ray[default] (scripts/install_verl.sh installs it)")
     ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=True, log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
