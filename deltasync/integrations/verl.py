@@ -61,6 +61,7 @@ from .. import Publisher, PublisherConfig, Subscriber
 log = logging.getLogger(__name__)
 
 BACKEND = "deltasync"
+STEP_KEY = "verl.global_steps"  # version metadata: the trainer step it holds
 WIRE_FORMATS = ("delta_flush", "named_tensors")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_INDEXED = 1 << 31  # verl's indices encoding: int32 positions
@@ -156,7 +157,7 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
             # Every rank iterates (a sharded export gathers collectively); each keeps its share.
             if world == 1 or zlib.crc32(name.encode()) % world == rank:
                 state[name] = tensor.detach().to("cpu")
-        metadata = {"verl.global_steps": str(global_steps)} if global_steps is not None else None
+        metadata = {STEP_KEY: str(global_steps)} if global_steps is not None else None
         result = await asyncio.to_thread(self._publish, state, global_steps, metadata, world)
         return {
             "checkpoint_engine/version": float(result.version),
@@ -200,17 +201,25 @@ class DeltasyncCheckpointEngine(CheckpointEngine):
         self._held, self.held_version = state, target
 
     def _wait_for(self, step: int | None) -> int:
+        """The latest version, once it holds trainer step ``step`` or a later one (None: once
+        it is newer than the version this replica holds). By the step in its metadata, not
+        its id: a restarted trainer re-sends steps under new ids."""
         assert self._subscriber is not None
         repo = self._subscriber.repo
         deadline = time.monotonic() + self.timeout
         while True:
             latest = repo.latest()
-            if latest is not None and (step is None or latest >= step) and (
-                    step is not None or self.held_version is None or latest > self.held_version):
-                return step if step is not None and step in repo.versions() else latest
+            if latest is not None:
+                if step is None:
+                    if self.held_version is None or latest > self.held_version:
+                        return latest
+                else:
+                    held = repo.manifest(latest).pb.metadata.get(STEP_KEY)
+                    if (int(held) if held is not None else latest) >= step:
+                        return latest
             if time.monotonic() > deadline:
-                raise UsageError(f"no version {'>= ' + str(step) if step is not None else 'newer'} in {self.repo} "
-                                 f"after {self.timeout:.0f}s (latest: {latest})")
+                want = f"holding step {step}" if step is not None else "newer than the one held"
+                raise UsageError(f"no version {want} in {self.repo} after {self.timeout:.0f}s (latest: {latest})")
             time.sleep(self.poll_interval)
 
     def flushes(

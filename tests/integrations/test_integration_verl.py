@@ -202,6 +202,30 @@ class _Holder(nn.Module):
             self.tensors[name].copy_(t)
 
 
+def test_a_restarted_trainer_resends_steps_under_new_versions(tmp_path: Path) -> None:
+    """The trainer dies after step 3 and resumes from its step-1 checkpoint: steps 2 and 3 come again,
+    with other weights, as versions 4 and 5; replicas get the new ones, not the old versions 2 and 3."""
+    import deltasync.integrations.verl  # noqa: F401
+
+    repo = str(tmp_path / "repo")
+    replica = rollout_worker(repo, 29607)
+    first = CheckpointEngineRegistry.new("deltasync", bucket_size=1 << 20, is_master=True, repo=repo)
+    trainer = FakeTrainerEngine()
+    for step in (1, 2, 3):
+        trainer.train_step()
+        asyncio.run(first.send_weights(trainer.get_per_tensor_param()[0], global_steps=step))
+    resumed = CheckpointEngineRegistry.new("deltasync", bucket_size=1 << 20, is_master=True, repo=repo)
+    trainer = FakeTrainerEngine()  # other data order from here: other weights
+    trainer.gen.manual_seed(99)
+    trainer.train_step()
+    for step in (2, 3):
+        trainer.train_step()
+        metrics = asyncio.run(resumed.send_weights(trainer.get_per_tensor_param()[0], global_steps=step))
+        assert metrics["checkpoint_engine/version"] == step + 2
+        asyncio.run(replica.update_weights(global_steps=step))
+        assert same_bits(replica.server_adapter.bits(), trainer.exported()), step
+
+
 def test_a_replica_in_another_cluster_reads_through_a_relay(trainer_engine: Any, tmp_path: Path) -> None:
     """The trainer publishes to its store; the replica's repo is a relay (``deltasync serve``) in front of it."""
     repo = str(tmp_path / "repo")
