@@ -604,16 +604,42 @@ static uint8_t *rice_write(const uint32_t *idx, size_t m, int *k_out, size_t *le
     uint64_t ulen = (sum_q + m + 7) / 8, llen = ((uint64_t)m * (uint64_t)k + 7) / 8;
     uint8_t *buf = (uint8_t *)calloc(ulen + llen + PAD, 1);
     if (!buf) return NULL;
-    BitWriter unary = {buf, 0, 0}, low = {buf + ulen, 0, 0};
-    uint64_t mask = ((uint64_t)1 << k) - 1;
-    int64_t prev = -1;
+    /* The unary stream from the positions of its one bits (code i ends at bit at_i, the sum of
+     * the first i + 1 codes' lengths, minus 1), a word at a time: each code stores the word
+     * it ends in, cleared first when it is a new one (words it skips stay zero). The word of
+     * the last code may spill up to 7 zero bytes into the low bits, written next. */
+    uint64_t at = UINT64_MAX, cur = 0, word = 0;
+    uint32_t prev = UINT32_MAX; /* the first "previous" index is -1 */
     for (size_t i = 0; i < m; i++) {
-        uint64_t g = (uint64_t)((int64_t)idx[i] - prev - 1);
+        uint32_t g = idx[i] - prev - 1;
         prev = idx[i];
-        bw_unary(&unary, g >> k);
-        bw_put(&low, g & mask, k); /* k <= 31 */
+        at += (uint64_t)(g >> k) + 1;
+        uint64_t wi = at >> 6;
+        word = (wi == cur ? word : 0) | (uint64_t)1 << (at & 63);
+        store64(buf + 8 * wi, word);
+        cur = wi;
     }
-    bw_flush(&unary);
+    /* The low parts: for k <= 8, eight codes make k whole bytes, built in a register from
+     * independent shifts (stored 8 bytes wide: the spare ones are overwritten next, or land in
+     * the PAD); then the rest one code at a time. */
+    uint8_t *lp = buf + ulen;
+    uint32_t mask = (uint32_t)(((uint64_t)1 << k) - 1);
+    size_t i = 0;
+    if (k <= 8)
+        for (; i + 8 <= m; i += 8, lp += k) {
+            uint64_t x = 0;
+            for (int r = 0; r < 8; r++) {
+                uint32_t before = i + (size_t)r ? idx[i + (size_t)r - 1] : UINT32_MAX;
+                x |= (uint64_t)((idx[i + (size_t)r] - before - 1) & mask) << (r * k);
+            }
+            store64(lp, x);
+        }
+    BitWriter low = {lp, 0, 0};
+    prev = i ? idx[i - 1] : UINT32_MAX;
+    for (; i < m; i++) {
+        bw_put(&low, (idx[i] - prev - 1) & mask, k); /* k <= 31 */
+        prev = idx[i];
+    }
     bw_flush(&low);
     *k_out = k;
     *len = (size_t)(ulen + llen);
@@ -845,7 +871,7 @@ done:
  * x = e >> k has bit_length max(L - k, 0), one more after adding 1 exactly when x is all ones,
  * that is when k >= z = bit_length of the zero bits of e below L. So one pass counting L and z
  * prices every k. */
-static int expg_best_k(const uint64_t *e, size_t m, int kmax) {
+static int expg_best_k(const uint64_t *e, size_t m, int wmax, uint64_t *sum_nb) {
     uint64_t hist_l[65] = {0}, hist_z[65] = {0};
     for (size_t i = 0; i < m; i++) {
         int l = bitlen(e[i]);
@@ -853,6 +879,9 @@ static int expg_best_k(const uint64_t *e, size_t m, int kmax) {
         hist_l[l]++;
         hist_z[bitlen(~e[i] & below)]++;
     }
+    int kmax = 64; /* bit_length of the largest escape, at most wmax */
+    while (kmax > 0 && !hist_l[kmax]) kmax--;
+    if (kmax > wmax) kmax = wmax;
     uint64_t best = UINT64_MAX, ones = 0;
     int k = 0;
     for (int kk = 0; kk <= kmax; kk++) {
@@ -865,6 +894,7 @@ static int expg_best_k(const uint64_t *e, size_t m, int kmax) {
             k = kk;
         }
     }
+    *sum_nb = (best - (uint64_t)m * (uint64_t)(1 + k)) / 2; /* the nb of every escape, summed */
     return k;
 }
 
@@ -970,16 +1000,9 @@ static PyObject *k_pack2(PyObject *self, PyObject *args) {
     default: m = symbols_impl(t, b, count, 8, syms, esc, &bad); break;
     }
     if (!bad && m) {
-        uint64_t emax = 0;
-        for (size_t i = 0; i < m; i++) emax = esc[i] > emax ? esc[i] : emax;
-        int kmax = bitlen(emax) < 8 * w - 1 ? bitlen(emax) : 8 * w - 1;
-        k = expg_best_k(esc, m, kmax);
-        uint64_t pbits = 0, sbits = 0;
-        for (size_t i = 0; i < m; i++) {
-            int nb = bitlen((esc[i] >> k) + 1) - 1;
-            pbits += (uint64_t)nb + 1;
-            sbits += (uint64_t)(nb + k);
-        }
+        uint64_t sum_nb = 0;
+        k = expg_best_k(esc, m, 8 * w - 1, &sum_nb);
+        uint64_t pbits = sum_nb + m, sbits = sum_nb + (uint64_t)m * (uint64_t)k;
         plen = (pbits + 7) / 8;
         slen = (sbits + 7) / 8;
         pre = (uint8_t *)calloc(plen + PAD, 1);
@@ -992,6 +1015,11 @@ static PyObject *k_pack2(PyObject *self, PyObject *args) {
             for (size_t i = 0; i < m; i++) {
                 uint64_t x = (esc[i] >> k) + 1;
                 int nb = bitlen(x) - 1;
+                if (nb + k <= 31) { /* the usual case: one code in each stream */
+                    bw_put(&prefix, (uint64_t)1 << nb, nb + 1);
+                    bw_put(&suffix, (esc[i] & low_mask) | (x - ((uint64_t)1 << nb)) << k, nb + k);
+                    continue;
+                }
                 bw_unary(&prefix, (uint64_t)nb);
                 bw_put_wide(&suffix, esc[i] & low_mask, k);
                 bw_put_wide(&suffix, x - ((uint64_t)1 << nb), nb);
