@@ -41,7 +41,10 @@ the same into a separate preallocated model-sized buffer (base copied chunk by c
 the changes applied). Memory copy = ``np.copyto`` of the whole model buffer (one thread), and
 the same split across the workers. Each figure is the best of ``--repeats`` runs (default 3) on one
 delta, then the median over the measured deltas; the load average is printed at start and end
-because other processes on the machine skew it.
+because other processes on the machine skew it. Every operation is also timed in CPU seconds of
+the process (``time.process_time``, all threads): against the one-thread copy's, that is the
+throughput per thread, which time-slicing on a shared machine does not skew (memory bandwidth
+taken by other processes still does).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ class DeltaSizes:
 
 @dataclass
 class DeltaTimes:
-    """Seconds for one delta version (whole model)."""
+    """Seconds for one delta version (whole model); ``*_cpu``: CPU seconds of the process."""
 
     encode: float
     digests: float
@@ -133,6 +136,10 @@ class DeltaTimes:
     """Into a separate buffer: base copied there chunk by chunk, then the changes applied."""
     copy_1: float
     copy_n: float
+    encode_cpu: float = 0.0
+    decode_verify_cpu: float = 0.0
+    decode_verify_copy_cpu: float = 0.0
+    copy_1_cpu: float = 0.0
 
 
 @dataclass
@@ -195,8 +202,8 @@ class Bench:
         # Timed runs are best of ``repeats`` (like the memory copy): the machine may be shared,
         # and the first pass over fresh buffers also pays page faults for the codec's temporaries.
         repeats = self.repeats if timed else 1
-        t_encode, encoded = _best_of(repeats, lambda: list(pool.map(enc, tasks)))
-        t_digests, dig = _best_of(repeats, lambda: list(pool.map(digests, tasks)))
+        (t_encode, c_encode), encoded = _best_of(repeats, lambda: list(pool.map(enc, tasks)))
+        (t_digests, _), dig = _best_of(repeats, lambda: list(pool.map(digests, tasks)))
 
         work = self.work(len(base))
 
@@ -213,8 +220,8 @@ class Bench:
             np.copyto(work, base)
 
         items = list(zip(tasks, encoded, (d[1] for d in dig), strict=True))
-        t_decode, ok = _best_of(repeats, lambda: list(pool.map(dec_verify, items)), setup=reset)
-        t_decode_copy, ok_copy = _best_of(repeats, lambda: list(pool.map(dec_verify_copy, items)))
+        (t_decode, c_decode), ok = _best_of(repeats, lambda: list(pool.map(dec_verify, items)), setup=reset)
+        (t_decode_copy, c_decode_copy), ok_copy = _best_of(repeats, lambda: list(pool.map(dec_verify_copy, items)))
         for name, oks in (("in place", ok), ("into a buffer", ok_copy)):
             if not all(oks):
                 raise AssertionError(f"decode+verify {name} failed on {oks.count(False)} chunks: codec is not lossless")
@@ -224,18 +231,22 @@ class Bench:
         kinds = Counter(ENCODING_NAMES.get(c.encoding, str(c.encoding)) for c in encoded)
         times = None
         if timed:
-            copy_1, copy_n = self.memcpy(new.bits, repeats)
-            times = DeltaTimes(t_encode, t_digests, t_decode, t_decode_copy, copy_1, copy_n)
+            copy_1, copy_n, copy_1_cpu = self.memcpy(new.bits, repeats)
+            times = DeltaTimes(t_encode, t_digests, t_decode, t_decode_copy, copy_1, copy_n,
+                               c_encode, c_decode, c_decode_copy, copy_1_cpu)
         return payload, manifest, dict(kinds), times
 
-    def memcpy(self, src: npt.NDArray[np.uint16], repeats: int) -> tuple[float, float]:
-        """Best-of-``repeats`` seconds to copy ``src`` with one thread, and split across the workers."""
+    def memcpy(self, src: npt.NDArray[np.uint16], repeats: int) -> tuple[float, float, float]:
+        """Best-of-``repeats`` seconds to copy ``src`` with one thread, and split across the workers,
+        and the one-thread copy's best CPU seconds."""
         dst = self.work(src.nbytes).view(src.dtype)  # faulted in before timing
         one: list[float] = []
+        one_cpu: list[float] = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             np.copyto(dst, src)
             one.append(time.perf_counter() - t0)
+            one_cpu.append(time.process_time() - c0)
         step = max(1, self.codec.chunk_bytes // src.itemsize)
         spans = [(i, min(i + step, len(src))) for i in range(0, len(src), step)]
 
@@ -249,7 +260,7 @@ class Bench:
             many.append(time.perf_counter() - t0)
         if not np.array_equal(dst, src):
             raise AssertionError("memory copy mismatch")
-        return min(one), min(many)
+        return min(one), min(many), min(one_cpu)
 
     # -- baselines ------------------------------------------------------------------------------
 
@@ -307,17 +318,20 @@ class Bench:
         return sizes, times
 
 
-def _best_of(repeats: int, run: Callable[[], T], setup: Callable[[], None] | None = None) -> tuple[float, T]:
-    """Fastest of ``repeats`` runs (seconds) and the result of the last one; ``setup`` runs
-    untimed before each."""
-    best = float("inf")
+def _best_of(
+    repeats: int, run: Callable[[], T], setup: Callable[[], None] | None = None
+) -> tuple[tuple[float, float], T]:
+    """Fastest of ``repeats`` runs (seconds, and the fewest CPU seconds of the process) and the
+    result of the last one; ``setup`` runs untimed before each."""
+    best = best_cpu = float("inf")
     for _ in range(repeats):
         if setup is not None:
             setup()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = run()
         best = min(best, time.perf_counter() - t0)
-    return best, result
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    return (best, best_cpu), result
 
 
 def manifest_records_size(
@@ -432,6 +446,11 @@ class Throughput:
     decode_verify_copy: float
     copy_1: float
     copy_n: float
+    encode_cpu: float = 0.0
+    """GB per CPU second of the process (all threads): per-thread throughput."""
+    decode_verify_cpu: float = 0.0
+    decode_verify_copy_cpu: float = 0.0
+    copy_1_cpu: float = 0.0
 
 
 def throughput(res: StreamResult) -> Throughput:
@@ -445,22 +464,31 @@ def throughput(res: StreamResult) -> Throughput:
         decode_verify_copy=gbps(lambda t: t.decode_verify_copy),
         copy_1=gbps(lambda t: t.copy_1),
         copy_n=gbps(lambda t: t.copy_n),
+        encode_cpu=gbps(lambda t: t.encode_cpu),
+        decode_verify_cpu=gbps(lambda t: t.decode_verify_cpu),
+        decode_verify_copy_cpu=gbps(lambda t: t.decode_verify_copy_cpu),
+        copy_1_cpu=gbps(lambda t: t.copy_1_cpu),
     )
 
 
 def throughput_table(tp: Throughput, workers: int) -> list[str]:
-    rows = [
-        ("memory copy: np.copyto, 1 thread", tp.copy_1),
-        (f"memory copy: np.copyto, {workers} threads by chunk", tp.copy_n),
-        (f"encode ({workers} threads)", tp.encode),
-        (f"encode + base/target xxh3-128 digests ({workers} threads)", tp.encode_digests),
-        (f"decode in place + verify xxh3-128 ({workers} threads)", tp.decode_verify),
-        (f"decode into a buffer + verify xxh3-128 ({workers} threads)", tp.decode_verify_copy),
+    rows: list[tuple[str, float, float | None]] = [
+        ("memory copy: np.copyto, 1 thread", tp.copy_1, tp.copy_1_cpu),
+        (f"memory copy: np.copyto, {workers} threads by chunk", tp.copy_n, None),
+        (f"encode ({workers} threads)", tp.encode, tp.encode_cpu),
+        (f"encode + base/target xxh3-128 digests ({workers} threads)", tp.encode_digests, None),
+        (f"decode in place + verify xxh3-128 ({workers} threads)", tp.decode_verify, tp.decode_verify_cpu),
+        (f"decode into a buffer + verify xxh3-128 ({workers} threads)", tp.decode_verify_copy,
+         tp.decode_verify_copy_cpu),
     ]
     w = max(len(r[0]) for r in rows) + 2
-    out = [f"  {'operation':<{w}}{'GB/s':>9}{'x copy(1t)':>12}{'x copy(' + str(workers) + 't)':>12}"]
-    for name, v in rows:
-        out.append(f"  {name:<{w}}{v:>9.2f}{v / tp.copy_1:>12.3f}{v / tp.copy_n:>12.3f}")
+    out = [f"  {'operation':<{w}}{'GB/s':>9}{'x copy(1t)':>12}{'x copy(' + str(workers) + 't)':>12}"
+           f"{'GB/cpu-s':>10}{'x copy(1t) cpu':>16}"]
+    for name, v, cpu in rows:
+        cpu_cols = f"{cpu:>10.2f}{cpu / tp.copy_1_cpu:>16.3f}" if cpu and tp.copy_1_cpu else ""
+        out.append(f"  {name:<{w}}{v:>9.2f}{v / tp.copy_1:>12.3f}{v / tp.copy_n:>12.3f}{cpu_cols}")
+    out.append("  (cpu: CPU seconds of the process, all threads, against the one-thread copy's: throughput per "
+               "thread, unskewed by time-slicing)")
     return out
 
 
@@ -540,6 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = Bench(codec, args.workers, args.repeats, args.tmpdir, cli)
     results: dict[str, object] = {"command": argv_list, "codec": repr(codec), "workers": args.workers, "lrs": {}}
     checks: list[tuple[str, bool]] = []
+    per_thread: list[tuple[float, Throughput]] = []
     try:
         for li, lr in enumerate(args.lrs):
             print(f"\n=== lr {lr:g} ===")
@@ -586,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in size_table(syn_res, syn_sum):
                 print(line)
             tp = throughput(syn_res)
+            per_thread.append((lr, tp))
             print(f"  throughput, GB/s of model bytes (median over {len(syn_res.times)} deltas):")
             for line in throughput_table(tp, args.workers):
                 print(line)
@@ -626,6 +656,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n=== targets (lr {args.lrs[0]:g}; memory copy = np.copyto, 1 thread) ===")
     for text, ok in checks:
         print(f"  {'PASS' if ok else 'FAIL'}  {text}")
+    print("\n=== per thread at every lr (issue 21: decode+verify >= 0.5, encode >= 0.25 x a one-thread copy; "
+          "wall time / CPU time) ===")
+    for lr, tp in per_thread:
+        dec, dec_cpu = tp.decode_verify / tp.copy_1, tp.decode_verify_cpu / tp.copy_1_cpu
+        enc, enc_cpu = tp.encode / tp.copy_1, tp.encode_cpu / tp.copy_1_cpu
+        print(f"  lr {lr:g}: decode in place + verify {dec:.3f} / {dec_cpu:.3f}; encode {enc:.3f} / {enc_cpu:.3f}")
     wall = time.perf_counter() - wall0
     print(f"\nwall time: {wall:.1f} s; load average at end: {_load()} (other processes skew the timings)")
     results["checks"] = [{"target": t, "pass": ok} for t, ok in checks]
