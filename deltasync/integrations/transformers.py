@@ -24,9 +24,9 @@ Rank-aware: one version per step however many processes train.
 from __future__ import annotations
 
 import logging
-import time
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MissingDependencyError, UsageError
@@ -61,7 +61,9 @@ class DeltasyncCallback(TrainerCallback):
     ``dtype``: cast floating tensors to it first (e.g. ``torch.bfloat16``: what inference
     serves, from fp32 master weights); None publishes them as they are.
     ``state_dict_fn``: where the state comes from when ``model.state_dict()`` is not it
-    (module docstring). ``timeout``: seconds a rank waits for the others while publishing.
+    (module docstring). ``background``: take the host copy in the step, then encode and
+    upload in a thread while training goes on (one publish in flight; the end of training
+    waits for the last). ``timeout``: seconds a rank waits for the others while publishing.
     ``results`` lists every :class:`deltasync.PublishResult` this process saw.
     """
 
@@ -76,6 +78,7 @@ class DeltasyncCallback(TrainerCallback):
         dtype: torch.dtype | None = None,
         state_dict_fn: StateDictFn | None = None,
         publish_at_end: bool = True,
+        background: bool = False,
         timeout: float = 600.0,
     ) -> None:
         if every_n_steps < 1:
@@ -90,40 +93,68 @@ class DeltasyncCallback(TrainerCallback):
         self.dtype = dtype
         self.state_dict_fn = state_dict_fn
         self.publish_at_end = publish_at_end
+        self.background = background
         self.timeout = timeout
         self.results: list[PublishResult] = []
-        self.publish_seconds = 0.0
         self._publisher: Publisher | DistributedPublisher | None = None
         self._last_step: int | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[PublishResult] | None = None
 
     # -- Trainer events ---------------------------------------------------------------------------
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         if model is not None and state.global_step % self.every_n_steps == 0:
-            self.publish(model, state.global_step, state.epoch)
+            self._start(model, state.global_step, state.epoch)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         if model is not None and self.publish_at_end and self._last_step != state.global_step:
-            self.publish(model, state.global_step, state.epoch)
+            self._start(model, state.global_step, state.epoch)
+        self.wait()
 
     # -- publishing -----------------------------------------------------------------------------
 
     def publish(self, model: torch.nn.Module, step: int, epoch: float | None = None) -> PublishResult:
         """Publish ``model`` now as the version of ``step`` (every rank calls this together)."""
-        start = time.monotonic()
+        self.wait()
         rank, world = _rank_world()
+        return self._commit(self._snapshot(model, rank, world), step, epoch, world)
+
+    def wait(self) -> PublishResult | None:
+        """With ``background``: wait for the publish in flight (its error is raised here)."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def _start(self, model: torch.nn.Module, step: int, epoch: float | None) -> None:
+        if not self.background:
+            self.publish(model, step, epoch)
+            return
+        # The host copy is taken now, in the step; encoding and upload overlap the next steps.
+        # One publish in flight at a time: the next one waits for it (versions stay in order).
+        rank, world = _rank_world()
+        state = self._snapshot(model, rank, world)
+        self.wait()
+        self._open(world)  # here, not in the thread: a DistributedPublisher's group is made on the default group
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltasync-publish")
+        self._pending = self._executor.submit(self._commit, state, step, epoch, world)
+        self._last_step = step
+
+    def _snapshot(self, model: torch.nn.Module, rank: int, world: int) -> dict[str, torch.Tensor | Slice]:
         with torch.no_grad():
             raw = self.state_dict_fn(model) if self.state_dict_fn is not None else model.state_dict()
-            state = self._share(raw, rank, world)
+            return self._share(raw, rank, world)
+
+    def _commit(self, state: dict[str, torch.Tensor | Slice], step: int, epoch: float | None,
+                world: int) -> PublishResult:
         metadata = {**self.metadata, "hf.global_step": str(step)}
         if epoch is not None:
             metadata["hf.epoch"] = f"{epoch:g}"
         result = self._open(world).publish(state, metadata=metadata)
         self._last_step = step
         self.results.append(result)
-        self.publish_seconds += time.monotonic() - start
         log.info("deltasync: step %d published as version %d (%s, %d bytes stored)",
                  step, result.version, result.kind, result.stored_bytes)
         return result
@@ -153,8 +184,9 @@ class DeltasyncCallback(TrainerCallback):
         return out
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to("cpu")
-        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+        dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+        # in the background the trainer goes on changing its tensors in place: take a copy
+        return t.to(device="cpu", dtype=dtype, copy=self.background)
 
 
 def _rank_world() -> tuple[int, int]:

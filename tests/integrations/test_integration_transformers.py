@@ -87,7 +87,7 @@ def test_trainer_publishes_one_version_per_step_bit_exact(tmp_path: Path) -> Non
     assert len(callback.results) == 4 and callback.results[0].kind == "snapshot"
 
 
-def test_every_n_steps_and_the_end_of_training(tmp_path: Path) -> None:
+def test_every_n_steps_and_the_end_of_training_publishing_in_the_background(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
     model = tiny_llama()
@@ -95,7 +95,7 @@ def test_every_n_steps_and_the_end_of_training(tmp_path: Path) -> None:
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=5, per_device_train_batch_size=4,
                              learning_rate=1e-5, report_to=[], save_strategy="no", logging_strategy="no",
                              use_cpu=True, disable_tqdm=True)
-    callback = DeltasyncCallback(repo, every_n_steps=2, dtype=torch.bfloat16)
+    callback = DeltasyncCallback(repo, every_n_steps=2, dtype=torch.bfloat16, background=True)
     Trainer(model=model, args=args, train_dataset=Sums(32), callbacks=[callback]).train()
     # bf16 of fp32 master weights at an RL-like learning rate: few elements change, versions are deltas
     assert [r.kind for r in callback.results] == ["snapshot", "delta", "delta"]
@@ -133,7 +133,7 @@ sys.path.insert(0, {here!r})
 from test_integration_transformers import Sums, tiny_llama
 from deltasync.integrations.transformers import DeltasyncCallback
 model = tiny_llama()
-cb = DeltasyncCallback({repo!r})
+cb = DeltasyncCallback({repo!r}, background=True)  # publishing overlaps the next steps' DDP all-reduces
 args = TrainingArguments(output_dir={out!r}, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
                          report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
                          ddp_backend="gloo")
