@@ -5,6 +5,7 @@ Run from the repository root, in the environment that has transformers (``script
     .venv-verl/bin/python -m benchmarks.bench_callback                # ~21M-parameter Llama, lr 1e-6
     .venv-verl/bin/python -m benchmarks.bench_callback --quick        # a small model, seconds
     .venv-verl/bin/python -m benchmarks.bench_callback --lr 1e-5 --steps 8 --json out.json
+    .venv-verl/bin/python -m benchmarks.bench_callback --background  # encode and upload off the step
 
 A random-init Llama-shaped model trains on random tokens with AdamW on fp32 weights (CPU);
 the callback publishes the bf16 cast after every optimizer step to a local repository.
@@ -43,7 +44,7 @@ def build_model(quick: bool) -> Any:
     return LlamaForCausalLM(config)
 
 
-def run(quick: bool, lr: float, steps: int, repo: str) -> dict[str, Any]:
+def run(quick: bool, lr: float, steps: int, repo: str, background: bool = False) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from deltasync.integrations.transformers import DeltasyncCallback
@@ -86,7 +87,7 @@ def run(quick: bool, lr: float, steps: int, repo: str) -> dict[str, Any]:
     trained: list[float] = []
     published: list[float] = []
     meter = ChangeMeter()
-    publish = DeltasyncCallback(repo, dtype=torch.bfloat16, publish_at_end=False)
+    publish = DeltasyncCallback(repo, dtype=torch.bfloat16, publish_at_end=False, background=background)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=lr,
                                  lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_strategy="no",
@@ -109,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--background", action="store_true",
+                   help="DeltasyncCallback(background=True): the step pays the host copy (and waits for a publish still running)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     try:
@@ -117,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_callback needs transformers: bash scripts/install_verl.sh, then .venv-verl/bin/python", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        s = run(args.quick, args.lr, args.steps, str(Path(tmp) / "repo"))
+        s = run(args.quick, args.lr, args.steps, str(Path(tmp) / "repo"), args.background)
     print(f"{s['params'] / 1e6:.1f}M parameters, lr {args.lr:g}: {s['changed_fraction_median']:.2%} of bf16 elements "
           f"changed per step (median); training step {s['step_s_median'] * 1e3:.0f} ms, publish "
           f"{s['publish_s_median'] * 1e3:.0f} ms: the callback adds {s['overhead_median']:.1%} (median); "
