@@ -28,7 +28,7 @@ else
 fi
 # Real verl, TRL, transformers and Ray for tests/integrations/, in their own environment
 # (.venv-verl: verl pins its own transformers and tensordict; about 2.5 minutes to build,
-# 3 to 5.5 minutes of tests on a 2-core machine, half of it the vLLM server test); where it
+# 5.5 minutes of tests measured on a busy 2-core machine, 40% of it the vLLM server test); where it
 # cannot be built (or with --fast) they run in the project's environment and skip, saying why.
 verl_ready=0
 if [[ "$fast" == 0 ]]; then
