@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,18 +72,34 @@ class PackCache(WrappingStore):
     A read of an object announced by :meth:`expect` waits until it arrives (or the round
     gives up on it, then it is read from ``inner``). Packs are checked against their content
     address on arrival; a whole-object read of a pack hands it over and forgets it (a pull
-    reads a pack whole once), so received bytes stay about one window of packs.
-    Counters: ``received_bytes`` (offered and accepted), ``upstream_bytes`` (read from
-    ``inner``), ``rejected`` (keys dropped as corrupt on arrival).
+    reads a pack whole once). Objects arriving faster than the engine decodes them pile up:
+    with ``spill_dir``, those beyond ``memory_bytes`` are written there (a few times a version's
+    stored bytes of disk at most, never the model) and read back from the page cache, so memory
+    stays bounded whatever the size of a version. Counters: ``received_bytes`` (offered and
+    accepted), ``upstream_bytes`` (read from ``inner``), ``spilled_bytes``, ``rejected`` (keys
+    dropped as corrupt on arrival).
     """
 
-    def __init__(self, inner: Store | str, *, wait_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        inner: Store | str,
+        *,
+        wait_timeout: float = 120.0,
+        memory_bytes: int = 256 << 20,
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         super().__init__(open_store(inner) if isinstance(inner, str) else inner)
+        if memory_bytes < 0:
+            raise UsageError(f"memory_bytes must not be negative, got {memory_bytes}")
         self.wait_timeout = wait_timeout
+        self.memory_bytes = memory_bytes
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.spilled_bytes = 0
+        self._held = 0  # bytes of received objects in memory
         self.received_bytes = 0
         self.upstream_bytes = 0
         self.rejected: list[str] = []
-        self._objects: dict[str, bytes] = {}
+        self._objects: dict[str, bytes | Path] = {}
         self._coming: set[str] = set()
         self._retained: OrderedDict[str, bytes] = OrderedDict()  # manifests read from inner (node 0 sends them)
         self._cond = threading.Condition()
@@ -95,10 +113,23 @@ class PackCache(WrappingStore):
         """Hand over an object received; False when it is refused (a pack not matching its key)."""
         ok = not key.startswith(_PACK) or key == f"{_PACK}{digest(memoryview(data)).hex()}.pack"
         with self._cond:
+            spill = ok and self.spill_dir is not None and self._held + len(data) > self.memory_bytes
+        held: bytes | Path = data
+        if spill:
+            assert self.spill_dir is not None
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            held = self.spill_dir / key.replace("/", "__")
+            held.write_bytes(data)
+        with self._cond:
             self._coming.discard(key)
             if ok:
-                self._objects[key] = data
+                self._drop(key)
+                self._objects[key] = held
                 self.received_bytes += len(data)
+                if spill:
+                    self.spilled_bytes += len(data)
+                else:
+                    self._held += len(data)
             else:
                 self.rejected.append(key)
             self._cond.notify_all()
@@ -115,9 +146,17 @@ class PackCache(WrappingStore):
     def forget(self) -> None:
         """Drop every object received (the end of a round, or a retry from ``inner``)."""
         with self._cond:
-            self._objects.clear()
+            for key in list(self._objects):
+                self._drop(key)
             self._coming.clear()
             self._cond.notify_all()
+
+    def _drop(self, key: str) -> None:
+        held = self._objects.pop(key, None)
+        if isinstance(held, Path):
+            held.unlink(missing_ok=True)
+        elif held is not None:
+            self._held -= len(held)
 
     def retained(self, key: str) -> bytes | None:
         """A manifest or squash this cache read whole from ``inner`` lately."""
@@ -129,9 +168,14 @@ class PackCache(WrappingStore):
         with self._cond:
             while key in self._coming and key not in self._objects and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-            data = self._objects.get(key)
-            if data is not None and byte_range is None and key.startswith(_PACK):
-                del self._objects[key]
+            held = self._objects.get(key)
+        data = _read_held(held) if isinstance(held, Path) else held  # a spilled one, outside the lock
+        with self._cond:
+            if held is not None and self._objects.get(key) is held:
+                if data is None:
+                    self._objects.pop(key, None)  # a spilled file gone: read it from inner
+                elif byte_range is None and key.startswith(_PACK):
+                    self._drop(key)  # a pull reads a pack whole once
         if data is None:
             data = self.inner.get(key, byte_range, max_bytes=read_limit() if byte_range is None else None)
             with self._cond:
@@ -153,8 +197,17 @@ class PackCache(WrappingStore):
 
     def _size(self, key: str) -> int:
         with self._cond:
-            data = self._objects.get(key)
-        return len(data) if data is not None else self.inner.size(key)
+            held = self._objects.get(key)
+        if isinstance(held, Path):
+            return held.stat().st_size
+        return len(held) if held is not None else self.inner.size(key)
+
+
+def _read_held(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()  # from the page cache: it was written a moment ago
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -250,6 +303,7 @@ class PackcastNode:
             try:
                 self._store.wait(["next"], timedelta(seconds=timeout))
                 self._round = int(self._store.get("next")) - 1
+                self._store.set(f"joined/{rank}", "1")  # node 0 waits for it from its next round
             except dist.DistError as e:
                 raise GroupError(f"packcast node {rank}: node 0's store at {master or 'the store given'} did not "
                                  f"answer within {timeout:g}s: {e}") from None
@@ -264,7 +318,6 @@ class PackcastNode:
         counters = self.cache.received_bytes, self.cache.upstream_bytes
         target = sub.repo.resolve(version)
         n = self._round + 1
-        self._store.set("next", str(n))
         self._store.set(f"ready/{n}/0", "ok")
         members = self._gather_ready(n)
         objects = self._objects_for(sub, target)
@@ -272,6 +325,7 @@ class PackcastNode:
             self._epoch += 1
         header = {"version": target, "members": members, "epoch": self._epoch, "objects": objects}
         self._store.set(f"round/{n}", json.dumps(header))
+        self._store.set("next", str(n + 1))  # the round a node starting now takes part in
         for r in range(self.world) if n > 2 else ():  # what no node reads any more
             self._store.delete_key(f"ready/{n - 2}/{r}")
         if n > 2:
@@ -285,10 +339,13 @@ class PackcastNode:
             self._fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     def _gather_ready(self, n: int) -> tuple[int, ...]:
-        """Last round's members that say they are ready within the timeout, and any other node
-        that already has (a late joiner)."""
-        expected = self._members or tuple(range(self.world))  # the first round waits for every node
-        wanted = [f"ready/{n}/{r}" for r in expected if r != 0]
+        """Last round's members and nodes that joined since, those that say they are ready
+        within the timeout; and any other node that already has."""
+        expected = set(self._members or range(self.world))  # the first round waits for every node
+        joined = [r for r in range(1, self.world) if r not in expected and self._store.check([f"joined/{r}"])]
+        for r in joined:  # waited for once: one that died since is not waited for again
+            self._store.delete_key(f"joined/{r}")
+        wanted = [f"ready/{n}/{r}" for r in sorted(expected.union(joined)) if r != 0]
         deadline = time.monotonic() + self.timeout
         while wanted and not self._store.check(wanted) and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -60,7 +60,7 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
     try:
         torch.set_num_threads(1)
         if scenario == "late" and rank == world - 1:
-            gate.wait(60)  # joins after node 0's second round
+            gate[0].wait(60)  # joins after node 0's second round
         cache = PackCache(repo)
         if scenario == "corrupt" and rank == 2:
             real = cache.offer
@@ -88,6 +88,8 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
         timeout = 3.0 if scenario in ("dead", "late", "dies_mid", "root_dies") else 30.0
         node = PackcastNode(engine, cache, rank=rank, world=world, master=f"127.0.0.1:{port}", timeout=timeout,
                             piece_bytes=512)
+        if scenario == "late" and rank == world - 1:
+            gate[1].set()  # joined: node 0 waits for it from its next round on
         out: dict[str, Any] = {"versions": [], "reports": node.reports, "seconds": []}
         first = 3 if scenario == "late" and rank == world - 1 else 1
         for v in range(first, VERSIONS + 1):
@@ -115,7 +117,8 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
             _check(held, v)
             out["versions"].append(engine.version)
             if scenario == "late" and rank == 0 and v == 2:
-                gate.set()
+                gate[0].set()
+                gate[1].wait(60)
         if rank == 0:
             node.close()
         out["rejected"] = list(cache.rejected)
@@ -129,7 +132,8 @@ def _run(tmp_path: Any, world: int, scenario: str, expect: int | None = None) ->
 
     repo = str(tmp_path / "repo")
     _publish(repo)
-    gate = mp.get_context("spawn").Event()
+    ctx = mp.get_context("spawn")
+    gate = (ctx.Event(), ctx.Event())
     return spawn_ranks(_node, world, lambda r, port, q: (r, world, port, repo, scenario, gate, q), expect=expect,
                        timeout=120)
 
@@ -209,3 +213,30 @@ def test_node_0_dying_the_others_go_on_from_the_repository(tmp_path: Any) -> Non
         assert out[rank]["versions"] == [1, 2, VERSIONS]
         message, waited = out[rank]["lost"]
         assert "node 0" in message and waited < 30.0  # told, not left waiting
+
+
+def test_pack_cache_spills_beyond_its_memory_and_reads_back_exactly(tmp_path: Any) -> None:
+    from deltasync.engines.packcast import PackCache
+    from deltasync.format.digest import digest
+    from deltasync.storage import MemoryStore
+
+    upstream = MemoryStore()
+    packs = {f"packs/{digest(d).hex()}.pack": d for d in (os.urandom(3000), os.urandom(5000), os.urandom(7000))}
+    for key, data in packs.items():
+        upstream.put(key, data)
+    cache = PackCache(upstream, memory_bytes=4000, spill_dir=tmp_path / "spill")
+    cache.expect(packs)
+    for key, data in packs.items():
+        assert cache.offer(key, data)
+    assert cache.spilled_bytes == 12000 and len(list((tmp_path / "spill").iterdir())) == 2  # 3000 fit in memory
+    first, second, third = packs
+    assert cache.get(second, (100, 50)) == packs[second][100:150]  # a range of a spilled pack
+    for key, data in packs.items():
+        assert cache.get(key) == data  # whole: handed over, then forgotten
+    assert cache.upstream_bytes == 0 and not list((tmp_path / "spill").iterdir())
+    assert cache.get(third) == packs[third] and cache.upstream_bytes == 7000  # gone: read from upstream
+    assert not cache.offer(first, b"not it") and cache.rejected == [first]
+    cache.expect([second])
+    assert cache.offer(second, packs[second])
+    cache.forget()
+    assert not list((tmp_path / "spill").iterdir())
