@@ -1130,6 +1130,54 @@ VBMI2 static void fill_changes_w2_vbmi2(const uint8_t *s, size_t n, uint64_t *es
 }
 #endif
 
+#if HAVE_AVX512
+/* Whether u32 indices strictly increase, 16 compares at a time (m >= 1). */
+VBMI2 static int increasing_avx512(const uint32_t *idx, size_t m) {
+    __mmask16 ok = 0xFFFF;
+    size_t i = 0;
+    for (; i + 17 <= m; i += 16)
+        ok &= _mm512_cmpgt_epu32_mask(_mm512_loadu_si512(idx + i + 1), _mm512_loadu_si512(idx + i));
+    int good = ok == 0xFFFF;
+    for (i += 1; i < m; i++) good &= idx[i] > idx[i - 1];
+    return good;
+}
+
+/* apply2 in place for 2-byte elements: fill_changes_w2_vbmi2's 32 changes at a time, each
+ * block added while the next one's lines are asked for, so that the decoding of the symbols
+ * overlaps the memory traffic. esc holds the escapes' z, narrowed to 16-bit changes here. */
+VBMI2 static void apply2_w2_vbmi2(uint8_t *o, const uint32_t *idx, const uint8_t *s, size_t n_sym, uint64_t *esc,
+                                  size_t m) {
+    uint16_t *e16 = (uint16_t *)esc, *out = (uint16_t *)o;
+    for (size_t j = 0; j < m; j++) e16[j] = (uint16_t)unzigzag(esc[j]);
+    const __m512i sel = _mm512_set_epi8(0, 7, 0, 7, 0, 7, 0, 7, 0, 6, 0, 6, 0, 6, 0, 6, 0, 5, 0, 5, 0, 5, 0, 5, 0, 4, 0, 4,
+                                        0, 4, 0, 4, 0, 3, 0, 3, 0, 3, 0, 3, 0, 2, 0, 2, 0, 2, 0, 2, 0, 1, 0, 1, 0, 1,
+                                        0, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i shifts = _mm512_set_epi16(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4,
+                                            2, 0, 6, 4, 2, 0);
+    const __m512i three = _mm512_set1_epi16(3);
+    const uint16_t tab[4] = {0xFFFF, 1, 0xFFFE, 0};
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0, 0, (short)0xFFFE, 1, (short)0xFFFF);
+    size_t i = 0, j = 0;
+    uint16_t d[32] __attribute__((aligned(64)));
+    for (; i + 32 <= n_sym; i += 32) {
+        __m512i src = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(s + i / 4)));
+        __m512i sym = _mm512_maskz_permutexvar_epi8(0x5555555555555555u, sel, src);
+        sym = _mm512_and_si512(_mm512_srlv_epi16(sym, shifts), three);
+        __mmask32 em = _mm512_cmpeq_epi16_mask(sym, three);
+        _mm512_store_si512(d, _mm512_mask_expandloadu_epi16(_mm512_permutexvar_epi16(sym, table), em, e16 + j));
+        j += (size_t)__builtin_popcount(em);
+        if (i + 96 <= n_sym)
+            for (int r = 0; r < 32; r++) __builtin_prefetch(out + idx[i + 64 + (size_t)r], 1, 3);
+        for (int r = 0; r < 32; r++) out[idx[i + (size_t)r]] += d[r];
+    }
+    for (; i < n_sym; i++) {
+        unsigned sym = (s[i >> 2] >> (2 * (i & 3))) & 3;
+        out[idx[i]] += sym == 3 ? e16[j++] : tab[sym];
+    }
+}
+#endif
+
 /* The escapes of ``n`` 2-bit symbols (the symbol 3s among them: *m_out), decoded and checked
  * with everything else about the streams but the symbols' own values: NULL, or why the
  * streams are not what pack2 writes (RICE_OOM when out of memory). On success *esc_out is a
@@ -1439,13 +1487,24 @@ static PyObject *k_apply2(PyObject *self, PyObject *args) {
                        (size_t)fb->len, w, &esc, &n_esc);
     if (!err && !mismatched) {
         bad = idx[m - 1] >= n;
+#if HAVE_AVX512
+        if (use_vbmi2) bad |= !increasing_avx512(idx, m);
+        else
+#endif
         for (size_t i = 1; i < m; i++) bad |= idx[i] <= idx[i - 1];
     }
+    const uint8_t *src = have_base && bb.buf != ob->buf ? (const uint8_t *)bb.buf : NULL;
+    int ready = !err && !mismatched && !bad; /* everything checked: out may be written */
+#if HAVE_AVX512
+    if (ready && use_vbmi2 && w == 2 && !src) {
+        apply2_w2_vbmi2((uint8_t *)ob->buf, idx, s, m, esc, n_esc);
+        ready = 0; /* applied */
+    }
+#endif
     uint8_t *d = NULL;
-    if (!err && !mismatched && !bad && !(d = (uint8_t *)malloc(m * (size_t)w))) err = RICE_OOM;
+    if (ready && !(d = (uint8_t *)malloc(m * (size_t)w))) err = RICE_OOM;
     if (d) {
         uint8_t *o = (uint8_t *)ob->buf;
-        const uint8_t *src = have_base && bb.buf != ob->buf ? (const uint8_t *)bb.buf : NULL;
 #if HAVE_AVX512
         if (use_vbmi2 && w == 2) {
             fill_changes_w2_vbmi2(s, m, esc, n_esc, (uint16_t *)d);
