@@ -32,7 +32,17 @@ to go, even with a grace of 0. Objects that only versions deleted in this very r
 referenced were committed, not in flight, and go at once. The grace must be longer than
 the slowest publish (and than clock skew between the hosts running gc).
 
-**A publish slower than the grace.** With a grace shorter than a publish, gc can delete
+**Publishes in flight: leases.** A publish writes a lease (``leases/<id>.json``, repo/leases.py)
+before its first upload, renews it while it runs and deletes it after its commit or abandon.
+Right before deleting any pack or blob (and again before each batch of deletions) gc reads the
+leases: while one is live it deletes no pack or blob at all, whatever the grace (those it would
+have deleted are recorded as unreferenced, for a run without live leases). So a publish that
+started before gc's last look at the leases loses nothing, however long it takes. Leases of
+killed publishers expire (:data:`~deltasync.repo.leases.LEASE_TTL` after their last renewal,
+plus :data:`~deltasync.repo.leases.LEASE_SKEW` for clocks), and gc removes them.
+
+**A publish slower than the grace** (publishers of older deltasync, which write no lease).
+With a grace shorter than a publish, gc can delete
 packs and blobs a publisher uploaded and has not committed yet (or ones a publisher reuses
 because they exist: content-addressed objects are uploaded once). The publisher is the one
 that notices: right before its commit it checks that every object its version names still
@@ -61,6 +71,7 @@ a chunk whose squash pack is gone is then rebuilt from plain deltas or the snaps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -72,6 +83,7 @@ from dataclasses import dataclass, field
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError, VersionNotFoundError
 from ..format.manifest import MAX_MANIFEST_BYTES, ManifestInfo, manifest_key, parse_manifest
 from ..progress import human_bytes
+from ..repo.leases import read_leases
 from ..repo.repository import Repository, blob_key, squash_key
 from ..storage import Store
 from ..storage._local import LocalStore, TempFile, is_temp_name
@@ -106,6 +118,10 @@ class GcReport:
     """Temp files of interrupted writes (killed publishers) removed, by path in the store."""
     temp_files_pending: list[str] = field(default_factory=list)
     """Temp files seen, waiting out the grace period (maybe a write in progress)."""
+    leases: list[str] = field(default_factory=list)
+    """Live publish leases seen: publishes in flight, for which no pack or blob was deleted."""
+    leases_removed: list[str] = field(default_factory=list)
+    """Leases of killed publishers (expired) removed."""
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -118,6 +134,10 @@ class GcReport:
             f"{len(self.blobs_deleted)} blob(s), {human_bytes(self.bytes_freed)} "
             f"{'to free' if self.dry_run else 'freed'}"
         )
+        if self.leases:
+            line += f"; {len(self.leases)} publish(es) in flight (leases): no pack or blob deleted"
+        if self.leases_removed:
+            line += f"; {'would remove' if self.dry_run else 'removed'} {len(self.leases_removed)} expired lease(s)"
         if self.pending:
             line += f"; {len(self.pending)} unreferenced object(s) wait for the grace period"
         if self.temp_files_deleted:
@@ -252,7 +272,16 @@ class _Collector:
 
         items = sorted(to_delete.items())
         known, late = set(remaining) | deleted, set[str]()
+        if not items:
+            self._publishing(clock())  # nothing to delete: only removes expired leases
         for begin in range(0, len(items), _DELETE_BATCH):
+            if self._publishing(clock()):
+                # A publish in flight may commit any of them (its uploads, or objects it reuses):
+                # none goes; they wait, recorded, for a run without live leases.
+                for key, _size in items[begin:]:
+                    new_pending[key] = pending.get(key, now)
+                report.pending = sorted(set(report.pending) | {k for k, _ in items[begin:]})
+                break
             # A version committed since the manifests were read keeps what it names: its
             # publisher checked that these objects exist just before committing (encode.py).
             late |= self._late_references(known)
@@ -267,6 +296,20 @@ class _Collector:
         return report
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _publishing(self, now: float) -> bool:
+        """Whether a live publish lease exists (module doc); removes expired ones (once)."""
+        found, bad = read_leases(self.store)
+        live = [lease for lease in found if lease.live(now)]
+        for key in [lease.key for lease in found if not lease.live(now)] + bad:
+            if key in self.report.leases_removed:
+                continue
+            if not self.report.dry_run:
+                with contextlib.suppress(ObjectNotFoundError):
+                    self.store.delete(key)
+            self.report.leases_removed.append(key)
+        self.report.leases = sorted(set(self.report.leases) | {lease.key for lease in live})
+        return bool(live)
 
     def _require(self, version: int) -> None:
         for info in self.repo.chain(version):

@@ -26,6 +26,7 @@ from ..errors import (
     UsageError,
 )
 from ..format.slices import Slice
+from ..repo.leases import Lease
 from ..repo.repository import Repository, open_repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
@@ -125,7 +126,23 @@ class DistributedPublisher:
             raise DistributedPublishError(version, failures)
 
         decision = self._decide(metas, version) if self.rank == 0 else None
-        decision = self._broadcast(decision)
+        lease = None
+        if decision is not None and not decision.error:
+            # Rank 0 holds one lease for the version, from before any rank uploads until its
+            # commit: gc deletes no pack or blob meanwhile (repo/leases.py).
+            lease = Lease(self.repo.store, f"publish of version {decision.version} ({self.world} ranks)")
+            try:
+                lease.__enter__()
+            except DeltasyncError as e:
+                lease, decision = None, _Decision(error=str(e))
+        try:
+            return self._publish_decided(self._broadcast(decision), sources, version, metadata, start)
+        finally:
+            if lease is not None:
+                lease.__exit__(None, None, None)
+
+    def _publish_decided(self, decision: object, sources: list[SourceTensor], version: int | None,
+                         metadata: Mapping[str, str] | None, start: float) -> PublishResult:
         assert isinstance(decision, _Decision)
         if decision.error:
             raise DistributedPublishError(version, {0: decision.error})

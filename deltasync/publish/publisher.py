@@ -22,6 +22,7 @@ from ..format.digest import StreamDigest, digest
 from ..format.manifest import ManifestInfo
 from ..format.signing import PrivateKeyLike
 from ..format.slices import Slice
+from ..repo.leases import Lease
 from ..repo.repository import BLOB_PART_BYTES, Repository, blob_key, open_repository
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
@@ -262,16 +263,18 @@ class Publisher:
             chain = self.repo.chain(parent)
             if len(chain) < self.config.snapshot_every:
                 limit = int(self.config.max_delta_fraction * chain[0].pb.stored_bytes)
-        blob_bytes = self._store_blobs(blob_root, files) if blob_root is not None else 0
-        draft = Draft(version=version, parent=parent, snapshot=not bases, files=files, metadata=metadata,
-                      blob_bytes=blob_bytes, start=start)
-        source = _Source(sources, bases, keep, base_arrays, blob_root)
-        if limit is not None:
-            try:
-                return self._attempt(draft, source, limit)
-            except DeltaTooLarge:
-                pass  # store this version as a snapshot instead
-        return self._attempt(replace(draft, snapshot=True), replace(source, bases={}), None)
+        # A gc reads the lease and deletes no pack or blob until the commit (repo/leases.py).
+        with Lease(self.repo.store, f"publish of version {version}"):
+            blob_bytes = self._store_blobs(blob_root, files) if blob_root is not None else 0
+            draft = Draft(version=version, parent=parent, snapshot=not bases, files=files, metadata=metadata,
+                          blob_bytes=blob_bytes, start=start)
+            source = _Source(sources, bases, keep, base_arrays, blob_root)
+            if limit is not None:
+                try:
+                    return self._attempt(draft, source, limit)
+                except DeltaTooLarge:
+                    pass  # store this version as a snapshot instead
+            return self._attempt(replace(draft, snapshot=True), replace(source, bases={}), None)
 
     def _attempt(self, draft: Draft, source: _Source, limit: int | None) -> PublishResult:
         encoded = encode(self.repo.store, self.config, source.tensors, draft.files, source.bases,

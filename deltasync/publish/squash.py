@@ -51,6 +51,7 @@ from ..format.signing import PrivateKeyLike
 from ..pull.fetch import PackFetcher
 from ..pull.plan import Chain
 from ..pull.subscriber import Subscriber
+from ..repo.leases import Lease
 from ..repo.repository import Repository, open_repository, squash_key
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
@@ -142,10 +143,17 @@ def write_squash(
     files = [pb.File() for _ in cinfo.pb.files]
     for mine, theirs in zip(files, cinfo.pb.files, strict=True):
         mine.CopyFrom(theirs)
+    with Lease(r.store, f"squash {a}->{c}"):  # its packs are unreferenced until put_squash (repo/leases.py)
+        return _write(r, cfg, a, c, cinfo, sources, files, bases, before.fetch_bytes, start)
+
+
+def _write(r: Repository, cfg: PublisherConfig, a: int, c: int, cinfo: ManifestInfo, sources: list[SourceTensor],
+           files: list[pb.File], bases: dict[str, BaseTensor], before: int, start: float) -> SquashResult:
+    """Encode and store the squash ``a`` -> ``c`` if smaller than ``before`` bytes of fetch."""
     try:
-        encoded = encode(r.store, cfg, sources, files, bases, label=f"squash {a}->{c}", limit=before.fetch_bytes - 1)
+        encoded = encode(r.store, cfg, sources, files, bases, label=f"squash {a}->{c}", limit=before - 1)
     except DeltaTooLarge:
-        return SquashResult(a, c, "not smaller", 0, before.fetch_bytes, time.monotonic() - start)
+        return SquashResult(a, c, "not smaller", 0, before, time.monotonic() - start)
     manifest = pb.Manifest(
         format=FORMAT, version=c, kind=pb.DELTA, parent=a, has_parent=True, snapshot=cinfo.pb.snapshot,
         codec=cinfo.pb.codec, files=files, tensors=encoded.tensors, packs=encoded.packs,
@@ -158,11 +166,11 @@ def write_squash(
         with contextlib.suppress(DeltasyncError):
             encoded.created -= {p.key for p in r.squash(a, c).pb.packs}
         abandon(r.store, encoded)
-        return SquashResult(a, c, "exists", 0, before.fetch_bytes, time.monotonic() - start)
+        return SquashResult(a, c, "exists", 0, before, time.monotonic() - start)
     except BaseException:
         abandon(r.store, encoded)
         raise
-    return SquashResult(a, c, "written", encoded.stored, before.fetch_bytes, time.monotonic() - start)
+    return SquashResult(a, c, "written", encoded.stored, before, time.monotonic() - start)
 
 
 def write_squashes(

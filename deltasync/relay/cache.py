@@ -36,12 +36,13 @@ import lmdb
 
 from ..errors import CorruptObjectError, ObjectTooLargeError, UsageError
 from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES
+from ..repo.leases import MAX_LEASE_BYTES
 from ..storage import Store
 
 CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/", "squashes/")
 #: What a relay serves: the keys of a repository's layout (repo/repository.py), nothing else
 #: of its upstream (no gc state, no stray files). Refs and the marker are mutable, never cached.
-SERVED_PREFIXES = (*CACHEABLE_PREFIXES, "refs/")
+SERVED_PREFIXES = (*CACHEABLE_PREFIXES, "refs/", "leases/")  # leases: publishes in flight (repo/leases.py)
 SERVED_KEYS = ("deltasync.json",)
 MARKER = "deltasync-relay-cache"  # marks a directory as a relay cache
 _VALUE = struct.Struct("<Qd")  # size, last access (unix seconds); the relative path follows
@@ -63,6 +64,8 @@ def size_limit(key: str) -> int | None:
     hostile upstream cannot fill the cache's disk with one object."""
     if key.startswith(("manifests/", "squashes/")):
         return MAX_MANIFEST_BYTES
+    if key.startswith("leases/"):
+        return MAX_LEASE_BYTES
     if key.startswith("blobs/"):
         return BLOB_PART_SIZE + (BLOB_PART_SIZE >> 7) + (64 << 10)  # zstd's bound for one part
     if key.startswith("packs/"):

@@ -9,6 +9,8 @@ Layout (all keys relative to the store root)::
     squashes/<C:020d>-<A:020d>.pb   optional: version C as a delta against version A (see squash.py)
     refs/latest                     the newest committed version id (a hint; manifests rule)
     refs/pin                        optional: the version subscribers should serve instead (see pin)
+    leases/<32 hex>.json            a publish in flight, renewed while it runs: gc deletes no pack or
+                                    blob while one is live (repo/leases.py)
 
 Commit order (DESIGN.md invariant 2): packs and blobs, then the manifest with a conditional
 put, then ``refs/latest``. A reader only trusts versions whose manifest exists.
@@ -146,11 +148,11 @@ def squash_from_key(key: str) -> tuple[int, int] | None:
 #: else (not a store's own temp files such as ``packs/<x>.pack.tmp-deltasync``).
 _LAYOUT_KEY = re.compile(
     r"packs/[0-9a-f]{32}\.pack|blobs/[0-9a-f]{32}|manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb"
-    r"|refs/latest|refs/pin|deltasync\.json|gc/pending\.json"
+    r"|refs/latest|refs/pin|deltasync\.json|gc/pending\.json|leases/[0-9a-f]{32}\.json"
 )
 LAYOUT_NAMES = (
     "packs/<xxh3>.pack, blobs/<xxh3>, manifests/<version>.pb, squashes/<C>-<A>.pb, refs/latest, refs/pin, "
-    "deltasync.json, gc/pending.json"
+    "deltasync.json, leases/<id>.json, gc/pending.json"
 )
 
 

@@ -329,7 +329,7 @@ def test_version_committed_while_gc_runs_is_kept(repo_url: str, during: str, mon
     store_type = type(Repository(repo_url).store)
     original = store_type.delete
     published: list[int] = []
-    lock = threading.Lock()  # gc deletes objects on several threads
+    lock = threading.RLock()  # gc deletes objects on several threads; the publish deletes its lease within
 
     def publish_during_gc(self: Store, key: str) -> None:
         with lock:

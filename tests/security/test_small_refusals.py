@@ -124,6 +124,7 @@ def writable(tmp_path: Path) -> Iterator[tuple[GrpcStore, RelayServer, LocalStor
 PACK = os.urandom(1000)
 PACK_KEY = f"packs/{digest(PACK).hex()}.pack"
 NOT_LAYOUT = [
+    "leases/x",  # leases/ is served (publishes in flight, repo/leases.py), only as leases/<32 hex>.json
     "packs/x.pack.tmp-deltasync",
     f"{PACK_KEY}.tmp-deltasync",
     f"packs/.{digest(PACK).hex()}.pack.tmp-deltasync",
@@ -137,7 +138,7 @@ NOT_LAYOUT = [
     "refs/latest.tmp-deltasync",
 ]
 #: Names beside what a relay serves (it serves no gc state): refused as before.
-NOT_SERVED = ["gc/pending.json", "gc/other.json", "leases/x", "deltasync.json.bak"]
+NOT_SERVED = ["gc/pending.json", "gc/other.json", "deltasync.json.bak"]
 
 
 @pytest.mark.parametrize("key", NOT_LAYOUT)
@@ -158,7 +159,7 @@ def test_a_writable_relay_refuses_names_outside_the_layout(key: str, writable: t
 def test_a_writable_relay_takes_the_layouts_names(writable: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
     store, _, origin = writable
     store.put(PACK_KEY, PACK, if_absent=True)
-    for key in ("refs/latest", "refs/pin", "deltasync.json"):
+    for key in ("refs/latest", "refs/pin", "deltasync.json", f"leases/{'e' * 32}.json"):
         store.put(key, b"{}")
         assert origin.get(key) == b"{}"
         store.delete(key)
