@@ -59,6 +59,7 @@ from .slots import (
     finish_switch,
     fsync_files,
     other,
+    refuse_symlinked_dirs,
     settle_foreign,
     slot_dir,
     switch,
@@ -130,6 +131,9 @@ def update_copy(
     """Bring the copy at ``out`` to ``info``'s version: fill the slot not served, verify it,
     switch to it. See the module doc; on any error the copy keeps serving what it served."""
     root = Path(out)
+    # A link where the version has a directory: refused before anything is written (the
+    # switch checks again, under the lock), so DIR stays as it was.
+    refuse_symlinked_dirs(root, output_files(info))
     with copy_lock(root):
         finish_switch(root)
         db = StateDB.open(root)

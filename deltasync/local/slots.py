@@ -202,6 +202,20 @@ def drop_link(root: Path, rel: str) -> None:
             _prune_empty_dirs(root, path.parent)
 
 
+def refuse_symlinked_dirs(root: Path, files: Iterable[str]) -> None:
+    """CheckpointError when a directory on the way to any of ``files`` in ``root`` is a
+    symbolic link: checked for all of them before anything is written, so a refused pull or
+    switch leaves ``root`` as it was (no link made for some files and not the others). Our
+    own link to a file of the version served is no obstacle: the switch replaces it."""
+    for rel in files:
+        parts = rel.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            d = root / sub
+            if d.is_symlink() and os.readlink(d) != link_target(sub):
+                raise CheckpointError(str(d), "is a symbolic link; deltasync does not write through links")
+
+
 def _refuse_symlinked_dirs(root: Path, rel: str) -> None:
     parts = rel.split("/")[:-1]
     for i in range(1, len(parts) + 1):
@@ -227,6 +241,7 @@ def switch(root: Path, db: StateDB, name: str, info: ManifestInfo, *, repo: str,
     process killed at any point leaves a copy that :func:`finish_switch` completes."""
     old = db.state()
     new_files = output_files(info)
+    refuse_symlinked_dirs(root, new_files)  # before the journal: a refused switch changes nothing
     remove = sorted(set(old.files if old is not None else ()) - set(new_files))
     wip = WorkInProgress(info.version, "install", time.time(), install=tuple(new_files), remove=tuple(remove), slot=name)
     db.set_wip(wip, manifest=serialize(info.pb))
