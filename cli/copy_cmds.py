@@ -109,7 +109,7 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
     rows = [
         ("state" if s.get("engine") else "directory", s["directory"]),
         *([("engine", str(s["engine"]))] if s.get("engine") else []),
-        ("repository", s["repo"] or "-"),
+        ("repository", (s["repo"] or "-") + (f" (identity {s['repository_id']})" if s.get("repository_id") else "")),
         ("version", f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
         ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}"),
         ("pinned", opt(s.get("pinned_version"))),

@@ -184,6 +184,8 @@ def test_cli_pull_into_a_copy_of_another_repository_rebuilds_and_check_says_whic
     assert ok.returncode == 0 and ok.stdout.strip().endswith(": ok"), ok.stdout + ok.stderr
     wrong = cli("check", str(out), "--repo", repo_dir)
     assert wrong.returncode == 1 and "not that repository's version" in wrong.stdout
+    identity = Repository(repo_x).identity()
+    assert identity is not None and f"(identity {identity.hex()})" in cli("status", str(out)).stdout
 
 
 def test_an_engine_holds_a_version_only_with_its_digest(tmp_path: Path) -> None:
