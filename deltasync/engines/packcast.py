@@ -415,6 +415,9 @@ class PackcastNode:
             done += 1
             n = self._round + 1
             try:
+                # Rounds that went on while this node was busy (node 0 keeps only the last two):
+                # take the newest one, as a member if it has not started, else catching up.
+                n = max(n, int(self._store.get("next")) - 1)
                 self._store.set(f"ready/{n}/{self.rank}", "rebuild" if self._rebuild else "ok")
                 # Waiting is event driven (node 0's close is a round too); with ``stop`` it is
                 # asked twice a second.
