@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -116,9 +117,25 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         for k in a)
 
 
-def rollout_worker(repo: str, port: int, wire_format: str = "delta_flush") -> Any:
+@pytest.fixture(autouse=True)
+def _worker_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """verl's workers read their rank from the environment and start a torch.distributed group
+    of one (as a Ray worker does): both end with each test, so later tests see neither."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rollout_worker(repo: str, wire_format: str = "delta_flush") -> Any:
     """verl's own rollout-side worker, built from a real RolloutConfig (no Ray actor: called in-process)."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     config = RolloutConfig(name="sglang", checkpoint_engine=CheckpointEngineConfig(
         backend="deltasync", custom_backend_module="deltasync.integrations.verl", update_weights_bucket_megabytes=1,
         engine_kwargs={"deltasync": {"repo": repo, "wire_format": wire_format, "timeout": 30}}))
@@ -142,9 +159,9 @@ def test_registered_under_its_name_through_verls_registry() -> None:
 def test_round_trip_bit_exact_with_a_replica_that_skips_and_one_restarted(trainer_engine: Any, tmp_path: Path) -> None:
     repo = str(tmp_path / "repo")
     trainer = FakeTrainerEngine()
-    steady = rollout_worker(repo, 29601)                     # takes every version, as delta flushes
-    skipper = rollout_worker(repo, 29602)                    # takes versions 1, 4 and 6 only
-    restarted = rollout_worker(repo, 29603, "named_tensors")  # whole/changed tensors; replaced after version 3
+    steady = rollout_worker(repo)                     # takes every version, as delta flushes
+    skipper = rollout_worker(repo)                    # takes versions 1, 4 and 6 only
+    restarted = rollout_worker(repo, "named_tensors")  # whole/changed tensors; replaced after version 3
     for step in range(1, STEPS + 1):
         trainer.train_step()
         gen, _ = trainer.get_per_tensor_param()
@@ -157,7 +174,7 @@ def test_round_trip_bit_exact_with_a_replica_that_skips_and_one_restarted(traine
             asyncio.run(skipper.update_weights(global_steps=step))
             assert same_bits(skipper.server_adapter.bits(), want), step
         if step == 4:  # a replica process restarted mid-run: fresh engine, fresh server
-            restarted = rollout_worker(repo, 29604, "named_tensors")
+            restarted = rollout_worker(repo, "named_tensors")
         asyncio.run(restarted.update_weights(global_steps=step))
         assert same_bits(restarted.server_adapter.bits(), want), step
 
@@ -176,7 +193,7 @@ def test_round_trip_bit_exact_with_a_replica_that_skips_and_one_restarted(traine
 def test_a_changed_element_that_is_nan_goes_whole(trainer_engine: Any, tmp_path: Path) -> None:
     """The loaders read NaN as "unchanged"; a NaN that is news therefore travels as a dense flush."""
     repo = str(tmp_path / "repo")
-    replica = rollout_worker(repo, 29605)
+    replica = rollout_worker(repo)
     state = {"w": torch.arange(16, dtype=torch.float32).to(torch.bfloat16).reshape(4, 4),
              "v": torch.ones(8, dtype=torch.bfloat16)}
     replica.server_adapter.model = _Holder(state)
@@ -208,7 +225,7 @@ def test_a_restarted_trainer_resends_steps_under_new_versions(tmp_path: Path) ->
     import deltasync.integrations.verl  # noqa: F401
 
     repo = str(tmp_path / "repo")
-    replica = rollout_worker(repo, 29607)
+    replica = rollout_worker(repo)
     first = CheckpointEngineRegistry.new("deltasync", bucket_size=1 << 20, is_master=True, repo=repo)
     trainer = FakeTrainerEngine()
     for step in (1, 2, 3):
@@ -239,7 +256,7 @@ def test_a_replica_in_another_cluster_reads_through_a_relay(trainer_engine: Any,
         line = relay.stdout.readline()  # "serving REPO on 127.0.0.1:PORT (cache ...)"
         match = re.search(r" on (127\.0\.0\.1:\d+)", line)
         assert match, line + (relay.stderr.read() if relay.stderr else "")
-        replica = rollout_worker(f"grpc://{match.group(1)}", 29606)
+        replica = rollout_worker(f"grpc://{match.group(1)}")
         for step in range(1, 4):
             if step > 1:
                 trainer.train_step()
