@@ -517,7 +517,7 @@ class Repository:
                 _warned.add((self.url, key, ref.counter))
                 log.warning("%s expired at %s (%.0fs ago); accepted within the %.0fs grace: run `deltasync "
                             "refresh-refs` on the publisher", key, expired, late, self.ref_grace)
-        seen = self.ref_memory.seen_ref(name)
+        seen = self.ref_memory.seen_ref(self._remembered(name))
         if seen is not None:
             counter, version = seen
             if ref.counter < counter:
@@ -545,12 +545,19 @@ class Repository:
             raise RepositoryIdentityError(self.url, f"{ref.key} names repository {str(named)[:40]}, not this one "
                                           f"({mine.hex()}): a ref of another repository, refused")
 
+    def _remembered(self, name: str) -> str:
+        """The name the newest accepted ``name`` ref is remembered under: per repository
+        identity, so a copy moved to another repository (pulled from another URL) is not held
+        to the first one's counters; refs of one repository name it, so nothing is lost."""
+        identity = self.identity()
+        return f"{name}@{identity.hex()}" if identity is not None else name
+
     def accept_ref(self, ref: Ref) -> None:
         """Check that a signed ref's version is committed with the manifest it signed, then
         remember it (later refs must be at least as new). Without trusted keys: nothing."""
         if self.trusted_keys is None or not ref.signed:
             return
-        if self.ref_memory.seen_ref(ref.name) == (ref.counter, ref.version):
+        if self.ref_memory.seen_ref(self._remembered(ref.name)) == (ref.counter, ref.version):
             # Accepted before, manifest checked then: a poll costs no manifest read. A manifest
             # deleted since is noticed by the listing (latest) or when the version is read.
             return
@@ -562,7 +569,7 @@ class Repository:
                                "from the store") from None
             if digest(serialize(info.pb)) != ref.manifest_digest:
                 raise RefError(ref.key, f"names {ref.describe()} with another manifest than the one stored")
-        self.ref_memory.saw_ref(ref.name, ref.counter, ref.version)
+        self.ref_memory.saw_ref(self._remembered(ref.name), ref.counter, ref.version)
 
     def _own_ref(self, name: str) -> Ref | None:
         """Our signing key's own ref ``name`` as stored, None when absent, unsigned or not ours."""
@@ -648,7 +655,7 @@ class Repository:
         expected = latest.pin_counter if latest is not None else 0
         ref = self.read_ref("pin")
         if ref is None:
-            seen = self.ref_memory.seen_ref("pin") if self.trusted_keys is not None else None
+            seen = self.ref_memory.seen_ref(self._remembered("pin")) if self.trusted_keys is not None else None
             if seen is not None and seen[1] is not None:
                 raise RefError(PIN, f"is missing, but a signed pin to version {seen[1]} was seen (counter "
                                f"{seen[0]}): deleted from the store? (a publisher clears a pin by signing an empty one)")

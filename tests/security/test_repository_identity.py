@@ -252,3 +252,32 @@ def test_a_signed_ref_of_another_repository_is_refused_by_a_fresh_trusting_reade
     with pytest.raises(RefError):
         Repository(str(a), trusted_keys=pub).latest()
     assert parse_manifest((a / manifest_key(2)).read_bytes()).pb.repository_id == Repository(str(a)).identity()
+
+
+def test_a_trusting_copy_moved_to_another_repository_is_not_held_to_the_first_ones_ref_counters(
+    tmp_path: Path,
+) -> None:
+    """Ref counters are remembered per repository identity: repo_x, published before repo_dir
+    (lower counters), is pulled into a copy that followed repo_dir, not refused as a replay."""
+    from deltasync.local.state import StateDB
+
+    key, pub, _ = generate_keypair(tmp_path / "keys" / "team")
+    repo_x, repo_dir = str(tmp_path / "repo_x"), str(tmp_path / "repo_dir")
+    x = _publish(repo_x, tmp_path / "x", 3, seed=2, key=key)
+    _publish(repo_dir, tmp_path / "d", 3, seed=1, key=key)
+    out = tmp_path / "dirA"
+
+    def pull(url: str) -> int:
+        db = StateDB.open(out)
+        return Subscriber(Repository(url, trusted_keys=pub, ref_memory=db)).update_dir(out).version
+
+    out.mkdir()
+    assert pull(repo_dir) == 3
+    assert pull(repo_x) == 3 and tree_digests(out) == tree_digests(x[-1])
+    # the memory still refuses a replay within one repository
+    old = (Path(repo_x) / LATEST).read_bytes()
+    Repository(repo_x, signing_key=key).refresh_refs()
+    assert pull(repo_x) == 3
+    (Path(repo_x) / LATEST).write_bytes(old)
+    with pytest.raises(RefError, match="replayed"):
+        pull(repo_x)
