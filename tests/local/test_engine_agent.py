@@ -24,7 +24,7 @@ from ckpt_helpers import State, make_state, step_state
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
 from deltasync.engines import HttpEngine, SwapRecord, TorchEngine
-from deltasync.errors import UsageError
+from deltasync.errors import DeltasyncError, UsageError
 from deltasync.format.manifest import manifest_key
 from deltasync.local.agent import Agent, AgentConfig, Update, read_status
 from deltasync.local.engine_agent import EngineAgent
@@ -394,8 +394,11 @@ def _until_updating(p: subprocess.Popen[bytes], state_dir: Path) -> None:
     """Return once the agent ``p`` runs has an update in progress (or has ended)."""
     deadline = time.monotonic() + 60  # bounds a failure only
     while p.poll() is None and time.monotonic() < deadline:
-        if (state_dir / ".deltasync" / "state.lmdb").exists() and read_status(state_dir)["wip"] is not None:
-            return
+        try:
+            if (state_dir / ".deltasync" / "state.lmdb" / "data.mdb").exists() and read_status(state_dir)["wip"] is not None:
+                return
+        except DeltasyncError:  # the agent is creating its state right now
+            pass
         time.sleep(0.01)
 
 
@@ -422,7 +425,8 @@ def test_sigkill_at_random_points_then_the_exact_latest_version(tmp_path: Path) 
             time.sleep(rng.uniform(0.0, 0.8))
         p.kill()
         p.wait()
-        status = read_status(state_dir) if (state_dir / ".deltasync").exists() else {"version": None, "wip": None}
+        started = (state_dir / ".deltasync" / "state.lmdb" / "data.mdb").exists()  # killed before: nothing yet
+        status = read_status(state_dir) if started else {"version": None, "wip": None}
         assert status["version"] in (None, *versions)  # whatever the moment, the state names a committed version
         midway += status["wip"] is not None
     print(f"{midway} of 12 kills inside an update")
