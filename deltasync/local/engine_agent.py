@@ -120,7 +120,6 @@ class EngineAgent(Agent):
         swap = self._swap_engine(target, force=not self._verified)
         self._verified = True
         db.record_engine(info, repo=state_url(repo.url), engine=self.engine.kind)
-        db.update_stats({"engine": self.engine.kind})  # deltasync status: what the state is of
         self.last_swap = swap
         if swap is None:
             return "engine already there"

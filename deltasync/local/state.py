@@ -343,6 +343,9 @@ class StateDB:
 
         def fn(txn: lmdb.Transaction) -> None:
             txn.put(b"state", json.dumps(state).encode())
+            stats = _txn_json(txn, b"stats")
+            stats["engine"] = engine  # deltasync status: what this state is of
+            txn.put(b"stats", json.dumps(stats).encode())
             txn.delete(b"wip")
             txn.delete(b"wip_manifest")
 
