@@ -156,6 +156,10 @@ def test_backend_updates_rolls_back_and_pins(world: World, served: tuple[VllmSer
     assert first["from"] == 1 and first["source"] == "staged" and first["patch_source"] == "staged"
     assert first["tensors_loaded"] == first["tensors_total"] == first["staged"]
     assert first["tensors_patched"] == N_SPARSE - N_BIASES
+    # The way was chosen by estimate (per module here: a whole reload costs more), and the
+    # estimate is logged next to the time measured.
+    assert first["choice"] == "per module" and first["estimate_s"] > 0 and first["measured_s"] > 0
+    assert "deltasync: version 2: estimated" in server.log.read_text(errors="replace")
 
     # v3 changes one layer's MLP: only those modules load.
     sub.update_dir(out, 3)
@@ -171,6 +175,9 @@ def test_backend_updates_rolls_back_and_pins(world: World, served: tuple[VllmSer
     fourth = _loaded(server.log, 4)
     assert fourth["tensors_patched"] == N_SPARSE and fourth["tensors_reloaded"] == 0
     assert fourth["elements_patched"] > 0
+    # O(changed): only the changed elements were written (1% of each of those tensors).
+    plain = load_file(str(world.dirs[4] / "model.safetensors"))
+    assert fourth["elements_patched"] < sum(t.numel() for n, t in plain.items() if any(o in n for o in SPARSE_ONLY)) // 50
 
     # Rollback: the copy's other slot holds v3; the server goes back to it, bit for bit (patched).
     sub.update_dir(out, 3)
@@ -212,10 +219,12 @@ def test_failed_update_leaves_the_old_version_serving(world: World, served: tupl
         server.call("/start_weight_update", {})
         with pytest.raises(RuntimeError, match="HTTP 500"):
             server.call("/update_weights", {"update_info": bad})
-    # A version neither the copy nor the repository has: the engine reports it, v2 serves on.
+    # A version neither the copy (at v3) nor the repository the workers are sent to has (the
+    # agent's own repository has it: the update names its digest): the engine reports the
+    # workers' failure, v2 serves on.
     with pytest.raises(EngineError, match="update weights"):
         VllmEngine(server.url, world.repo, model_dir=out, repo_url=str(Path(world.repo) / "missing"))._write(
-            _staged(9))
+            _staged(4))
     _assert_serves(server, world, 2)
     # And the next update goes through.
     assert engine.update(3) is not None

@@ -662,3 +662,19 @@ def test_plugin_registers_through_vllms_public_registry() -> None:
     plugin.register()
     with pytest.raises(ValueError, match="already registered"):
         factory.WeightTransferEngineFactory.register_engine("deltasync", "elsewhere", "Other")
+
+
+def test_changed_positions_block_by_block_equal_a_whole_compare() -> None:
+    import numpy as np
+
+    from deltasync.engines.vllm.weights import changed_positions
+
+    g = np.random.default_rng(5)
+    a = g.integers(-1000, 1000, size=10_000, dtype=np.int16)
+    b = a.copy()
+    at = np.sort(g.choice(len(a), size=97, replace=False))
+    b[at] += 1
+    for block in (1, 7, 4096, 1 << 18):
+        got = changed_positions(a, b, block)
+        assert got.dtype == np.int64 and got.tolist() == at.tolist()
+    assert changed_positions(a, a.copy()).tolist() == [] and changed_positions(a[:0], b[:0]).tolist() == []

