@@ -102,8 +102,8 @@ class TestWritableRelay(StoreConformance):
         """The suite writes keys of its own; a relay writes only the layout's names
         (tests/security/test_small_refusals.py), so here it also lets this suite's root through."""
         from deltasync.relay import server
+        from deltasync.repo.repository import is_layout_key as layout
 
-        layout = server.is_layout_key
         monkeypatch.setattr(server, "is_layout_key", lambda key: key.startswith(self.root) or layout(key))
 
     @pytest.fixture
