@@ -237,7 +237,7 @@ def _read_copy(
         ]
         with FileReader() as reader, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff") as pool:
 
-            def one(t: pb.Tensor, idx: int, off: int, length: int) -> DenseRun | tuple[Index, Words] | None:
+            def one(t: pb.Tensor, idx: int, off: int, length: int) -> DenseRun | tuple[Index, Words] | int | None:
                 key = key_of(t)
                 target = t.chunks[idx].target_digest
                 old = read(key, off, length)
@@ -250,6 +250,8 @@ def _read_copy(
                     )
                 if dest is not None:
                     dest[key][off : off + length] = new
+                    if old is not None and np.may_share_memory(old, dest[key]):
+                        return length  # written into the served bits (TorchEngine.load)
                     if old is None:
                         new = dest[key][off : off + length]
                 return _diff(t, off, new, old, dense_fraction)
@@ -259,11 +261,14 @@ def _read_copy(
         log.warning("the copy at %s cannot be read (%s)", root, e)
         return None
     out: dict[str, EntryChanges] = {}
-    changed = 0
+    changed = in_place = 0
     for (t, _idx, _off, _len), result in zip(jobs, results, strict=True):
         if result is None:
             continue
         changed += 1
+        if isinstance(result, int):
+            in_place += result
+            continue
         entry = out.get(key_of(t))
         if entry is None:
             entry = out[key_of(t)] = EntryChanges(t, dtypes.element_width(t.dtype))
@@ -272,7 +277,7 @@ def _read_copy(
         else:
             entry.sparse_idx.append(result[0])
             entry.sparse_new.append(result[1])
-    return VersionChanges(info.version, out, len(jobs), changed, 0)
+    return VersionChanges(info.version, out, len(jobs), changed, 0, in_place)
 
 
 def _diff(t: pb.Tensor, off: int, data: Bits, old: Bits | None, dense_fraction: float) -> DenseRun | tuple[Index, Words] | None:

@@ -443,6 +443,7 @@ class TorchEngine(Engine):
                 changes = compute_changes(
                     self.subscriber, target, held_version=None, read=self._read_factory(info), keys=keys,
                     dense_fraction=self.dense_fraction, dest={k: a for k, a in dest.items() if a is not None},
+                    copy=self.copy,
                 )
                 self._version, self._version_key = target, self.version_key(target)
             finally:

@@ -508,7 +508,13 @@ class Agent:
         return str(result)
 
     def _engine_update(self, engine: Engine, target: int, force: bool) -> SwapRecord | None:
-        """How the engine takes ``target`` (a hook: the engine-first agent loads a first pass in place)."""
+        """How the engine takes ``target``. One that knows no version (a first load, a restart, a
+        node joining) is loaded in place where it can (``TorchEngine.load``: memory O(chunks in
+        flight), not a staged copy of the model and of its old bits; it serves nothing known yet)."""
+        load = getattr(engine, "load", None)
+        if engine.version is None and callable(load):
+            record: SwapRecord = load(target)
+            return record
         return engine.update(target, force=force)
 
     def _swap_engine(self, target: int, *, force: bool = False) -> SwapRecord | None:

@@ -44,7 +44,7 @@ from .cache import LocalCache
 from .state import STATE_DIR, StateDB, WorkInProgress
 
 if TYPE_CHECKING:
-    from ..engines.base import Engine, SwapRecord
+    from ..engines.base import Engine
 
 
 class EngineAgent(Agent):
@@ -116,7 +116,8 @@ class EngineAgent(Agent):
         db = self._state_db()
         db.set_wip(WorkInProgress(target, "engine", time.time()))
         # First update of a run: the engine's bits are checked chunk by chunk against the
-        # target's digests (whatever version it or the state claims).
+        # target's digests (whatever version it or the state claims); one that knows no
+        # version is loaded in place (Agent._engine_update).
         swap = self._swap_engine(target, force=not self._verified)
         self._verified = True
         db.record_engine(info, repo=state_url(repo.url), engine=self.engine.kind)
@@ -125,16 +126,6 @@ class EngineAgent(Agent):
             return "engine already there"
         how = f"engine: {swap.chunks_changed}/{swap.chunks_total} chunks changed, pause {swap.pause_s * 1e3:.1f} ms"
         return how if previous is not None else f"{how} (from a snapshot)"
-
-    def _engine_update(self, engine: Engine, target: int, force: bool) -> SwapRecord | None:
-        # An engine that knows no version (a first load, a restart, a node joining) is loaded
-        # in place where it can (TorchEngine.load: memory O(chunks in flight), not a staged
-        # copy of the model and of its old bits); it serves nothing known yet.
-        load = getattr(engine, "load", None)
-        if not self._verified and engine.version is None and callable(load):
-            record: SwapRecord = load(target)
-            return record
-        return engine.update(target, force=force)
 
     def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
         """Packs worth keeping: those of the chain from the target's snapshot, and of the

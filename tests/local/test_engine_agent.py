@@ -571,3 +571,18 @@ def test_a_fanout_engine_follows_through_an_engine_first_agent(tmp_path: Path) -
     out = spawn_ranks(_fanout_rank, 2, lambda rank, port, q: (rank, 2, port, repo, str(tmp_path / "state"), q))
     assert out[0] == [4, 2, 4] and out[1] == [4, 2, 4]
     assert read_status(tmp_path / "state")["version"] == 4
+
+
+def test_copy_mode_loads_a_fresh_engine_from_the_copy_in_place(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    versions = publish_chain(repo, 3, snapshot_every=10)
+    out = tmp_path / "copy"
+    Agent(str(repo), out, agent_config()).run()  # a copy already there (another process kept it)
+    counting = CountingStore(LocalStore(str(repo)))
+    engine = TorchEngine(zeros_like(make_state(0, LAYOUT)), counting, workers=2, copy=out)
+    updates: list[Update] = []
+    assert Agent(counting, out, agent_config(), engine=engine, on_update=updates.append).run() == versions[-1]
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+    swap = updates[-1].swap
+    assert swap is not None and swap.extra["in_place"] and swap.chunks_changed == swap.chunks_total
+    assert counting.bytes_read("packs/") == 0  # every chunk read from the copy, verified, written in place
