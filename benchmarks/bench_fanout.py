@@ -395,9 +395,10 @@ def measure_rates(work: Path, mib: float, fraction: float, rng: np.random.Genera
             stage.append(min(rec.stage_s, cpu))
             pause.append(rec.pause_s)
             written.append(rec.bytes_written)
-    out = {"raw": raw, "stage": statistics.median(stage), "pause": statistics.median(pause),
-           "written": statistics.median(written), "publish": statistics.median(publish)}
-    print(f"\nper-node rates, one engine at {raw / 2**20:.0f} MiB on one thread (local repository; median of 3 "
+    # Best of 3: the machine is shared with other work, which only ever adds time.
+    out = {"raw": raw, "stage": min(stage), "pause": min(pause), "written": statistics.median(written),
+           "publish": min(publish)}
+    print(f"\nper-node rates, one engine at {raw / 2**20:.0f} MiB on one thread (local repository; best of 3 "
           f"versions): stage {out['stage'] * 1e3:.1f} ms ({raw / out['stage'] / 1e9:.2f} GB/s of model), pause "
           f"{out['pause'] * 1e3:.2f} ms for {out['written'] / 1e3:.0f} kB written ({out['written'] / out['pause'] / 1e9:.2f}"
           f" GB/s), publish {out['publish'] * 1e3:.1f} ms")

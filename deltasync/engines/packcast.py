@@ -54,7 +54,7 @@ from ..errors import (
 )
 from ..format.codec import SAME
 from ..format.digest import digest
-from ..format.manifest import key_of, manifest_key
+from ..format.manifest import MAX_MANIFEST_BYTES, key_of, manifest_key
 from ..repo.repository import squash_key
 from ..storage import Store, WrappingStore, open_store
 from ..storage._base import read_limit, too_large
@@ -158,6 +158,11 @@ class PackCache(WrappingStore):
         elif held is not None:
             self._held -= len(held)
 
+    def add_upstream(self, n: int) -> None:
+        """Count bytes read from ``inner`` for the cache by its node (node 0's fetch)."""
+        with self._cond:
+            self.upstream_bytes += n
+
     def retained(self, key: str) -> bytes | None:
         """A manifest or squash this cache read whole from ``inner`` lately."""
         with self._cond:
@@ -229,7 +234,9 @@ class RoundReport:
     repaired: bool
     """Staging from the bytes received failed verification and was redone from the relay."""
     served_at: float
-    """``time.time()`` when the engine served ``version``."""
+    """``time.time()`` when the engine served ``version`` (when the round ended, on an error)."""
+    error: str | None = None
+    """Why the engine did not take ``version`` (a follower goes on to the next round)."""
 
 
 class PackcastNode:
@@ -370,8 +377,8 @@ class PackcastNode:
             key = squash_key(info.parent or 0, info.version) if chain.is_squash(info) else manifest_key(info.version)
             raw = self.cache.retained(key)
             if raw is None:
-                raw = self.cache.inner.get(key)
-                self.cache.upstream_bytes += len(raw)
+                raw = self.cache.inner.get(key, max_bytes=MAX_MANIFEST_BYTES)
+                self.cache.add_upstream(len(raw))
             out[key] = len(raw)
             self._retained_raw[key] = raw
         info = sub.repo.manifest(target)
@@ -396,7 +403,7 @@ class PackcastNode:
             except (DeltasyncError, OSError) as e:
                 log.warning("packcast: fetching %s failed (%s); the nodes read it from the relay", key, e)
                 data = b""
-            self.cache.upstream_bytes += len(data)
+            self.cache.add_upstream(len(data))
         return data[:length].ljust(length, b"\0")  # what does not match its key or digest is refused on arrival
 
     # -- other nodes -------------------------------------------------------------------------------
@@ -435,10 +442,15 @@ class PackcastNode:
             if header.get("stop"):
                 return
             self._round = n
-            if self.rank in header["members"]:
-                self._run_round(n, header)
-            else:
-                self._catch_up(n, int(header["version"]))
+            try:
+                if self.rank in header["members"]:
+                    self._run_round(n, header)
+                else:
+                    self._catch_up(n, int(header["version"]))
+            except (DeltasyncError, OSError) as e:  # the engine serves what it held; the next round retries
+                log.warning("packcast node %d: version %s did not reach the engine: %s", self.rank, header["version"], e)
+                self.reports.append(RoundReport(n, int(header["version"]), tuple(header["members"]), None, 0, 0, None,
+                                                False, time.time(), f"{type(e).__name__}: {e}"))
 
     def _catch_up(self, n: int, version: int) -> None:
         before = self.cache.upstream_bytes
