@@ -318,7 +318,11 @@ class PackcastNode:
     # -- node 0 ------------------------------------------------------------------------------------
 
     def update(self, version: int | None = None) -> RoundReport:
-        """Node 0: bring every member's engine to ``version`` (default: the latest)."""
+        """Node 0: bring every member's engine to ``version`` (default: the latest).
+
+        Members are last round's nodes that say they are ready within ``timeout`` (the first
+        round waits for all ``world``), nodes that joined since, and any other already ready.
+        Returns this node's report; each follower keeps its own in ``reports``."""
         if self.rank != 0:
             raise UsageError("nodes other than 0 follow node 0: call follow()")
         sub = self.engine.subscriber  # type: ignore[attr-defined]
