@@ -1,0 +1,174 @@
+"""The store a packcast node's engine reads through: objects received from the group first.
+
+See :mod:`deltasync.engines.packcast`. Received packs are checked against their content
+address on arrival; what did not arrive, or arrived corrupt, is read from the store behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..errors import CorruptObjectError, UsageError
+from ..format.digest import digest
+from ..storage import Store, WrappingStore, open_store
+from ..storage._base import read_limit, too_large
+
+log = logging.getLogger("deltasync.engines")
+
+PACK_PREFIX = "packs/"
+_RETAIN = ("manifests/", "squashes/")
+
+
+class PackCache(WrappingStore):
+    """A store that serves objects received from a packcast first and reads the rest from ``inner``.
+
+    A read of an object announced by :meth:`expect` waits until it arrives (or the round
+    gives up on it, then it is read from ``inner``). Packs are checked against their content
+    address on arrival; a whole-object read of a pack hands it over and forgets it (a pull
+    reads a pack whole once). Objects arriving faster than the engine decodes them pile up:
+    with ``spill_dir``, those beyond ``memory_bytes`` are written there (a few times a version's
+    stored bytes of disk at most, never the model) and read back from the page cache, so memory
+    stays bounded whatever the size of a version. Counters: ``received_bytes`` (offered and
+    accepted), ``upstream_bytes`` (read from ``inner``), ``spilled_bytes``, ``rejected`` (keys
+    dropped as corrupt on arrival).
+    """
+
+    def __init__(
+        self,
+        inner: Store | str,
+        *,
+        wait_timeout: float = 120.0,
+        memory_bytes: int = 256 << 20,
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__(open_store(inner) if isinstance(inner, str) else inner)
+        if memory_bytes < 0:
+            raise UsageError(f"memory_bytes must not be negative, got {memory_bytes}")
+        self.wait_timeout = wait_timeout
+        self.memory_bytes = memory_bytes
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.spilled_bytes = 0
+        self._held = 0  # bytes of received objects in memory
+        self.received_bytes = 0
+        self.upstream_bytes = 0
+        self.rejected: list[str] = []
+        self._objects: dict[str, bytes | Path] = {}
+        self._coming: set[str] = set()
+        self._retained: OrderedDict[str, bytes] = OrderedDict()  # manifests read from inner (node 0 sends them)
+        self._cond = threading.Condition()
+
+    def expect(self, keys: Iterable[str]) -> None:
+        """Announce objects on their way: reads of them wait."""
+        with self._cond:
+            self._coming.update(k for k in keys if k not in self._objects)
+
+    def offer(self, key: str, data: bytes) -> bool:
+        """Hand over an object received; False when it is refused (a pack not matching its key)."""
+        ok = not key.startswith(PACK_PREFIX) or key == f"{PACK_PREFIX}{digest(memoryview(data)).hex()}.pack"
+        with self._cond:
+            spill = ok and self.spill_dir is not None and self._held + len(data) > self.memory_bytes
+        held: bytes | Path = data
+        if spill:
+            assert self.spill_dir is not None
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            held = self.spill_dir / key.replace("/", "__")
+            held.write_bytes(data)
+        with self._cond:
+            self._coming.discard(key)
+            if ok:
+                self._drop(key)
+                self._objects[key] = held
+                self.received_bytes += len(data)
+                if spill:
+                    self.spilled_bytes += len(data)
+                else:
+                    self._held += len(data)
+            else:
+                self.rejected.append(key)
+            self._cond.notify_all()
+        if not ok:
+            log.warning("packcast: %s arrived corrupt; reading it from %s", key, self.inner.url or "upstream")
+        return ok
+
+    def give_up(self) -> None:
+        """Stop waiting for what was announced: it is read from ``inner`` instead."""
+        with self._cond:
+            self._coming.clear()
+            self._cond.notify_all()
+
+    def forget(self) -> None:
+        """Drop every object received (the end of a round, or a retry from ``inner``)."""
+        with self._cond:
+            for key in list(self._objects):
+                self._drop(key)
+            self._coming.clear()
+            self._cond.notify_all()
+
+    def _drop(self, key: str) -> None:
+        held = self._objects.pop(key, None)
+        if isinstance(held, Path):
+            held.unlink(missing_ok=True)
+        elif held is not None:
+            self._held -= len(held)
+
+    def add_upstream(self, n: int) -> None:
+        """Count bytes read from ``inner`` for the cache by its node (node 0's fetch)."""
+        with self._cond:
+            self.upstream_bytes += n
+
+    def retained(self, key: str) -> bytes | None:
+        """A manifest or squash this cache read whole from ``inner`` lately."""
+        with self._cond:
+            return self._retained.get(key)
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        deadline = time.monotonic() + self.wait_timeout
+        with self._cond:
+            while key in self._coming and key not in self._objects and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            held = self._objects.get(key)
+        data = _read_held(held) if isinstance(held, Path) else held  # a spilled one, outside the lock
+        with self._cond:
+            if held is not None and self._objects.get(key) is held:
+                if data is None:
+                    self._objects.pop(key, None)  # a spilled file gone: read it from inner
+                elif byte_range is None and key.startswith(PACK_PREFIX):
+                    self._drop(key)  # a pull reads a pack whole once
+        if data is None:
+            data = self.inner.get(key, byte_range, max_bytes=read_limit() if byte_range is None else None)
+            with self._cond:
+                self.upstream_bytes += len(data)
+                if byte_range is None and key.startswith(_RETAIN):
+                    self._retained[key] = data
+                    while len(self._retained) > 64:
+                        self._retained.popitem(last=False)
+            return data
+        if byte_range is None:
+            limit = read_limit()
+            if limit is not None and len(data) > limit:
+                raise too_large(key, len(data), limit)
+            return data
+        offset, length = byte_range
+        if offset + length > len(data):
+            raise CorruptObjectError(key, f"range {offset}+{length} past end of {len(data)}-byte object")
+        return data[offset : offset + length]
+
+    def _size(self, key: str) -> int:
+        with self._cond:
+            held = self._objects.get(key)
+        if isinstance(held, Path):
+            return held.stat().st_size
+        return len(held) if held is not None else self.inner.size(key)
+
+
+def _read_held(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()  # from the page cache: it was written a moment ago
+    except OSError:
+        return None
