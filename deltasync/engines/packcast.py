@@ -121,6 +121,11 @@ class PackcastNode:
             raise UsageError("timeout and piece_bytes must be positive")
         if backend not in ("gloo", "nccl"):
             raise UsageError(f"backend must be gloo or nccl, got {backend!r}")
+        if backend == "nccl":
+            import torch
+
+            if not (dist.is_nccl_available() and torch.cuda.is_available()):
+                raise UsageError("backend nccl needs a GPU and a torch built with nccl; use gloo")
         if (master is None) == (store is None):
             raise UsageError("give either master (host:port of node 0) or a torch.distributed store")
         reads: Any = getattr(getattr(getattr(engine, "subscriber", None), "repo", None), "store", None)

@@ -240,3 +240,24 @@ def test_pack_cache_spills_beyond_its_memory_and_reads_back_exactly(tmp_path: An
     assert cache.offer(second, packs[second])
     cache.forget()
     assert not list((tmp_path / "spill").iterdir())
+
+
+def test_a_node_is_refused_what_it_cannot_do(tmp_path: Any) -> None:
+    from deltasync.engines import TorchEngine
+    from deltasync.engines.packcast import PackCache, PackcastNode
+    from deltasync.errors import UsageError
+
+    repo = str(tmp_path / "repo")
+    _publish(repo)
+    cache = PackCache(repo)
+    held = {n: torch.zeros_like(t) for n, t in _states()[0].items()}
+    with pytest.raises(UsageError, match="through the PackCache"):
+        PackcastNode(TorchEngine(held, repo), cache, rank=0, world=2, master="127.0.0.1:1")
+    engine = TorchEngine(held, cache)
+    with pytest.raises(UsageError, match="rank must be"):
+        PackcastNode(engine, cache, rank=2, world=2, master="127.0.0.1:1")
+    with pytest.raises(UsageError, match="master"):
+        PackcastNode(engine, cache, rank=0, world=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="nccl"):
+            PackcastNode(engine, cache, rank=0, world=2, master="127.0.0.1:1", backend="nccl")
