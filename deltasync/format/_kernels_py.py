@@ -288,7 +288,6 @@ def scatter(
         o[idx] += unzigzag(v)
 
 
-
 def apply2(
     out: npt.NDArray[np.uint8], base: Data | None, indices: Data, symbols: Data, k: int, prefix: Data,
     suffix: Data, width: int, /,
@@ -297,6 +296,7 @@ def apply2(
     pass); ``out`` is written only once everything has been checked."""
     values = unpack2(symbols, len(indices) // 4, k, prefix, suffix, width)
     scatter(out, base, indices, values, width, 1)
+
 
 MAX_CLASSES = 8
 BIN_SHIFT: dict[int, int] = {1: 3, 2: 7, 4: 23, 8: 52}
