@@ -39,7 +39,6 @@ from ..errors import (
 )
 from ..format import dtypes
 from ..format.signing import PublicKeyLike
-from ..format.slices import Slice
 from ..pull.subscriber import Subscriber
 from ..repo.repository import Repository
 from ..storage import Store
@@ -52,6 +51,7 @@ from .torch_engine import (
     build_writes,
     check_layout,
     fill_staged,
+    held_part,
     word_dtype,
     word_view,
 )
@@ -457,18 +457,7 @@ def _holdings(held: Any) -> dict[str, tuple[torch.Tensor, Geometry]]:
         held = held.state_dict(keep_vars=True)
     if not isinstance(held, Mapping):
         raise UsageError(f"expected a module, or a dict of tensors and slices, got {type(held).__name__}")
-    out: dict[str, tuple[torch.Tensor, Geometry]] = {}
-    for name, value in held.items():
-        if isinstance(value, Slice):
-            t, offsets, full = value.tensor.detach(), tuple(value.offsets), tuple(value.full_shape)
-        elif isinstance(value, torch.Tensor):
-            t = value.detach()
-            offsets, full = (0,) * t.dim(), tuple(t.shape)
-        else:
-            raise UsageError(f"{name!r} is neither a tensor nor a Slice")
-        per_item = max(1, t.element_size() // 8)
-        out[name] = (t, Geometry(offsets, tuple(t.shape), full, per_item))
-    return out
+    return {name: held_part(name, value) for name, value in held.items()}
 
 
 # -- the wire format: a small header of records, one byte payload ---------------------------------

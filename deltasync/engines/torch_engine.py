@@ -494,24 +494,27 @@ class TorchEngine(Engine):
 def held_parts(model: Any) -> dict[str, tuple[torch.Tensor, Geometry]]:
     """What an engine holds: by name, the tensor and where it sits in the logical tensor
     (a module's state dict or a dict of tensors: whole; a :class:`Slice`: its region)."""
-    import torch
 
     if isinstance(model, Mapping) and any(isinstance(v, Slice) for v in model.values()):
-        out: dict[str, tuple[torch.Tensor, Geometry]] = {}
-        for name, value in model.items():
-            if isinstance(value, Slice):
-                t, offsets, full = value.tensor.detach(), tuple(value.offsets), tuple(value.full_shape)
-            elif isinstance(value, torch.Tensor):
-                t = value.detach()
-                offsets, full = (0,) * t.dim(), tuple(t.shape)
-            else:
-                raise UsageError(f"{name!r} is neither a tensor nor a Slice")
-            out[name] = (t, Geometry(offsets, tuple(t.shape), full, _words_per_item(t)))
-        return out
+        return {name: held_part(name, value) for name, value in model.items()}
     return {
         name: (t, Geometry((0,) * t.dim(), tuple(t.shape), tuple(t.shape), _words_per_item(t)))
         for name, t in held_tensors(model).items()
     }
+
+
+def held_part(name: str, value: Any) -> tuple[torch.Tensor, Geometry]:
+    """One held tensor (whole) or :class:`Slice` (a region), and where it sits in the logical tensor."""
+    import torch
+
+    if isinstance(value, Slice):
+        t, offsets, full = value.tensor.detach(), tuple(value.offsets), tuple(value.full_shape)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach()
+        offsets, full = (0,) * t.dim(), tuple(t.shape)
+    else:
+        raise UsageError(f"{name!r} is neither a tensor nor a Slice")
+    return t, Geometry(offsets, tuple(t.shape), full, _words_per_item(t))
 
 
 def update_edges(kept: dict[tuple[str, int], Bits], edges: set[tuple[str, int, int]], changes: VersionChanges) -> None:
