@@ -106,16 +106,20 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
     if s["lag_seconds"] is not None:
         lag += f", {s['lag_seconds']:.1f}s"
     agent = f"running (pid {s.get('pid')}, {s.get('state')})" if s["running"] else "not running"
+    followed = s.get("latest_version") is not None or bool(s.get("updates_total"))
+    unknown = ("unknown: no agent has followed this copy (status reads only local state; "
+               "`deltasync log --repo` asks the repository)")
     rows = [
         ("state" if s.get("engine") else "directory", s["directory"]),
         *([("engine", str(s["engine"]))] if s.get("engine") else []),
         ("repository", (s["repo"] or "-") + (f" (identity {s['repository_id']})" if s.get("repository_id") else "")),
         ("version", f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
-        ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}"),
-        ("pinned", opt(s.get("pinned_version"))),
-        ("lag", lag),
+        ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}" if followed else unknown),
+        ("pinned", opt(s.get("pinned_version")) if followed else "unknown"),
+        ("lag", (lag + (" (from the pin)" if s.get("pinned_version") is not None else "")) if followed else "unknown"),
         ("agent", agent),
-        ("fetched", f"{mib(int(s.get('bytes_fetched_total') or 0))} in total, {s.get('updates_total') or 0} update(s)"),
+        ("fetched", f"{mib(int(s.get('bytes_fetched_total') or 0))} in total, {s.get('updates_total') or 0} update(s)"
+                    if followed else "- (pulled, not followed by an agent)"),
     ]
     last = s.get("last_update")
     if last:

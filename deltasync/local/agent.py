@@ -345,7 +345,7 @@ class Agent:
                 f.latest_seen_unix = now
             f.latest_version, f.pinned_version = latest, pinned
             f.target_version = pinned if pinned is not None else latest
-            if latest is None or (current is not None and current >= latest):
+            if f.target_version is None or (current is not None and current == f.target_version):
                 f.stale_since_unix = None
             elif f.stale_since_unix is None:
                 f.stale_since_unix = _stale_since(repo, current, latest, now)
@@ -688,8 +688,10 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
     now = time.time()
     version = state.version if state is not None else None
     latest = stats.get("latest_version")
+    # Lag is against what the agent serves: the pin while one is held, else the latest.
+    target = stats.get("target_version", latest)
     running = bool(stats.get("running")) and _alive(stats.get("pid"))
-    lag_versions = max(0, latest - version) if latest is not None and version is not None else None
+    lag_versions = abs(target - version) if target is not None and version is not None else None
     stale = stats.get("stale_since_unix")
     if lag_versions == 0:
         lag_seconds: float | None = 0.0

@@ -865,3 +865,20 @@ def test_sigterm_stops_cleanly_and_the_next_run_resumes(slow_run: tuple[Run, lis
     assert tree_digests(out) == run.digests(v)
     resumed = read_status(out)["last_update"]["fetched_bytes"]
     assert resumed < 0.8 * clean, (resumed, clean)
+
+
+def test_status_of_a_pulled_copy_and_lag_against_a_held_pin(run: Run, tmp_path: Path) -> None:
+    run.publish(3)
+    pulled = tmp_path / "pulled"
+    assert _cli("pull", pulled, "--repo", run.repo, "--quiet").returncode == 0
+    text = _cli("status", pulled).stdout
+    assert "latest       unknown: no agent has followed this copy" in text  # not "-", as for an empty repository
+    assert "fetched      - (pulled, not followed by an agent)" in text and "0 B" not in text
+
+    followed = tmp_path / "followed"
+    assert _cli("pin", "--repo", run.repo, "2").returncode == 0
+    assert _cli("subscribe", "--repo", run.repo, "--out", followed).returncode == 0
+    status = json.loads(_cli("status", followed, "--json").stdout)
+    assert status["version"] == 2 and status["pinned_version"] == 2 and status["latest_version"] == 3
+    assert status["lag_versions"] == 0  # at the pin it serves: not one behind the latest
+    assert "lag          0 version(s), 0.0s (from the pin)" in _cli("status", followed).stdout
