@@ -344,12 +344,11 @@ class Agent:
             if latest != f.latest_version:
                 f.latest_seen_unix = now
             f.latest_version, f.pinned_version = latest, pinned
-            f.target_version = pinned if pinned is not None else latest
-            if f.target_version is None or (current is not None and current == f.target_version):
+            target = f.target_version = pinned if pinned is not None else latest
+            if target is None or (current is not None and current == target):
                 f.stale_since_unix = None
             elif f.stale_since_unix is None:
-                f.stale_since_unix = _stale_since(repo, current, latest, now)
-            target = f.target_version
+                f.stale_since_unix = _stale_since(repo, current, target, now)
         self._flush()
         return target
 
@@ -666,9 +665,9 @@ def engine_keys(sub: Subscriber) -> list[PublicKeyLike] | None:
     return None if keys is None else list(keys.keys.values())
 
 
-def _stale_since(repo: Repository, current: int | None, latest: int, now: float) -> float:
-    """When the copy fell behind: the commit time of the first version after it."""
-    for v in ([current + 1] if current is not None and current + 1 < latest else []) + [latest]:
+def _stale_since(repo: Repository, current: int | None, target: int, now: float) -> float:
+    """When the copy fell behind its target: the commit time of the first version after it."""
+    for v in ([current + 1] if current is not None and current + 1 < target else []) + [target]:
         with contextlib.suppress(DeltasyncError):
             return min(now, repo.manifest(v).pb.created_unix or now)
     return now
