@@ -1185,9 +1185,13 @@ VBMI2 static void apply2_w2_vbmi2(uint8_t *o, const uint32_t *idx, const uint8_t
 static const char *escapes_read(const uint8_t *s, size_t n, int k, const uint8_t *pdata, size_t plen,
                                 const uint8_t *sdata, size_t slen, int w, uint64_t **esc_out, size_t *m_out) {
     const char *err = NULL;
-    size_t m = 0; /* escapes: symbols 3 among the first n */
-    for (size_t i = 0; i < n / 4; i++) m += (size_t)__builtin_popcount(s[i] & (s[i] >> 1) & 0x55);
-    for (size_t i = n & ~(size_t)3; i < n; i++) m += ((s[i >> 2] >> (2 * (i & 3))) & 3) == 3;
+    size_t m = 0, i = 0; /* escapes: symbols 3 among the first n, 32 at a time */
+    for (; i + 8 <= n / 4; i += 8) {
+        uint64_t x = load64(s + i);
+        m += (size_t)__builtin_popcountll(x & (x >> 1) & 0x5555555555555555u);
+    }
+    for (; i < n / 4; i++) m += (size_t)__builtin_popcount(s[i] & (s[i] >> 1) & 0x55);
+    for (i = n & ~(size_t)3; i < n; i++) m += ((s[i >> 2] >> (2 * (i & 3))) & 3) == 3;
     uint8_t *pre = padded_copy(pdata, plen), *suf = padded_copy(sdata, slen);
     uint64_t *esc = (uint64_t *)malloc((m + 1 + RICE_SLACK) * sizeof(uint64_t));
     if (!pre || !suf || !esc) {
