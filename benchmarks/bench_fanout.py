@@ -262,7 +262,7 @@ def main() -> None:
     ap.add_argument("--link-mbps", type=float, default=0.1, help="modelled node link and relay egress, MB/s")
     ap.add_argument("--wan-mbps", type=float, default=0.2, help="modelled WAN link of the relay, MB/s")
     ap.add_argument("--piece-kib", type=float, default=16.0, help="packcast: bytes per broadcast piece, KiB")
-    ap.add_argument("--dir", default=None, help="where to work (default: a temporary directory under .)")
+    ap.add_argument("--dir", default=None, help="where to work (default: a temporary directory, removed after)")
     ap.add_argument("--clusters", type=int, default=4, help="projection: clusters, one relay each")
     ap.add_argument("--agents", type=int, default=32, help="projection: nodes per cluster")
     ap.add_argument("--wan-gbps", type=float, default=10.0, help="projection: each relay's upstream link")
@@ -282,7 +282,7 @@ def main() -> None:
     from deltasync.storage import GrpcStore
     from deltasync.testing import free_port
 
-    with tempfile.TemporaryDirectory(prefix="bench-fanout-", dir=args.dir or ".") as d:
+    with tempfile.TemporaryDirectory(prefix="bench-fanout-", dir=args.dir) as d:
         work = Path(d)
         repo = str(work / "repo")
         rng = np.random.default_rng(7)
