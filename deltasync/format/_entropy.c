@@ -1,7 +1,7 @@
 /* Hot loops of the codec's full payloads (codec version 3), as a CPython extension module.
  *
- * deltasync/_entropy_py.py is the pure-numpy twin of every function here: same arguments,
- * byte-identical results, the same inputs refused (tests/test_codec_full.py checks both).
+ * deltasync/format/_entropy_py.py is the pure-numpy twin of every function here: same arguments,
+ * byte-identical results, the same inputs refused (tests/format/test_codec_full.py checks both).
  * The codec (deltasync/format/codec.py, whose docstring documents the layouts) uses this
  * module when it imports and the twin otherwise; frequency tables are built and parsed in
  * Python, so nothing here is a format decision of its own.

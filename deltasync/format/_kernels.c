@@ -1,7 +1,7 @@
 /* Hot loops of the chunk codec (deltasync/format/codec.py), as a CPython extension module.
  *
- * deltasync/_kernels_py.py is the pure-numpy twin of every function here: same arguments,
- * byte-identical results, the same inputs refused (tests/test_codec.py checks both). The
+ * deltasync/format/_kernels_py.py is the pure-numpy twin of every function here: same arguments,
+ * byte-identical results, the same inputs refused (tests/format/test_codec.py checks both). The
  * codec uses this module when it imports and the twin otherwise, so everything below is an
  * optimisation, never a format decision of its own; the layouts are documented in codec.py.
  *
