@@ -678,3 +678,21 @@ def test_changed_positions_block_by_block_equal_a_whole_compare() -> None:
         got = changed_positions(a, b, block)
         assert got.dtype == np.int64 and got.tolist() == at.tolist()
     assert changed_positions(a, a.copy()).tolist() == [] and changed_positions(a[:0], b[:0]).tolist() == []
+
+
+def test_forget_probes_placements_again_and_keeps_refusals() -> None:
+    """After a module reload the placements of its tensors are probed again (a parameter may
+    be new); a refusal stays (a reload rebuilds an emptied GEMM weight emptied again)."""
+    toy = _Toy()
+    c = Contract(toy)
+    bf = torch.bfloat16
+    assert isinstance(c.check("embed.weight", (8, 4), bf), Placement)
+    assert isinstance(c.check("packed.weight", (4, 4), bf), str)
+    assert isinstance(c.check("k.bias", (4,), bf), Placement)
+    probes = len(toy.loads)
+    c.forget(lambda name: name != "k.bias")
+    assert isinstance(c.check("packed.weight", (4, 4), bf), str) and len(toy.loads) == probes
+    assert isinstance(c.check("k.bias", (4,), bf), Placement) and len(toy.loads) == probes
+    assert isinstance(c.check("embed.weight", (8, 4), bf), Placement) and len(toy.loads) == probes + 1
+    c.forget()
+    assert isinstance(c.check("k.bias", (4,), bf), Placement) and len(toy.loads) == probes + 2

