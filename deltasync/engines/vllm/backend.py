@@ -344,6 +344,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             except BaseException as e:  # the update reads them itself
                 staging.error = e
             staging.seconds = time.perf_counter() - t0
+            log.info("deltasync: staged version %d in %.3f s (%d tensors mapped, %d diffed%s)", target.version,
+                     staging.seconds, len(staging.tensors), len(staging.changes) + len(staging.refused),
+                     "" if staging.error is None else f"; failed: {staging.error}")
 
         staging.thread = threading.Thread(target=work, name="deltasync-stage", daemon=True)
         staging.thread.start()
