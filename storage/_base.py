@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-from deltasync.errors import ObjectTooLargeError, StoreError, UsageError
+from deltasync.errors import CorruptObjectError, ObjectTooLargeError, StoreError, UsageError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
@@ -39,6 +39,20 @@ def read_limit() -> int | None:
 
 def too_large(key: str, size: int | None, limit: int) -> ObjectTooLargeError:
     return ObjectTooLargeError(key, size, limit)
+
+
+def read_held(key: str, data: bytes, byte_range: tuple[int, int] | None) -> bytes:
+    """A read of an object held whole in memory (``data``): all of it, within
+    :func:`read_limit`, or ``byte_range`` of it, which must lie inside it."""
+    if byte_range is None:
+        limit = read_limit()
+        if limit is not None and len(data) > limit:
+            raise too_large(key, len(data), limit)
+        return data
+    offset, length = byte_range
+    if offset + length > len(data):
+        raise CorruptObjectError(key, f"range {offset}+{length} past end of {len(data)}-byte object")
+    return data[offset : offset + length]
 
 
 def check_key(key: str) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError
+from deltasync.errors import ObjectExistsError, ObjectNotFoundError
 
-from ._base import Store, read_limit, too_large
+from ._base import Store, read_held
 
 
 class MemoryStore(Store):
@@ -21,15 +21,7 @@ class MemoryStore(Store):
             data = self._objects.get(key)
         if data is None:
             raise ObjectNotFoundError(key)
-        if byte_range is None:
-            limit = read_limit()
-            if limit is not None and len(data) > limit:
-                raise too_large(key, len(data), limit)
-            return data
-        offset, length = byte_range
-        if offset + length > len(data):
-            raise CorruptObjectError(key, f"range {offset}+{length} past end of {len(data)}-byte object")
-        return data[offset : offset + length]
+        return read_held(key, data, byte_range)
 
     def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
         blob = bytes(data)

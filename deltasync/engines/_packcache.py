@@ -14,10 +14,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import CorruptObjectError, UsageError
+from ..errors import UsageError
 from ..format.digest import digest
 from ..storage import Store, WrappingStore, open_store
-from ..storage._base import read_limit, too_large
+from ..storage._base import read_held, read_limit
 
 log = logging.getLogger("deltasync.engines")
 
@@ -149,15 +149,7 @@ class PackCache(WrappingStore):
                     while len(self._retained) > 64:
                         self._retained.popitem(last=False)
             return data
-        if byte_range is None:
-            limit = read_limit()
-            if limit is not None and len(data) > limit:
-                raise too_large(key, len(data), limit)
-            return data
-        offset, length = byte_range
-        if offset + length > len(data):
-            raise CorruptObjectError(key, f"range {offset}+{length} past end of {len(data)}-byte object")
-        return data[offset : offset + length]
+        return read_held(key, data, byte_range)
 
     def _size(self, key: str) -> int:
         with self._cond:
