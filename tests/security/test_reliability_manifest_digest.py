@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
+from ckpt_helpers import make_state, step_state, tree_digests
+from test_hostile_integrity import LAYOUT, _publish  # the same checkpoints the other hostile-manifest tests publish
 
 from deltasync import Publisher, PublisherConfig, Subscriber
 from deltasync.errors import CorruptObjectError, DeltasyncError
@@ -23,23 +23,9 @@ from deltasync.relay.server import build_server
 from deltasync.storage import GrpcStore, LocalStore, open_store
 from deltasync.v1 import manifest_pb2 as pb
 
-LAYOUT = (("model.embed.weight", (64, 32), torch.bfloat16), ("model.norm.bias", (32,), torch.float32))
-CONFIG = PublisherConfig(workers=2, progress=False)
 DIGEST_FIELD_BYTES = 19  # the whole-manifest digest field, as stored
 WRITE = "write-token-for-tests"
 
-
-def _publish(url: str, tmp_path: Path, n: int) -> list[Path]:
-    state = make_state(1, LAYOUT)
-    pub = Publisher(url, CONFIG)
-    dirs: list[Path] = []
-    for i in range(n):
-        ckpt = tmp_path / f"ckpt{i + 1}"
-        write_checkpoint(ckpt, state, step=i + 1)
-        pub.publish_dir(ckpt, base_dir=dirs[-1] if dirs else None)
-        dirs.append(ckpt)
-        state = step_state(state, seed=i + 2)
-    return dirs
 
 
 def _cut_and_rename(url: str, version: int) -> bytes:
