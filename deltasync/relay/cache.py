@@ -12,10 +12,16 @@ Layout of the cache directory::
     lock                    one relay per cache directory
     deltasync-relay-cache   marker: only such (or empty) directories are used
 
-An object is downloaded into ``tmp/``, checked against its size, fsynced and renamed into
-place, and only then indexed; at start the index and the files are reconciled, so a relay
-killed at any point leaves a consistent cache. Access times live in memory and reach LMDB in
-batches (a read must not cost a write transaction); on a crash only LRU order is lost.
+An object is downloaded into ``tmp/``, checked against its size (and a pack against the
+digest in its name), fsynced and renamed into place, and only then indexed; at start the index
+and the files are reconciled, so a relay killed at any point leaves a consistent cache. Access
+times live in memory and reach LMDB in batches (a read must not cost a write transaction); on
+a crash only LRU order is lost.
+
+A download in progress is readable: its :class:`Landing` says how many bytes of the
+temporary file are written, whether the whole object arrived and passed its checks, or why it
+failed, so the relay streams an object to its readers while it is still crossing the WAN.
+Objects being served are *held* (:meth:`ObjectCache.hold`): eviction passes them by.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import struct
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -35,6 +44,7 @@ from typing import IO
 import lmdb
 
 from ..errors import CorruptObjectError, ObjectTooLargeError, UsageError
+from ..format.digest import StreamDigest
 from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES
 from ..repo.leases import MAX_LEASE_BYTES
 from ..storage import Store
@@ -48,6 +58,7 @@ MARKER = "deltasync-relay-cache"  # marks a directory as a relay cache
 _VALUE = struct.Struct("<Qd")  # size, last access (unix seconds); the relative path follows
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the limit, so it runs in bursts
 _MAP_SIZE = 1 << 30  # LMDB address space for the index (~10M entries); the file grows as used
+_PACK_KEY = re.compile(r"^packs/([0-9a-f]{32})\.pack$")  # named by the xxh3-128 of its bytes
 
 
 def cacheable(key: str) -> bool:
@@ -80,6 +91,60 @@ class Entry:
     atime: float
 
 
+class Landing:
+    """An object on its way into the cache (:meth:`ObjectCache.fetch`), readable as it arrives.
+
+    The download, in a thread, records the object's ``size`` once the upstream told it, then
+    how many bytes of the temporary file are ``written`` (a prefix), then ``verified`` (all of
+    them, of the right size, and for a pack the digest in its name), then the cache ``entry``;
+    or the ``error`` that ended it. ``notify`` is called (from the download's thread) after
+    each of these. A reader opens the file (:meth:`open`) and reads only what ``written``
+    covers; it must not end a stream that reaches the object's end before ``verified``, and
+    must report ``error`` rather than stop short.
+    """
+
+    def __init__(self, key: str, notify: Callable[[], None] | None = None) -> None:
+        self.key = key
+        self.size: int | None = None
+        self.written = 0
+        self.verified = False
+        self.entry: Entry | None = None
+        self.error: BaseException | None = None
+        self._notify = notify or (lambda: None)
+        self._fd = -1
+        self._lock = threading.Lock()
+
+    @property
+    def finished(self) -> bool:
+        return self.entry is not None or self.error is not None
+
+    def open(self) -> int:
+        """A file descriptor to read the object from: a duplicate of the download's own while it
+        runs (it stays valid across the rename into place), the cached file's once landed.
+        Only while ``size`` is known and ``error`` is None; FileNotFoundError when the landed
+        file was evicted meanwhile."""
+        with self._lock:
+            if self.entry is not None:
+                return os.open(self.entry.path, os.O_RDONLY)
+            if self.error is not None or self._fd < 0:
+                raise CorruptObjectError(self.key, "the relay's download of it is not readable")
+            return os.dup(self._fd)
+
+    # -- the download's side (ObjectCache.fetch) --
+
+    def _update(self, **fields: object) -> None:
+        with self._lock:
+            for name, value in fields.items():
+                setattr(self, name, value)
+        self._notify()
+
+    def _close(self) -> None:
+        with self._lock:  # not while a reader duplicates it
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class ObjectCache:
     """Files under ``root`` indexed in LMDB; at most ``max_bytes`` (None: unbounded).
 
@@ -98,6 +163,7 @@ class ObjectCache:
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._touched: set[str] = set()
+        self._held: Counter[str] = Counter()
         self._total = 0
         self.fetches = 0
         self.fetched_bytes = 0
@@ -158,49 +224,91 @@ class ObjectCache:
 
     # -- fetch ---------------------------------------------------------------------------------
 
-    def fetch(self, key: str, upstream: Store, *, max_size: int | None = None) -> Entry:
+    def fetch(self, key: str, upstream: Store, *, max_size: int | None = None, landing: Landing | None = None) -> Entry:
         """Download ``key`` from ``upstream`` into the cache (one read for objects up to
         ``piece_bytes``, ranged reads beyond) and index it; an object larger than
-        ``max_size`` is refused (ObjectTooLargeError) before anything is downloaded."""
-        size = upstream.size(key)
-        if max_size is not None and size > max_size:
-            raise ObjectTooLargeError(key, size, max_size)
+        ``max_size`` is refused (ObjectTooLargeError) before anything is downloaded.
+        ``landing`` (given by the caller to read along) follows the download's progress."""
+        landing = landing if landing is not None else Landing(key)
         tmp = self.root / "tmp" / uuid.uuid4().hex
         path = self._path(key)
         try:
-            with open(tmp, "wb") as f:
-                self._download(key, size, upstream, f)
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            with landing._lock:
+                landing._fd = fd
+            size = upstream.size(key)
+            if max_size is not None and size > max_size:
+                raise ObjectTooLargeError(key, size, max_size)
+            landing._update(size=size)
+            self._download(key, size, upstream, fd, landing)
+            os.fsync(fd)
             path.parent.mkdir(exist_ok=True)
             os.replace(tmp, path)
-        except BaseException:
+            entry = Entry(size, path, time.time())
+            with self._lock:
+                with self._env.begin(write=True) as txn:
+                    txn.put(key.encode(), self._encode(entry))
+                old = self._entries.get(key)
+                if old is not None:
+                    self._total -= old.size
+                self._entries[key] = entry
+                self._total += size
+                self.fetches += 1
+                self.fetched_bytes += size
+                self._evict_locked(keep=key)
+        except BaseException as e:
+            landing._update(error=e)
+            landing._close()
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        entry = Entry(size, path, time.time())
-        with self._lock:
-            old = self._entries.get(key)
-            if old is not None:
-                self._total -= old.size
-            self._entries[key] = entry
-            self._total += size
-            self.fetches += 1
-            self.fetched_bytes += size
-            with self._env.begin(write=True) as txn:
-                txn.put(key.encode(), self._encode(entry))
-            self._evict_locked(keep=key)
+        landing._update(entry=entry)  # readers from now on open the cached file
+        landing._close()
         return entry
 
-    def _download(self, key: str, size: int, upstream: Store, f: IO[bytes]) -> None:
+    def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing) -> None:
+        named = _PACK_KEY.match(key)
+        check = StreamDigest() if named else None
         if size <= self.piece_bytes:
             data = upstream.get(key, max_bytes=size)  # the object may have been replaced meanwhile
             if len(data) != size:
                 raise CorruptObjectError(key, f"upstream sent {len(data)} bytes of a {size}-byte object")
-            f.write(data)
-            return
-        for offset in range(0, size, self.piece_bytes):
-            f.write(upstream.get(key, (offset, min(self.piece_bytes, size - offset))))
+            pieces: list[tuple[int, int]] = []
+            self._write(fd, data, 0, landing, check)
+        else:
+            pieces = [(offset, min(self.piece_bytes, size - offset)) for offset in range(0, size, self.piece_bytes)]
+        for offset, n in pieces:
+            data = upstream.get(key, (offset, n))
+            if len(data) != n:
+                raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
+            self._write(fd, data, offset, landing, check)
+        if named and check is not None and check.digest().hex() != named.group(1):
+            raise CorruptObjectError(key, "upstream's bytes do not match the digest in its name")
+        landing._update(verified=True)
+
+    @staticmethod
+    def _write(fd: int, data: bytes, offset: int, landing: Landing, check: StreamDigest | None) -> None:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        if check is not None:
+            check.update(data)
+        landing._update(written=offset + len(data))
+
+    # -- holds: objects being served are not evicted -------------------------------------------
+
+    def hold(self, key: str) -> None:
+        """Keep ``key`` from eviction until as many :meth:`release` calls (a reader serving it:
+        the next reader would otherwise fetch it across the WAN again)."""
+        with self._lock:
+            self._held[key] += 1
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._held[key] -= 1
+            if self._held[key] <= 0:
+                del self._held[key]
 
     # -- upkeep --------------------------------------------------------------------------------
 
@@ -223,7 +331,7 @@ class ObjectCache:
         if self.max_bytes is None or self._total <= self.max_bytes:
             return
         goal = int(self.max_bytes * _LOW_WATER)
-        victims = sorted((e.atime, k) for k, e in self._entries.items() if k != keep)
+        victims = sorted((e.atime, k) for k, e in self._entries.items() if k != keep and k not in self._held)
         with self._env.begin(write=True) as txn:
             for _, key in victims:
                 if self._total <= goal:

@@ -6,14 +6,22 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
 - **Get** streams an object (or a byte range of it) in 1 MiB chunks under gRPC flow control.
   Immutable objects (packs, blobs, manifests, squashes) are fetched from the upstream once, whole, into
   the cache (:mod:`deltasync.relay.cache`), however many subscribers ask at the same moment
-  (single flight per key), and every range of them is then served from the file.
+  (single flight per key), and every range of them is then served from the file. While the
+  fetch runs, readers are served from its temporary file as the pieces land (a range once it
+  is covered; the last piece of an object only once the whole passed its checks), so a pack
+  behind a slow link reaches agents, and relays below, piece by piece rather than after the
+  whole pack; a fetch that fails ends its readers' streams with DATA_LOSS (corrupt, wrong
+  size) or UNAVAILABLE (upstream unreachable), never a short stream, and leaves no entry.
   ``refs/latest``, listings and other keys always go to the upstream.
 - **Watch** pushes newly committed versions. One feed per relay follows the upstream, shared
   by all watchers: it polls ``refs/latest`` every ``poll_interval`` (listing ``manifests/``
   when the ref moves, and every ``rescan_interval`` in case a publisher died between manifest
   and ref), or, when the upstream is itself a relay, follows that relay's Watch stream.
   Idle streams get a keepalive event; watchers are ended with UNAVAILABLE when the upstream
-  stays unreachable, so they move on to another relay.
+  stays unreachable, so they move on to another relay. With ``warm`` (the default) each new
+  version the feed learns of is fetched into the cache at once, manifest then packs and
+  blobs (``warm_concurrency`` objects at a time), so the WAN transfer overlaps the agents'
+  reaction to the event rather than following their first request.
 - The upstream is any repository URL: a path, ``s3://…``, or ``grpc://`` of another relay,
   so relays form trees across clusters.
 - **Put**/**Delete** (only with ``accept_writes``, only from clients carrying the write
@@ -71,10 +79,11 @@ from ..errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    StoreError,
     UsageError,
 )
 from ..format.digest import digest
-from ..format.manifest import BLOB_PART_SIZE, parse_manifest, version_from_key
+from ..format.manifest import BLOB_PART_SIZE, manifest_key, parse_manifest, version_from_key
 from ..repo.repository import (
     LATEST,
     LAYOUT_NAMES,
@@ -89,7 +98,7 @@ from ..storage import GrpcStore, LocalStore, Store, VersionWatch, check_key, ope
 from ..storage._base import MAX_OFFSET
 from ..storage._wire import CHUNK_BYTES, CLIENT_STREAM, LIST_BATCH, METHODS, SERVER_STREAM, SERVICE, UNARY, WRITE_METHODS
 from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
-from .cache import SERVED_KEYS, SERVED_PREFIXES, Entry, ObjectCache, cacheable, served, size_limit
+from .cache import SERVED_KEYS, SERVED_PREFIXES, Entry, Landing, ObjectCache, cacheable, served, size_limit
 
 log = logging.getLogger("deltasync.relay")
 
@@ -98,6 +107,7 @@ T = TypeVar("T")
 _RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
 _IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
 _FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
+_WARM_BACKLOG = 8  # newest versions of one feed update that are warmed (older ones: on demand)
 UPLOAD_WINDOW_BYTES = 64 << 10
 """Bytes a client may send on a stream the relay is not reading yet (an upload waiting for a slot)."""
 
@@ -158,6 +168,14 @@ class RelayConfig:
     write_quota: int | None = None
     """Most bytes the upstream repository may hold (counted when the relay starts, then through
     its own writes); uploads past it are refused."""
+    stream: bool = True
+    """Serve an object while it is still being fetched from the upstream. False: only once it
+    is whole in the cache (the path before streaming, kept to measure against)."""
+    warm: bool = True
+    """Fetch each new version's manifest, packs and blobs into the cache as soon as the
+    version feed (which follows the upstream while anyone watches) learns of it."""
+    warm_concurrency: int = 4
+    """Objects warmed at once."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -182,6 +200,8 @@ class RelayConfig:
             raise UsageError("the write token must differ from the read token")
         if self.max_object_bytes < 1 or self.max_uploads < 1:
             raise UsageError("max_object_bytes and max_uploads must be positive")
+        if self.warm_concurrency < 1:
+            raise UsageError(f"warm_concurrency must be positive, got {self.warm_concurrency}")
         if self.write_quota is not None and (self.write_quota < 0 or not self.accept_writes):
             raise UsageError("a write quota must not be negative, and needs --accept-writes")
 
@@ -406,6 +426,61 @@ def parse_size(text: str) -> int:
 # -- the service --------------------------------------------------------------------------------
 
 
+class _FetchFailed(Exception):
+    """The upstream fetch a Get waited for failed (``cause``: why)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _Flight:
+    """(Loop) One object being fetched into the cache, shared by every reader of it."""
+
+    def __init__(self, key: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.key = key
+        self.landing = Landing(key, notify=self._notify)
+        self.task: asyncio.Task[Entry]  # set by _RelayService._fetch
+        self._changed = asyncio.Event()
+        self._loop = loop
+
+    def _notify(self) -> None:  # (the download's thread)
+        self._loop.call_soon_threadsafe(self.wake)
+
+    def wake(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        old.set()
+
+    async def covering(self, end: int) -> Landing:
+        """The landing once its size is known and ``end`` bytes are written (the whole object
+        verified when ``end`` reaches its size), or once it failed."""
+        landing = self.landing
+        while True:
+            changed = self._changed  # taken before looking, so no progress slips between
+            size = landing.size
+            if landing.finished or (size is not None and (landing.verified or (end < size and landing.written >= end))):
+                return landing
+            await changed.wait()
+
+
+@dataclass
+class _Source:
+    """An open cached object (or one still arriving: ``flight``), held against eviction."""
+
+    key: str
+    fd: int
+    size: int
+    entry: Entry | None
+    flight: _Flight | None
+
+    def close(self, cache: ObjectCache) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            cache.release(self.key)
+
+
+
 class _RelayService:
     """The four RPCs. Lives on the relay event loop; blocking work goes to ``executor``."""
 
@@ -417,15 +492,19 @@ class _RelayService:
         self.cache = cache
         self.executor = executor
         self.config = config
-        self.feed = _VersionFeed(upstream, self._in_thread, lambda: self.counters["watchers"], config)
+        self.feed = _VersionFeed(upstream, self._in_thread, lambda: self.counters["watchers"], config, self._warm_new)
         self.quota = _Quota(upstream, config.write_quota) if config.write_quota is not None else None
         self._upload_slots: asyncio.Semaphore | None = None  # made on the loop, in start()
         self.stopping = False
-        self._inflight: dict[str, asyncio.Task[Entry]] = {}
+        self._inflight: dict[str, _Flight] = {}
         self._flusher: asyncio.Task[None] | None = None
+        self._warm_slots: asyncio.Semaphore | None = None  # made on the loop, in start()
+        self._warming: set[asyncio.Task[None]] = set()
         self.counters = {
             "requests": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0, "watchers": 0,
             "uploads": 0, "uploaded_bytes": 0, "uploads_refused": 0, "deletes": 0,
+            "streamed": 0, "fetch_errors": 0,
+            "warmed_versions": 0, "warm_fetches": 0, "warm_skipped": 0, "warm_errors": 0,
         }
 
     def handler(self) -> Any:
@@ -443,6 +522,7 @@ class _RelayService:
 
     def start(self) -> None:
         self._upload_slots = asyncio.Semaphore(self.config.max_uploads)
+        self._warm_slots = asyncio.Semaphore(self.config.warm_concurrency)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_periodically())
 
     def begin_stop(self) -> None:
@@ -453,6 +533,9 @@ class _RelayService:
         if self._flusher is not None:
             self._flusher.cancel()
         await self.feed.close()
+        for task in list(self._warming):
+            task.cancel()
+        await asyncio.gather(*self._warming, return_exceptions=True)
 
     def metrics(self) -> dict[str, int]:
         out = dict(self.counters)
@@ -462,6 +545,7 @@ class _RelayService:
             evictions=self.cache.evictions,
             cached_objects=len(self.cache),
             cached_bytes=self.cache.total_bytes,
+            fetching=len(self._inflight),
             following_upstream=int(self.feed.running),
         )
         return out
@@ -505,22 +589,23 @@ class _RelayService:
         self.counters["requests"] += 1
         key = request.key
         byte_range = (request.offset, request.length) if request.has_range else None
-        fd = -1
+        source: _Source | None = None
         try:
             _check_served(key)
             if byte_range is not None and (byte_range[0] > MAX_OFFSET or byte_range[1] > MAX_OFFSET):
                 raise CorruptObjectError(key, f"range {byte_range[0]}+{byte_range[1]} is past the end of any object")
             if cacheable(key):
-                fd, entry = await self._open_cached(key)
-                size = entry.size
-                offset, length = byte_range if byte_range is not None else (0, size)
-                if offset + length > size:
-                    raise CorruptObjectError(key, f"range {offset}+{length} past end of {size}-byte object")
+                source = await self._open_cached(key)
+                offset, length = byte_range if byte_range is not None else (0, source.size)
+                if offset + length > source.size:
+                    raise CorruptObjectError(key, f"range {offset}+{length} past end of {source.size}-byte object")
+        except _FetchFailed as e:
+            await self._abort_fetch(context, e.cause, key, sent=0)
         except Exception as e:
-            if fd >= 0:
-                os.close(fd)
+            if source is not None:
+                source.close(self.cache)
             await self._abort(context, e, key)
-        if fd < 0:
+        if source is None:
             # Refs and the marker: never cached, never held whole (a hostile upstream's 2 GiB
             # refs/latest passes through in 1 MiB pieces).
             try:
@@ -534,9 +619,16 @@ class _RelayService:
             position, end = offset, offset + length
             while True:
                 n = min(CHUNK_BYTES, end - position)
-                piece = await self._in_thread(os.pread, fd, n, position) if n else b""
+                if source.flight is not None:  # still arriving: wait until these bytes are in
+                    landing = await source.flight.covering(position + n)
+                    if landing.error is not None:
+                        await self._abort_fetch(context, landing.error, key, sent=position - offset)
+                    if landing.verified:
+                        source.flight = None
+                piece = await self._in_thread(os.pread, source.fd, n, position) if n else b""
                 if len(piece) != n:  # the file was damaged under us: refetch next time
-                    self.cache.forget(key, entry)
+                    if source.entry is not None:
+                        self.cache.forget(key, source.entry)
                     await context.abort(grpc.StatusCode.DATA_LOSS, f"relay cache file of {key} is truncated")
                 self.counters["served_bytes"] += n
                 yield pb.GetChunk(data=piece, total_bytes=length if position == offset else 0)
@@ -544,7 +636,7 @@ class _RelayService:
                 if position >= end:
                     break
         finally:
-            os.close(fd)
+            source.close(self.cache)
 
     async def _from_upstream(self, key: str, byte_range: tuple[int, int] | None) -> AsyncIterator[pb.GetChunk]:
         """An uncached object (or a range of it) read from the upstream a piece at a time."""
@@ -566,38 +658,148 @@ class _RelayService:
             if position >= end:
                 return
 
-    async def _open_cached(self, key: str) -> tuple[int, Entry]:
-        """An open file descriptor of the cached object and its entry, fetching it first if needed."""
+    async def _open_cached(self, key: str) -> _Source:
+        """The cached object, open for reading (held against eviction until closed), fetching
+        it first if needed; with ``stream``, the object while it is still being fetched, as
+        soon as its size is known. _FetchFailed when the fetch fails."""
         for _ in range(3):
             entry = self.cache.lookup(key)
             if entry is None:
-                entry = await self._fetch(key)
+                flight = self._fetch(key)
+                if self.config.stream:
+                    landing = await flight.covering(0)
+                    if landing.error is not None:
+                        raise _FetchFailed(landing.error)
+                    self.cache.hold(key)
+                    try:
+                        fd = landing.open()
+                    except FileNotFoundError:  # landed, then evicted before we opened it
+                        self.cache.release(key)
+                        continue
+                    except BaseException:
+                        self.cache.release(key)
+                        raise
+                    assert landing.size is not None
+                    streaming = landing.entry is None
+                    self.counters["streamed" if streaming else "cache_hits"] += 1
+                    return _Source(key, fd, landing.size, landing.entry, flight if streaming else None)
+                try:
+                    entry = await asyncio.shield(flight.task)
+                except Exception as e:
+                    raise _FetchFailed(e) from None
             else:
                 self.counters["cache_hits"] += 1
+            self.cache.hold(key)
             try:
-                return os.open(entry.path, os.O_RDONLY), entry
+                return _Source(key, os.open(entry.path, os.O_RDONLY), entry.size, entry, None)
             except FileNotFoundError:  # evicted (or removed) between lookup and open
+                self.cache.release(key)
                 self.cache.forget(key, entry)
         raise CorruptObjectError(key, "the relay cache keeps losing this object")
 
-    async def _fetch(self, key: str) -> Entry:
+    def _fetch(self, key: str, *, warm: bool = False) -> _Flight:
         """Single flight: concurrent requests for one key share one upstream fetch, which
         carries on into the cache even if the client that started it goes away."""
-        task = self._inflight.get(key)
-        if task is None:
-            fetch = functools.partial(self.cache.fetch, key, self.upstream, max_size=size_limit(key))
-            task = asyncio.get_running_loop().create_task(self._in_thread(fetch))
-            self._inflight[key] = task
-            task.add_done_callback(functools.partial(self._landed, key))
-        else:
-            self.counters["coalesced"] += 1
-        return await asyncio.shield(task)
+        flight = self._inflight.get(key)
+        if flight is not None:
+            if not (warm or flight.landing.entry is not None):
+                self.counters["coalesced"] += 1
+            return flight
+        loop = asyncio.get_running_loop()
+        flight = _Flight(key, loop)
+        fetch = functools.partial(self.cache.fetch, key, self.upstream, max_size=size_limit(key), landing=flight.landing)
+        flight.task = loop.create_task(self._in_thread(fetch))
+        self._inflight[key] = flight
+        flight.task.add_done_callback(functools.partial(self._landed, flight))
+        self.counters["warm_fetches"] += int(warm)
+        return flight
 
-    def _landed(self, key: str, task: asyncio.Task[Entry]) -> None:
-        if self._inflight.get(key) is task:
-            del self._inflight[key]
-        if not task.cancelled() and task.exception() is not None:  # retrieved: no "never retrieved" noise
-            log.debug("fetching %s failed: %s", key, task.exception())
+    def _landed(self, flight: _Flight, task: asyncio.Task[Entry]) -> None:
+        if self._inflight.get(flight.key) is flight:
+            del self._inflight[flight.key]
+        error: BaseException | None = StoreError("the relay stopped") if task.cancelled() else task.exception()
+        if error is not None:  # retrieved: no "never retrieved" noise
+            self.counters["fetch_errors"] += 1
+            log.debug("fetching %s failed: %s", flight.key, error)
+            if not flight.landing.finished:  # cancelled before the fetch ran: tell its readers
+                flight.landing.error = error
+        flight.wake()
+
+    async def _abort_fetch(self, context: Any, e: BaseException, key: str, *, sent: int) -> NoReturn:
+        """End a Get whose object's fetch from the upstream failed: DATA_LOSS for an object
+        that is damaged upstream (wrong size, wrong digest, too large), NOT_FOUND for one that
+        is gone, UNAVAILABLE when the upstream did not answer (the client retries, here or at
+        another relay, resuming where it stopped)."""
+        after = f" after {sent:,} bytes were sent" if sent else ""
+        if isinstance(e, ObjectNotFoundError):
+            code, message = grpc.StatusCode.NOT_FOUND, f"object not found: {key}"
+        elif isinstance(e, CorruptObjectError):
+            code, message = grpc.StatusCode.DATA_LOSS, f"{e.detail} (fetching {key} from the upstream{after})"
+        elif isinstance(e, DeltasyncError):
+            log.warning("upstream %s: %s", self.upstream_url, e)
+            code, message = grpc.StatusCode.UNAVAILABLE, f"relay upstream {self.upstream_url}: {e}{after}"
+        elif isinstance(e, OSError):
+            log.error("cache %s: %s", self.cache.root, e)
+            code, message = grpc.StatusCode.UNAVAILABLE, f"relay cache error: {e.strerror or e}"
+        else:
+            log.error("relay error fetching %s: %s: %s", key, type(e).__name__, e)
+            code, message = grpc.StatusCode.UNAVAILABLE, f"relay error fetching {key}: {type(e).__name__}: {e}"
+        await context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")
+
+    # -- warming ---------------------------------------------------------------------------------
+
+    def _warm_new(self, versions: list[int], fresh: bool) -> None:
+        """(Loop) The feed learned of ``versions``: fetch them into the cache before anyone asks
+        (when the feed has just started, only the newest: older ones are fetched on demand)."""
+        if not self.config.warm or self.stopping or not versions:
+            return
+        for version in versions[-1:] if fresh else versions[-_WARM_BACKLOG:]:
+            task = asyncio.get_running_loop().create_task(self._warm(version))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, version: int) -> None:
+        key = manifest_key(version)
+        try:
+            await self._warm_object(key)
+            keys, total = await self._in_thread(self._version_objects, key, version)
+            limit = self.cache.max_bytes
+            if limit is not None and total > limit // 2:
+                # Warming it would evict what agents behind it still read: leave it to demand.
+                self.counters["warm_skipped"] += 1
+                log.info("not warming version %d: %s bytes to fetch, over half the cache limit", version, f"{total:,}")
+                return
+            await asyncio.gather(*(self._warm_object(k) for k in keys))
+            self.counters["warmed_versions"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.counters["warm_errors"] += 1
+            log.warning("cannot warm version %d from %s: %s", version, self.upstream_url, e)
+
+    async def _warm_object(self, key: str) -> None:
+        assert self._warm_slots is not None
+        async with self._warm_slots:
+            if self.stopping or self.cache.lookup(key, touch=False) is not None:
+                return
+            await asyncio.shield(self._fetch(key, warm=True).task)
+
+    def _version_objects(self, key: str, version: int) -> tuple[list[str], int]:
+        """(Thread) The packs and blobs the cached manifest ``key`` names that the cache lacks,
+        and their bytes (blobs counted at their bound)."""
+        entry = self.cache.lookup(key, touch=False)
+        if entry is None:
+            raise CorruptObjectError(key, "evicted before it could be read")
+        info = parse_manifest(entry.path.read_bytes(), expect_version=version)
+        sizes = {p.key: p.size for p in info.pb.packs}
+        for f in info.pb.files:
+            if f.kind == manifest_pb.File.BLOB:
+                sizes.update(dict.fromkeys((blob_key(d) for d in f.blob_parts), BLOB_PART_SIZE))
+        missing = sorted(k for k in sizes if self.cache.lookup(k, touch=False) is None)
+        for k in missing:
+            check_key(k)
+        return missing, sum(sizes[k] for k in missing)
 
     # -- Stat, List ----------------------------------------------------------------------------
 
@@ -607,7 +809,9 @@ class _RelayService:
         try:
             _check_served(key)
             entry = self.cache.lookup(key, touch=False) if cacheable(key) else None
-            size = entry.size if entry is not None else await self._in_thread(self.upstream.size, key)
+            flight = self._inflight.get(key) if entry is None else None
+            known = entry.size if entry is not None else flight.landing.size if flight is not None else None
+            size = known if known is not None else await self._in_thread(self.upstream.size, key)
         except Exception as e:
             await self._abort(context, e, key)
         return pb.StatResponse(size=size)
@@ -795,11 +999,14 @@ class _VersionFeed:
         in_thread: Callable[..., Coroutine[Any, Any, Any]],
         watchers: Callable[[], int],
         config: RelayConfig,
+        on_new: Callable[[list[int], bool], None] | None = None,
     ) -> None:
         self.upstream = upstream
         self.in_thread = in_thread
         self.watchers = watchers
         self.config = config
+        self.on_new = on_new  # (versions, fresh): new versions, and whether the feed just (re)started
+        self._fresh = True
         self.latest = 0
         self.recent: list[int] = []  # newest committed versions, ascending
         self.succeeded = False  # the upstream answered at least once
@@ -814,6 +1021,7 @@ class _VersionFeed:
 
     def start(self) -> None:
         if self._task is None and not self._closed:
+            self._fresh = True
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run())
 
@@ -844,6 +1052,9 @@ class _VersionFeed:
             del self.recent[:-_RECENT]
             self.latest = new[-1]
             self.wake()
+            fresh, self._fresh = self._fresh, False
+            if self.on_new is not None:
+                self.on_new(new, fresh)
 
     async def close(self) -> None:
         self._closed = True
