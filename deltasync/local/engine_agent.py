@@ -29,12 +29,13 @@ need a directory copy: use :class:`~deltasync.local.agent.Agent` with ``engine=`
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ..errors import DeltasyncError, UsageError
+from ..errors import DeltasyncError, StoreError, UsageError
 from ..format.signing import PublicKeyLike
 from ..pull.subscriber import Subscriber, state_url
 from ..repo.repository import Repository
@@ -45,6 +46,8 @@ from .state import STATE_DIR, StateDB, WorkInProgress
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
+
+log = logging.getLogger(__name__)
 
 
 class EngineAgent(Agent):
@@ -108,6 +111,52 @@ class EngineAgent(Agent):
     def _needs_update(self, target: int) -> bool:
         assert self.engine is not None
         return not self._verified or not self.engine.holds(target)
+
+    def _observe(self) -> int | None:
+        try:
+            return super()._observe()
+        except (StoreError, OSError) as e:
+            # The repository is out of reach at the start of a run: the engine need not wait
+            # for it to serve what it held. The version the state records is restored from
+            # the kept objects, then the run retries the repository as usual.
+            if not self._verified:
+                self._restore_offline(e)
+            raise
+
+    def _restore_offline(self, cause: BaseException) -> None:
+        """Bring the engine to the version the state records from the kept objects alone (the
+        chain from its snapshot: cache.py), when they hold it and its manifest is the one the
+        state recorded (same version digest and repository). Every chunk is still checked by
+        its digest; one that the kept objects lack makes this a no-op (the engine waits for
+        the repository, as before)."""
+        assert self.engine is not None and self.cache is not None
+        db = StateDB.open(self.root, create=False)
+        state = db.state() if db is not None else None
+        if state is None:
+            return
+        kept, bound = self.cache.manifest(state.version), self.cache.bound()
+        if kept is None or bound is None or not state.holds(kept):
+            return
+        sub = getattr(self.engine, "subscriber", None)
+        if isinstance(sub, Subscriber):  # the engine reads the identity the objects were kept by
+            sub.repo.assume_identity(bound[0])
+        try:
+            swap = self._swap_engine(state.version, force=True)
+        except (DeltasyncError, OSError) as e:
+            log.warning("version %d is not restorable from the kept objects (%s); waiting for the repository",
+                        state.version, e)
+            return
+        self._verified = True
+        self.last_swap = swap
+        log.warning("repository unreachable (%s): the engine serves version %d, restored from the kept objects",
+                    cause, state.version)
+        with self._lock:
+            self.figures.last_update = {
+                "version": state.version, "previous": None, "how": "restored from the kept objects (offline)",
+                "fetched_bytes": 0, "seconds": swap.pause_s if swap is not None else 0.0,
+                "finished_unix": time.time(),
+            }
+        self._flush(force=True)
 
     def _move(self, sub: Subscriber, repo: Repository, previous: int | None, target: int) -> str:
         assert self.engine is not None

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..errors import CorruptObjectError, DeltasyncError, VersionNotFoundError
+from ..errors import CorruptObjectError, DeltasyncError, StoreError, VersionNotFoundError
 from ..format.codec import FULL
 from ..format.manifest import ManifestInfo, key_of
 from ..repo.repository import Repository
@@ -133,7 +133,12 @@ class Planner:
         explored, so a repository without squashes costs one listing.
         """
         into: dict[int, list[int]] = {}
-        for a, c in self.repo.squashes():
+        try:
+            listed = self.repo.squashes()
+        except StoreError as e:  # squashes only shorten a path: the chain alone is enough
+            log.debug("squashes of %s not listed (%s): planning without them", self.repo.url, e)
+            return None
+        for a, c in listed:
             if c <= target:
                 into.setdefault(c, []).append(a)
         if not into:

@@ -327,6 +327,7 @@ class Repository:
         self._squashes: OrderedDict[tuple[int, int], ManifestInfo] = OrderedDict()
         self._lock = threading.Lock()
         self._identity: tuple[bytes | None] | None = None  # (identity,) once read
+        self._assumed = False  # the identity was given (assume_identity), not read
 
     # -- existence ---------------------------------------------------------------------------
 
@@ -380,6 +381,7 @@ class Repository:
         read from it recently (an agent reads it on every look, and keeps objects by it)."""
         with self._lock:
             self._identity = (identity,)
+            self._assumed = True
 
     def create(self) -> None:
         """Mark the store as a repository with a new identity (idempotent); a repository of
@@ -400,6 +402,7 @@ class Repository:
                      marker["id"])
         with self._lock:
             self._identity = None  # read again: what the store holds now
+            self._assumed = False
 
     def _check_identity(self, info: ManifestInfo, what: str) -> None:
         """A manifest naming an identity must name this repository's (module doc)."""
@@ -711,8 +714,13 @@ class Repository:
         return lambda m: trusted.verify(m, version)
 
     def resolve(self, version: int | None) -> int:
-        """``version``, or the latest when None; raises if there is none."""
-        self.ensure_exists()
+        """``version``, or the latest when None; raises if there is none. A given version of a
+        repository whose identity was assumed (:meth:`assume_identity`) is checked by reading
+        its manifest alone: an agent restoring what it kept reads nothing else."""
+        with self._lock:
+            assumed = self._assumed
+        if version is None or not assumed:
+            self.ensure_exists()
         if version is None:
             latest = self.latest()
             if latest is None:

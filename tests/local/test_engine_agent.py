@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from ckpt_helpers import State, make_state, step_state
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
 from deltasync.engines import HttpEngine, SwapRecord, TorchEngine
-from deltasync.errors import DeltasyncError, UsageError
+from deltasync.errors import DeltasyncError, StoreError, UsageError
 from deltasync.format.manifest import manifest_key
 from deltasync.local.agent import Agent, AgentConfig, Update, read_status
 from deltasync.local.engine_agent import EngineAgent
@@ -165,6 +165,95 @@ def test_restart_with_a_fresh_engine_reads_the_kept_chain_not_the_network(tmp_pa
     assert agent.run() == v
     assert_same_bits(engine.tensors, pulled(repo, v))
     assert 0 < counting.bytes_read("packs/") - before <= stored_bytes(repo, v)
+
+
+class FlakyStore(WrappingStore):
+    """A repository out of reach while ``down`` is set (every read fails, as a relay that is gone)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.down = threading.Event()
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        if self.down.is_set():
+            raise StoreError(f"cannot read {key}: no relay answered (test)")
+        return self.inner.get(key, byte_range)
+
+    def _size(self, key: str) -> int:
+        if self.down.is_set():
+            raise StoreError(f"cannot stat {key}: no relay answered (test)")
+        return self.inner.size(key)
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        if self.down.is_set():
+            raise StoreError(f"cannot list {prefix}: no relay answered (test)")
+        return self.inner.list(prefix)
+
+
+def _until(what: str, check: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_restart_while_the_repository_is_unreachable_serves_the_recorded_version_from_kept_objects(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    run = Run(repo, snapshot_every=10)
+    versions = [run.step() for _ in range(3)]
+    template = make_state(0, LAYOUT)
+    state_dir = tmp_path / "state"
+    EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
+
+    flaky = FlakyStore(LocalStore(str(repo)))
+    flaky.down.set()
+    engine = TorchEngine(zeros_like(template), flaky, workers=2)  # a restarted process, the relay gone
+    agent = EngineAgent(engine, state_dir, agent_config())
+    thread = threading.Thread(target=agent.run, kwargs={"follow": True}, daemon=True)
+    thread.start()
+    try:
+        _until("the engine to serve the recorded version", lambda: engine.version == versions[-1])
+        assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+        status = read_status(state_dir)
+        assert status["version"] == versions[-1] and status["engine_version"] == versions[-1]
+        assert "no relay answered" in (status["last_error"] or "")
+
+        # The repository comes back with a newer version: the agent follows on.
+        v = run.step()
+        flaky.down.clear()
+        _until("the engine to catch up", lambda: engine.version == v)
+        assert_same_bits(engine.tensors, pulled(repo, v))
+    finally:
+        agent.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_restart_offline_without_the_kept_chain_waits_for_the_repository(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    run = Run(repo, snapshot_every=10)
+    versions = [run.step() for _ in range(2)]
+    template = make_state(0, LAYOUT)
+    state_dir = tmp_path / "state"
+    EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
+    for pack in (state_dir / ".deltasync" / "objects" / "packs").rglob("*"):  # the kept packs are lost
+        if pack.is_file():
+            pack.unlink()
+
+    flaky = FlakyStore(LocalStore(str(repo)))
+    flaky.down.set()
+    engine = TorchEngine(zeros_like(template), flaky, workers=2)
+    agent = EngineAgent(engine, state_dir, agent_config(retries=2))
+    with pytest.raises(StoreError):
+        agent.run()
+    assert engine.version is None  # nothing half-loaded is claimed
+    assert all(not t.any() for t in engine.tensors.values())
+    flaky.down.clear()
+    assert agent.run() == versions[-1]
+    assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
 
 
 def test_engine_with_the_wrong_bits_for_its_claimed_version_is_repaired(tmp_path: Path) -> None:
