@@ -33,7 +33,8 @@ from deltasync.errors import UsageError
 @click.option("--state", "state_dir", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
               help="Engine-first: keep only the --engine at the version to serve, no directory copy; its state "
                    "(version, digest, figures) and the kept packs of its chain live in DIR/.deltasync "
-                   "(`deltasync status --state DIR`). For torch: and fanout engines.")
+                   "(`deltasync status --state DIR`). For torch:, fanout and vllm@URL engines (the vLLM workers pull "
+                   "what changes from --repo; start the server from `deltasync pull --snapshot`).")
 @click.option("--tensors", "patterns", multiple=True, metavar="PATTERN",
               help="torch engines: hold only the tensors whose names match PATTERN (fnmatch, e.g. 'layers.1?.*'; "
                    "repeatable); only their chunks are fetched and decoded. A FACTORY may also return "
@@ -90,7 +91,7 @@ def subscribe(
             raise UsageError("give a directory to keep (DIR or --out DIR) or --state DIR for an engine alone, not both")
         if engine_spec is None:
             raise UsageError("--state DIR keeps an engine's state: give --engine too (or DIR to keep a directory copy)")
-        if engine_spec.startswith(("http", "vllm@")):
+        if engine_spec.startswith("http"):
             raise UsageError(f"the engine {engine_spec} loads versions from files: keep a directory copy for it "
                              "(--out DIR) instead of --state")
     else:
@@ -110,7 +111,8 @@ def subscribe(
 
         options: dict[str, object] = {"repo": repo}
         if engine_spec.startswith(("http", "vllm@")):
-            options["model_dir"] = str(out)  # the server loads (from) the copy the agent serves
+            if out is not None:  # engine-first (--state): vLLM's workers pull from the repository
+                options["model_dir"] = str(out)  # the server loads (from) the copy the agent serves
             if engine_spec.startswith("vllm@"):
                 options["pause_mode"] = pause_mode
         else:

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -30,12 +31,19 @@ from deltasync.cli._common import (
     workers_option,
 )
 
+if TYPE_CHECKING:
+    from deltasync import Repository
+
 
 @cli.command()
 @dir_argument
 @repo_option
 @out_option("Directory to bring to the version (or DIR).")
 @click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
+@click.option("--snapshot", is_flag=True,
+              help="Bring DIR to the newest snapshot at or before the version instead (what a vLLM server for "
+                   "`subscribe --state S --engine vllm@URL` starts from): written once per snapshot, nothing "
+                   "rewritten while DIR holds it.")
 @move_aside_option
 @fsync_option
 @trusted_key_option
@@ -43,14 +51,22 @@ from deltasync.cli._common import (
 @quiet_option
 @json_option
 def pull(
-    directory: Path | None, repo: str, out: Path | None, version: int | None, move_aside: bool, fsync: bool,
-    trusted_keys: tuple[Path, ...], workers: int, quiet: bool, as_json: bool,
+    directory: Path | None, repo: str, out: Path | None, version: int | None, snapshot: bool, move_aside: bool,
+    fsync: bool, trusted_keys: tuple[Path, ...], workers: int, quiet: bool, as_json: bool,
 ) -> None:
     """Bring a directory to a version, byte for byte, verifying every chunk written.
 
     The directory keeps two slots of files in DIR/.deltasync; the one not served is brought
     forward in place (only what changed is written) and one atomic switch serves it. The
-    files in DIR are links into the served slot.
+    files in DIR are links into the served slot. A directory already at the version is left
+    as it is (its files are checked against the stats recorded when they were verified, and
+    chunk by chunk when something wrote them since).
+
+    With --snapshot, DIR is brought to the newest snapshot at or before the version: start a
+    vLLM server from it (`vllm serve DIR --weight-transfer-config '{"backend":"deltasync"}'`),
+    and `deltasync subscribe --state S --engine vllm@URL` brings the server to the version to
+    serve through the deltas, with nothing of the model written locally per version. Run it
+    again when a newer snapshot is published: DIR switches to it atomically.
     """
     from deltasync import Repository, Subscriber
     from deltasync.local.cache import CachedStore
@@ -65,14 +81,28 @@ def pull(
     sub = Subscriber(Repository(counting, trusted_keys=trusted_keys, ref_memory=memory), workers=workers,
                      progress=show_progress(quiet))
     start = time.monotonic()
+    of = None
+    if snapshot:
+        of = sub.repo.resolve(version)
+        version = snapshot_of(sub.repo, of)
     result = sub.update_dir(out, version, move_aside=move_aside, fsync=fsync)
     seconds = time.monotonic() - start
     if as_json:
         emit_json({**json_fields(result), "directory": str(out), "how": str(result),
-                    "fetched_bytes": counting.fetched_bytes, "seconds": round(seconds, 3)})
+                   **({"snapshot_of": of} if of is not None else {}),
+                   "fetched_bytes": counting.fetched_bytes, "seconds": round(seconds, 3)})
         return
-    click.echo(f"pulled version {result.version} into {out} ({result}, {mib(counting.fetched_bytes)} fetched, "
-               f"{seconds:.2f}s)")
+    what = f"snapshot version {result.version} (of version {of})" if of is not None else f"version {result.version}"
+    click.echo(f"pulled {what} into {out} ({result}, {mib(counting.fetched_bytes)} fetched, {seconds:.2f}s)")
+
+
+def snapshot_of(repo: Repository, version: int) -> int:
+    """The newest snapshot at or before ``version``: the one its manifest names when that is one,
+    else the start of its delta chain."""
+    nearest = int(repo.manifest(version).pb.snapshot)
+    if nearest and repo.manifest(nearest).is_snapshot:
+        return nearest
+    return repo.chain(version)[0].version
 
 
 @cli.command()

@@ -150,9 +150,10 @@ class Engine(abc.ABC):
     """
 
     kind: ClassVar[str] = "engine"
-    needs_files: ClassVar[bool] = False
+    needs_files: bool = False
     """Whether the engine loads versions from files (a directory copy an agent keeps) rather than
-    staging them from the fetched, decoded changes; an engine-first agent refuses such engines."""
+    staging them from the fetched, decoded changes; an engine-first agent refuses such engines.
+    A class default an instance may set (a vLLM engine given no copy pulls from the repository)."""
 
     def __init__(self, *, version: int | None = None) -> None:
         self.swaps: list[SwapRecord] = []

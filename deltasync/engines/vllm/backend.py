@@ -155,9 +155,13 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if held is None and req.from_version is not None:
             held = source.manifest(req.from_version)
         packed = _packed(self.model)
+        t_manifests = time.perf_counter() - started
         plan = plan_update(held, target, packed, self._contract_reason)
         if req.stage:
+            t_plan = time.perf_counter() - started - t_manifests
             self._start_staging(source, held, target, plan, req.stage_max_bytes)
+            log.info("deltasync: staging call for version %d took %.3f s (manifests %.3f s, plan %.3f s)",
+                     target.version, time.perf_counter() - started, t_manifests, t_plan)
             return
         staged = self._take_staged(held, target)
         changes: dict[str, TensorChange] = dict(staged.changes) if staged else {}
@@ -395,7 +399,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             "patches": len(st.changes),
             "error": None if st.error is None else str(st.error),
         }
-        return {"held": None if self.held is None else self.held.version, "staging": staging}
+        return {"held": None if self.held is None else self.held.version, "staging": staging,
+                "held_digest": None if self.held is None else self.held.pb.version_digest.hex()}
 
     # -- loading ----------------------------------------------------------------------------------
 

@@ -18,6 +18,16 @@ workers pull the tensors themselves). The server is started with ``VLLM_SERVER_D
 and ``--weight-transfer-config '{"backend": "deltasync"}'``, deltasync installed next to vLLM.
 A failed update leaves the server on the version it served (the workers restore it) and
 resumes it.
+
+Engine-first (``deltasync subscribe --engine vllm@URL --state S``, no ``model_dir``): nothing
+of the model is written on the agent's side; each worker pulls what changes from the
+repository URL and checks every chunk against the manifest whose version digest the agent
+names. A server started from a directory deltasync pulled (``deltasync pull --snapshot DIR``)
+knows the version it holds, so its first update loads only what differs from it. The server's
+own answer is the truth: :meth:`VllmEngine.holds` asks ``/weight_info`` (a restarted server
+says ``default`` and is brought forward again), and an engine object that knows no version
+(an agent restarted) adopts the version the server serves when ``/weight_info`` and every
+worker's held version digest (``deltasync_status``) agree with the target, with no swap.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from ...format.manifest import ManifestInfo
 from ...format.signing import PublicKeyLike
 from ...repo.repository import Repository
 from ...storage import Store
-from ..base import EngineError, Staged
+from ..base import EngineError, Staged, SwapRecord
 from ..http_engine import Call, HttpEngine, HttpPreset, HttpStaged
 from .weights import DEFAULT_STAGE_MAX_BYTES, names_to_load
 
@@ -52,7 +62,8 @@ class VllmEngine(HttpEngine):
     >>> engine.update()   # pause, load what changed from /srv/policy in every worker, resume
 
     ``model_dir``: the directory copy the workers read (kept by ``deltasync subscribe
-    --out``, on the server's host), brought to the version first. ``repo_url`` (default:
+    --out``, on the server's host), brought to the version first; None: engine-first, the
+    workers pull from the repository and no copy is needed (``needs_files`` is False). ``repo_url`` (default:
     ``repo`` when it is a URL or path): where workers pull what the copy does not hold, or
     everything when there is no ``model_dir``. ``pause_mode``: what vLLM does with requests in flight
     (``keep``: frozen and resumed after the swap, ``wait``: finished first, ``abort``).
@@ -96,10 +107,69 @@ class VllmEngine(HttpEngine):
         super().__init__(url, repo, model_dir=model_dir or ".", preset=preset, headers=headers, timeout=timeout,
                          version=version, workers=workers, trusted_keys=trusted_keys, progress=progress)
         self.copy = None if model_dir is None else Path(model_dir).absolute()
+        self.needs_files = self.copy is not None
         self.repo_url = repo_url
         self.pause_mode = pause_mode
         self.stage_max_bytes = stage_max_bytes
         self._held_info: ManifestInfo | None = None
+
+    # -- what the server holds -------------------------------------------------------------------
+
+    def server_state(self) -> dict[str, Any]:
+        """What the server says it holds: ``weight_version`` (``/weight_info``; ``None`` where it
+        is no version number, e.g. ``default`` after a start) and ``workers``, each worker's
+        ``held`` version and ``held_digest`` (hex; None where the worker knows none or runs a
+        plugin too old to say)."""
+        served = self._served_version()
+        try:
+            answer = self._post("/collective_rpc", {"method": "deltasync_status"}, "worker status")
+        except EngineError:
+            answer = None  # no dev routes, or an older plugin: the workers cannot say
+        states = answer.get("results") if isinstance(answer, dict) else None
+        workers = [{"held": s.get("held"), "held_digest": s.get("held_digest")}
+                   for s in (states if isinstance(states, list) else []) if isinstance(s, dict)]
+        return {"weight_version": served, "workers": workers}
+
+    def holds(self, version: int) -> bool:
+        """Whether the engine holds ``version`` and the server says it serves it (a server
+        restarted meanwhile serves what it was started from, and says ``default``; one out
+        of reach holds nothing known)."""
+        if not super().holds(version):
+            return False
+        try:
+            return self._served_version() == version
+        except EngineError:
+            return False
+
+    def update(self, version: int | None = None, *, force: bool = False) -> SwapRecord | None:
+        """As :meth:`Engine.update`; an engine that knows no version first asks the server
+        (:meth:`server_state`): one already serving the target, every worker holding its
+        version digest, is adopted as it is (None, no swap). Otherwise the workers go from
+        what they hold to the target (every tensor when they hold nothing known)."""
+        self._check_open()
+        if self._version is None and (version is None or (isinstance(version, int) and version >= 1)):
+            with self._mutex:
+                target = self._resolve(version)
+                if self._adopt(target):
+                    return None
+        return super().update(version, force=force)
+
+    def _adopt(self, target: int) -> bool:
+        try:
+            state = self.server_state()
+        except EngineError:
+            return False  # out of reach: the update says so
+        info = self.subscriber.repo.manifest(target)
+        digest = info.pb.version_digest.hex()
+        workers = state["workers"]
+        if state["weight_version"] != target or not workers or any(
+                w["held"] != target or w["held_digest"] != digest for w in workers):
+            return False
+        self._version = target
+        self._version_key = self.version_key(target)
+        self._generation += 1
+        self._held_info = info
+        return True
 
     def _stage(self, version: int) -> Staged:
         info = self.subscriber.repo.manifest(version)
