@@ -23,8 +23,10 @@ describes is brought to the target bit-exact (chunks that already match are kept
 others come from a snapshot plus the chain). A kill at any point loses at most the version
 being staged; the next run starts over from the engine's bits.
 
-Engines that load versions from files (``vllm@URL``, ``http:...``; ``Engine.needs_files``)
-need a directory copy: use :class:`~deltasync.local.agent.Agent` with ``engine=`` instead.
+Engines that load versions from files (``http:...``, a ``VllmEngine`` given a copy;
+``Engine.needs_files``) need a directory copy: use :class:`~deltasync.local.agent.Agent` with
+``engine=`` instead. A ``VllmEngine`` with no copy is taken: the server's workers pull what
+changes from the repository, so the agent reads manifests only and keeps no packs.
 """
 
 from __future__ import annotations
