@@ -25,6 +25,12 @@ from deltasync.errors import UsageError
               help="Evict least recently used objects beyond this size, e.g. 500G [default: no limit].")
 @click.option("--poll-interval", type=click.FloatRange(0.01, 60), default=0.5, show_default=True, metavar="SECONDS",
               help="How often the upstream is checked for a new version.")
+@click.option("--warm/--no-warm", default=True, show_default=True,
+              help="Fetch each new version (manifest, packs, blobs) into the cache as soon as the relay hears of it, "
+                   "before agents ask (while anyone watches the relay).")
+@click.option("--stream/--no-stream", default=True, show_default=True,
+              help="Serve an object to readers while it is still being fetched from the upstream "
+                   "(--no-stream: only once it is whole in the cache).")
 @click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Serve TLS with this PEM certificate (clients use grpcs://).")
 @click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None, help="PEM key of --tls-cert.")
@@ -44,7 +50,7 @@ from deltasync.errors import UsageError
                    "uploads past it are refused [default: none].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
-    tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
+    warm: bool, stream: bool, tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
     write_token_file: Path | None, max_object_bytes: str, max_uploads: int, write_quota: str | None,
 ) -> None:
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
@@ -60,7 +66,7 @@ def serve(
         raise UsageError("--write-token-file needs --accept-writes (a read-only relay takes no write token)")
 
     server = build_server(
-        repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval,
+        repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval, warm=warm, stream=stream,
         tls_cert=tls_cert, tls_key=tls_key, token=read_token(None, token_file),
         accept_writes=accept_writes,
         write_token=read_write_token(None, write_token_file) if accept_writes else None,

@@ -587,10 +587,13 @@ def test_cache_evicts_least_recently_used_and_survives_restart(tmp_path: Path, s
 # -- the command line ----------------------------------------------------------------------------
 
 
-def test_cli_serve_then_sigterm(published: tuple[str, Publisher, list[dict[str, bytes]]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("options", [[], ["--no-warm", "--no-stream"]])
+def test_cli_serve_then_sigterm(published: tuple[str, Publisher, list[dict[str, bytes]]], tmp_path: Path,
+                                options: list[str]) -> None:
     url, _, states = published
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltasync", "serve", "--repo", url, "--listen", "127.0.0.1:0", "--cache", str(tmp_path / "c")],
+        [sys.executable, "-m", "deltasync", "serve", "--repo", url, "--listen", "127.0.0.1:0", "--cache", str(tmp_path / "c"),
+         *options],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
