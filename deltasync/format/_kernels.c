@@ -39,6 +39,19 @@ static inline uint64_t load64(const uint8_t *p) {
 
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 
+static inline uint64_t load_u8(const uint8_t *p) { return *p; }
+static inline uint64_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+static inline uint64_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static inline uint64_t load_u64(const uint8_t *p) { return load64(p); }
+
 /* One w-byte element. A switch, not memcpy(.., w): where w is not a constant, that is a call
  * into libc per element; the switch is a branch that always goes the same way. */
 static inline uint64_t load_elem(const uint8_t *p, int w) {
@@ -66,7 +79,8 @@ static inline void store_elem(uint8_t *p, uint64_t v, int w) {
     }
 }
 
-static inline int bitlen(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+/* Branch-free: escapes of 0 are common, and a branch on them mispredicts. */
+static inline int bitlen(uint64_t x) { return 64 - __builtin_clzll(x | 1) - (x == 0); }
 
 static inline uint64_t width_mask(int w) { return w == 8 ? ~(uint64_t)0 : (((uint64_t)1 << (8 * w)) - 1); }
 
@@ -125,6 +139,43 @@ static inline void bw_flush(BitWriter *w) {
         *w->p++ = (uint8_t)w->acc;
         w->acc >>= 8;
     }
+}
+
+/* Appends up to 56 bits at a time without a branch: the accumulator is stored 8 bytes wide
+ * after every code and its whole bytes are dropped (the stream needs 8 bytes of slack: PAD).
+ * The bits written are BitWriter's. */
+typedef struct {
+    uint8_t *p;
+    uint64_t acc;
+    int n; /* bits in acc, < 8 between calls */
+} ByteWriter;
+
+static inline void byw_put(ByteWriter *w, uint64_t v, int nbits) { /* v < 2**nbits, nbits <= 56 */
+    w->acc |= v << w->n;
+    w->n += nbits;
+    store64(w->p, w->acc);
+    int bytes = w->n >> 3;
+    w->p += bytes;
+    w->acc >>= 8 * bytes; /* bytes <= 7 */
+    w->n &= 7;
+}
+
+static inline void byw_flush(ByteWriter *w) {
+    if (w->n) *w->p++ = (uint8_t)w->acc; /* the last, partial byte (already stored once) */
+    w->acc = 0;
+    w->n = 0;
+}
+
+/* A ByteWriter as a BitWriter (both hold the bits not yet final in acc, from p on). */
+static inline BitWriter byw_bits(const ByteWriter *w) { return (BitWriter){w->p, w->acc, w->n}; }
+
+/* And back: the BitWriter's whole bytes written out first. */
+static inline ByteWriter bw_bytes(BitWriter *w) {
+    for (; w->n >= 8; w->n -= 8) {
+        *w->p++ = (uint8_t)w->acc;
+        w->acc >>= 8;
+    }
+    return (ByteWriter){w->p, w->acc, w->n};
 }
 
 static inline uint64_t get_bits57(const uint8_t *buf, uint64_t pos, int n) {
@@ -542,7 +593,8 @@ done:
 /* For k = lo, lo + 1, lo + 2 (each <= MAX_RICE_K): sum over the gaps of ceil((g >> k) / 2),
  * which exceeds m iff the Rice cost m * (1 + k) + sum(g >> k) still drops from k to k + 1, and
  * sum(g >> k), the unary bits. One pass; also checks that the indices increase. */
-static int rice_stats(const uint32_t *idx, size_t m, int lo, uint64_t halves[3], uint64_t sums[3]) {
+static inline __attribute__((always_inline)) int rice_stats_impl(const uint32_t *idx, size_t m, int lo,
+                                                                uint64_t halves[3], uint64_t sums[3]) {
     /* u32 throughout: every sum is at most the sum of the gaps, idx[m - 1] + 1 - m < 2**32 */
     const int k0 = lo, k1 = lo + 1 > MAX_RICE_K ? MAX_RICE_K : lo + 1, k2 = lo + 2 > MAX_RICE_K ? MAX_RICE_K : lo + 2;
     uint32_t g = idx[0], q0 = g >> k0, q1 = g >> k1, q2 = g >> k2;
@@ -564,11 +616,28 @@ static int rice_stats(const uint32_t *idx, size_t m, int lo, uint64_t halves[3],
  * The cost m * (1 + k) + sum(g >> k) is convex in k, so k is the smallest with halves(k) <= m;
  * look around a guess (log2 of the mean gap) in one pass, and move the window (rarely) when
  * the answer is outside it. Returns 0 if the indices do not increase. */
+static int rice_stats(const uint32_t *idx, size_t m, int lo, uint64_t halves[3], uint64_t sums[3]) {
+    return rice_stats_impl(idx, m, lo, halves, sums);
+}
+
+#if HAVE_AVX512
+/* The Rice kernels' AVX-512 paths (with BMI2's pext); the results are the portable ones. */
+#define AVX512_RICE __attribute__((target("avx512f,avx512bw,avx512vl,bmi2")))
+
+AVX512_RICE static int rice_stats_avx512(const uint32_t *idx, size_t m, int lo, uint64_t halves[3], uint64_t sums[3]) {
+    return rice_stats_impl(idx, m, lo, halves, sums); /* the same loop, 16 lanes */
+}
+#endif
+
 static int rice_choose(const uint32_t *idx, size_t m, int *k, uint64_t *sum_q) {
     uint64_t mean = ((uint64_t)idx[m - 1] + 1 - m) / m, halves[3], sums[3];
     int lo = bitlen(mean) >= 2 ? bitlen(mean) - 2 : 0;
     for (;;) {
+#if HAVE_AVX512
+        if (!(use_avx512 ? rice_stats_avx512 : rice_stats)(idx, m, lo, halves, sums)) return 0;
+#else
         if (!rice_stats(idx, m, lo, halves, sums)) return 0;
+#endif
         if (lo > 0 && halves[0] <= m) { /* the answer is below lo: a window ending at lo */
             lo = lo >= 2 ? lo - 2 : 0;
             continue;
@@ -583,6 +652,89 @@ static int rice_choose(const uint32_t *idx, size_t m, int *k, uint64_t *sum_q) {
         return 1;
     }
 }
+
+/* The unary stream of rice_write, code by code: code i sets the bit at ``at``, the sum of
+ * the first i + 1 codes' lengths minus 1, by storing the word it ends in, cleared first when
+ * it is a new one (words it skips stay zero: the buffer is zeroed). */
+typedef struct {
+    uint64_t at, cur, word; /* the last code's bit, its word's index, and that word */
+} RiceUnary;
+
+static inline __attribute__((always_inline)) void rice_unary_step(RiceUnary *u, uint32_t g, int k, uint8_t *buf) {
+    u->at += (uint64_t)(g >> k) + 1;
+    uint64_t wi = u->at >> 6;
+    u->word = (wi == u->cur ? u->word : 0) | (uint64_t)1 << (u->at & 63);
+    store64(buf + 8 * wi, u->word);
+    u->cur = wi;
+}
+
+#if HAVE_AVX512
+/* The same stream eight codes at a time: their bits' positions from a prefix sum of their
+ * lengths, OR-ed together into the (at most two) words they fall in, each stored once; eight
+ * codes that reach a third word go code by code. */
+AVX512_RICE static void rice_unary_avx512(const uint32_t *idx, size_t m, int k, uint8_t *buf) {
+    RiceUnary u = {UINT64_MAX, 0, 0};
+    rice_unary_step(&u, idx[0], k, buf); /* the first gap is idx[0]: its "previous" is -1 */
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi64(1), low6 = _mm512_set1_epi64(63);
+    const __m512i lane7 = _mm512_set1_epi64(7);
+    const __m256i one32 = _mm256_set1_epi32(1);
+    const __m128i shift = _mm_cvtsi32_si128(k);
+    __m512i at = _mm512_set1_epi64((long long)u.at); /* the last code's bit, in every lane */
+    size_t i = 1;
+    for (; i + 8 <= m; i += 8) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(idx + i)), p = _mm256_loadu_si256((const __m256i *)(idx + i - 1));
+        __m256i g = _mm256_sub_epi32(_mm256_sub_epi32(a, p), one32);
+        __m512i len = _mm512_cvtepu32_epi64(_mm256_add_epi32(_mm256_srl_epi32(g, shift), one32)); /* <= 2**32 - 1 */
+        len = _mm512_add_epi64(len, _mm512_alignr_epi64(len, zero, 7)); /* inclusive prefix sum */
+        len = _mm512_add_epi64(len, _mm512_alignr_epi64(len, zero, 6));
+        len = _mm512_add_epi64(len, _mm512_alignr_epi64(len, zero, 4));
+        __m512i pos = _mm512_add_epi64(len, at);
+        at = _mm512_permutexvar_epi64(lane7, pos);
+        uint64_t first = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(pos));
+        uint64_t last = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(at));
+        uint64_t w0 = first >> 6, w1 = last >> 6;
+        if (w1 - w0 > 1) { /* a long code: one at a time */
+            for (size_t r = i; r < i + 8; r++) rice_unary_step(&u, idx[r] - idx[r - 1] - 1, k, buf);
+            continue;
+        }
+        __m512i bits = _mm512_sllv_epi64(one, _mm512_and_si512(pos, low6));
+        __mmask8 in0 = _mm512_cmpeq_epi64_mask(_mm512_srli_epi64(pos, 6), _mm512_set1_epi64((long long)w0));
+        /* both words' bits OR-ed across the lanes at once: word 0 ends in lane 0, word 1 in lane 1 */
+        __m512i b0 = _mm512_maskz_mov_epi64(in0, bits), b1 = _mm512_maskz_mov_epi64((__mmask8)~in0, bits);
+        __m512i t = _mm512_or_si512(_mm512_unpacklo_epi64(b0, b1), _mm512_unpackhi_epi64(b0, b1));
+        t = _mm512_or_si512(t, _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
+        t = _mm512_or_si512(t, _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+        __m128i words = _mm512_castsi512_si128(t);
+        uint64_t word0 = (uint64_t)_mm_cvtsi128_si64(words) | (w0 == u.cur ? u.word : 0);
+        uint64_t word1 = (uint64_t)_mm_extract_epi64(words, 1); /* 0 when w1 == w0 */
+        /* No branch on w1 != w0 (a third of the steps, at random): word w0 + 1 is stored either
+         * way, a zero one still before the end of the unary stream plus PAD. */
+        store64(buf + 8 * w0, word0);
+        store64(buf + 8 * w0 + 8, word1);
+        u.word = w1 != w0 ? word1 : word0;
+        u.cur = w1;
+        u.at = last;
+    }
+    for (; i < m; i++) rice_unary_step(&u, idx[i] - idx[i - 1] - 1, k, buf);
+}
+
+/* The low parts for k <= 8 of the codes at idx[0 .. 16 * (m / 16) - 1] (idx[-1], their first
+ * "previous", is readable), written from ``lp`` (k bytes per eight codes): sixteen gaps' low
+ * bytes in a vector, each eight of them packed to their k low bits by pext and stored 8 bytes
+ * wide (the spare bytes are overwritten next, or land in the PAD). Returns the codes written. */
+AVX512_RICE static size_t rice_low_avx512(const uint32_t *idx, size_t m, int k, uint8_t *lp) {
+    const uint64_t keep = 0x0101010101010101ull * (uint64_t)(((unsigned)1 << k) - 1);
+    const __m512i one = _mm512_set1_epi32(1);
+    size_t i = 0;
+    for (; i + 16 <= m; i += 16, lp += 2 * k) {
+        __m512i a = _mm512_loadu_si512(idx + i), p = _mm512_loadu_si512(idx + i - 1);
+        __m128i bytes = _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_sub_epi32(a, p), one)); /* low 8 bits */
+        store64(lp, _pext_u64((uint64_t)_mm_cvtsi128_si64(bytes), keep));
+        store64(lp + k, _pext_u64((uint64_t)_mm_extract_epi64(bytes, 1), keep));
+    }
+    return i;
+}
+#endif
 
 PyDoc_STRVAR(rice_encode_doc,
              "rice_encode(indices) -> (k, data)\n\n"
@@ -608,16 +760,14 @@ static uint8_t *rice_write(const uint32_t *idx, size_t m, int *k_out, size_t *le
      * the first i + 1 codes' lengths, minus 1), a word at a time: each code stores the word
      * it ends in, cleared first when it is a new one (words it skips stay zero). The word of
      * the last code may spill up to 7 zero bytes into the low bits, written next. */
-    uint64_t at = UINT64_MAX, cur = 0, word = 0;
-    uint32_t prev = UINT32_MAX; /* the first "previous" index is -1 */
-    for (size_t i = 0; i < m; i++) {
-        uint32_t g = idx[i] - prev - 1;
-        prev = idx[i];
-        at += (uint64_t)(g >> k) + 1;
-        uint64_t wi = at >> 6;
-        word = (wi == cur ? word : 0) | (uint64_t)1 << (at & 63);
-        store64(buf + 8 * wi, word);
-        cur = wi;
+#if HAVE_AVX512
+    if (use_avx512) {
+        rice_unary_avx512(idx, m, k, buf);
+    } else
+#endif
+    {
+        RiceUnary u = {UINT64_MAX, 0, 0};
+        for (size_t i = 0; i < m; i++) rice_unary_step(&u, idx[i] - (i ? idx[i - 1] : UINT32_MAX) - 1, k, buf);
     }
     /* The low parts: for k <= 8, eight codes make k whole bytes, built in a register from
      * independent shifts (stored 8 bytes wide: the spare ones are overwritten next, or land in
@@ -633,9 +783,16 @@ static uint8_t *rice_write(const uint32_t *idx, size_t m, int *k_out, size_t *le
                 x |= (uint64_t)((idx[i + (size_t)r] - before - 1) & mask) << (r * k);
             }
             store64(lp, x);
+#if HAVE_AVX512
+            if (i == 0 && use_avx512) { /* after the first eight (the first "previous" is -1) */
+                size_t done = rice_low_avx512(idx + 8, m - 8, k, lp + k);
+                i += done;
+                lp += (size_t)k * (done / 8);
+            }
+#endif
         }
     BitWriter low = {lp, 0, 0};
-    prev = i ? idx[i - 1] : UINT32_MAX;
+    uint32_t prev = i ? idx[i - 1] : UINT32_MAX;
     for (; i < m; i++) {
         bw_put(&low, (idx[i] - prev - 1) & mask, k); /* k <= 31 */
         prev = idx[i];
@@ -872,12 +1029,28 @@ done:
  * that is when k >= z = bit_length of the zero bits of e below L. So one pass counting L and z
  * prices every k. */
 static int expg_best_k(const uint64_t *e, size_t m, int wmax, uint64_t *sum_nb) {
-    uint64_t hist_l[65] = {0}, hist_z[65] = {0};
-    for (size_t i = 0; i < m; i++) {
-        int l = bitlen(e[i]);
-        uint64_t below = l == 64 ? ~(uint64_t)0 : (((uint64_t)1 << l) - 1);
-        hist_l[l]++;
-        hist_z[bitlen(~e[i] & below)]++;
+    /* Four interleaved histograms of each: most escapes share a few lengths, and one array of
+     * counters would make every increment wait for the previous one. */
+    uint64_t sub_l[4][65] = {{0}}, sub_z[4][65] = {{0}}, hist_l[65], hist_z[65];
+#define EXPG_COUNT(r, x)                                                                                   \
+    {                                                                                                      \
+        int l = bitlen(x);                                                                                 \
+        uint64_t below = l == 64 ? ~(uint64_t)0 : (((uint64_t)1 << l) - 1);                               \
+        sub_l[r][l]++;                                                                                     \
+        sub_z[r][bitlen(~(x) & below)]++;                                                                  \
+    }
+    size_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+        EXPG_COUNT(0, e[i])
+        EXPG_COUNT(1, e[i + 1])
+        EXPG_COUNT(2, e[i + 2])
+        EXPG_COUNT(3, e[i + 3])
+    }
+    for (; i < m; i++) EXPG_COUNT(0, e[i])
+#undef EXPG_COUNT
+    for (int l = 0; l <= 64; l++) {
+        hist_l[l] = sub_l[0][l] + sub_l[1][l] + sub_l[2][l] + sub_l[3][l];
+        hist_z[l] = sub_z[0][l] + sub_z[1][l] + sub_z[2][l] + sub_z[3][l];
     }
     int kmax = 64; /* bit_length of the largest escape, at most wmax */
     while (kmax > 0 && !hist_l[kmax]) kmax--;
@@ -1010,22 +1183,25 @@ static PyObject *k_pack2(PyObject *self, PyObject *args) {
         if (!pre || !suf) {
             oom = 1;
         } else {
-            BitWriter prefix = {pre, 0, 0}, suffix = {suf, 0, 0};
+            ByteWriter prefix = {pre, 0, 0}, suffix = {suf, 0, 0};
             uint64_t low_mask = k ? ~(uint64_t)0 >> (64 - k) : 0;
             for (size_t i = 0; i < m; i++) {
                 uint64_t x = (esc[i] >> k) + 1;
                 int nb = bitlen(x) - 1;
-                if (nb + k <= 31) { /* the usual case: one code in each stream */
-                    bw_put(&prefix, (uint64_t)1 << nb, nb + 1);
-                    bw_put(&suffix, (esc[i] & low_mask) | (x - ((uint64_t)1 << nb)) << k, nb + k);
+                if (nb + k <= 56) { /* the usual case: one code in each stream */
+                    byw_put(&prefix, (uint64_t)1 << nb, nb + 1);
+                    byw_put(&suffix, (esc[i] & low_mask) | (x - ((uint64_t)1 << nb)) << k, nb + k);
                     continue;
                 }
-                bw_unary(&prefix, (uint64_t)nb);
-                bw_put_wide(&suffix, esc[i] & low_mask, k);
-                bw_put_wide(&suffix, x - ((uint64_t)1 << nb), nb);
+                BitWriter pw = byw_bits(&prefix), sw = byw_bits(&suffix);
+                bw_unary(&pw, (uint64_t)nb);
+                bw_put_wide(&sw, esc[i] & low_mask, k);
+                bw_put_wide(&sw, x - ((uint64_t)1 << nb), nb);
+                prefix = bw_bytes(&pw);
+                suffix = bw_bytes(&sw);
             }
-            bw_flush(&prefix);
-            bw_flush(&suffix);
+            byw_flush(&prefix);
+            byw_flush(&suffix);
         }
     }
     Py_END_ALLOW_THREADS
@@ -1818,25 +1994,38 @@ static int choose_thresholds(const uint8_t *base, size_t n, const uint8_t *vals,
     double *cost = (double *)malloc((MAX_RUNS + 1) * (MAX_RUNS + 1) * sizeof(double));
     int found = -1;
     if (!hn || !present || !sub || !cost) goto done;
-    /* Four interleaved histograms: changes crowd into a few bins, and one array of counters
-     * would make every increment wait for the previous one to the same bin. */
-#define HISTOGRAMS(T)                                                                                      \
-    for (size_t i = 0; i < n; i += 16) {                                                                   \
-        T v;                                                                                               \
-        memcpy(&v, base + i * sizeof(T), sizeof(T));                                                       \
-        sub[(i >> 4 & 3) * nbins + (size_t)((v & off) >> shift)]++;                                        \
-    }                                                                                                      \
-    for (size_t j = 0; j < k; j++) {                                                                       \
-        T v;                                                                                               \
-        memcpy(&v, vals + j * sizeof(T), sizeof(T));                                                       \
-        sub[(4 + (j & 3)) * nbins + (size_t)((v & off) >> shift)]++;                                       \
+    /* Four interleaved histograms each: changes crowd into a few bins, and one array of
+     * counters would make every increment wait for the previous one to the same bin. Unrolled,
+     * so that no counter's address waits on an index computation either. */
+#define BIN(T, p) ((size_t)((load_##T(p) & off) >> shift))
+#define HISTOGRAMS(T, W)                                                                                   \
+    {                                                                                                      \
+        size_t i = 0;                                                                                      \
+        for (; i + 64 <= n; i += 64) {                                                                     \
+            const uint8_t *p = base + i * W;                                                               \
+            sub[BIN(T, p)]++;                                                                              \
+            sub[nbins + BIN(T, p + 16 * W)]++;                                                             \
+            sub[2 * nbins + BIN(T, p + 32 * W)]++;                                                         \
+            sub[3 * nbins + BIN(T, p + 48 * W)]++;                                                         \
+        }                                                                                                  \
+        for (; i < n; i += 16) sub[BIN(T, base + i * W)]++;                                                \
+        size_t j = 0;                                                                                      \
+        for (; j + 4 <= k; j += 4) {                                                                       \
+            const uint8_t *p = vals + j * W;                                                               \
+            sub[4 * nbins + BIN(T, p)]++;                                                                  \
+            sub[5 * nbins + BIN(T, p + W)]++;                                                              \
+            sub[6 * nbins + BIN(T, p + 2 * W)]++;                                                          \
+            sub[7 * nbins + BIN(T, p + 3 * W)]++;                                                          \
+        }                                                                                                  \
+        for (; j < k; j++) sub[4 * nbins + BIN(T, vals + j * W)]++;                                        \
     }
     switch (w) {
-    case 1: HISTOGRAMS(uint8_t) break;
-    case 2: HISTOGRAMS(uint16_t) break;
-    case 4: HISTOGRAMS(uint32_t) break;
-    default: HISTOGRAMS(uint64_t) break;
+    case 1: HISTOGRAMS(u8, 1) break;
+    case 2: HISTOGRAMS(u16, 2) break;
+    case 4: HISTOGRAMS(u32, 4) break;
+    default: HISTOGRAMS(u64, 8) break;
     }
+#undef BIN
 #undef HISTOGRAMS
     for (size_t b = 0; b < nbins; b++) {
         hn[b] = (uint64_t)sub[b] + sub[nbins + b] + sub[2 * nbins + b] + sub[3 * nbins + b];

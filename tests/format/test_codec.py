@@ -952,6 +952,56 @@ def test_the_sse2_scan_agrees_with_the_avx512_one() -> None:
     assert child.stdout.splitlines() == expected
 
 
+_ENCODER_CASES = (
+    "import numpy as np\n"
+    "def cases():\n"
+    "    rng = np.random.default_rng(7)\n"
+    "    for m in (1, 7, 8, 9, 16, 17, 23, 24, 25, 40, 41, 1000, 20000):\n"
+    "        for shape in range(4):\n"
+    "            if shape == 0: gaps = rng.geometric(rng.uniform(0.01, 0.9), m) - 1\n"
+    "            elif shape == 1: gaps = rng.integers(0, 1 << int(rng.integers(1, 18)), m)\n"
+    "            elif shape == 2:\n"
+    "                gaps = rng.geometric(0.1, m) - 1\n"
+    "                gaps[rng.random(m) < 0.05] += rng.integers(100, 1 << 16)\n"
+    "            else: gaps = np.where(rng.random(m) < 0.5, 0, rng.integers(0, 3000, m))\n"
+    "            idx = (np.cumsum(gaps + 1) - 1).astype(np.uint32).tobytes()\n"
+    "            for w in (1, 2, 4, 8):\n"
+    "                u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[w]\n"
+    "                b = rng.integers(0, 1 << min(8 * w, 62), m, dtype=np.uint64).astype(u)\n"
+    "                d = rng.integers(1, 1 << int(rng.integers(1, 8 * w)), m, dtype=np.uint64).astype(u)\n"
+    "                d[rng.random(m) < 0.5] = 1\n"
+    "                t = b + np.where(rng.random(m) < 0.5, d, -d).astype(u)\n"
+    "                yield idx, t.tobytes(), b.tobytes(), w\n"
+    "def outputs(k):\n"
+    "    for idx, t, b, w in cases():\n"
+    "        yield repr((k.rice_encode(idx), k.pack2(t, b, w), k.class_thresholds(b, w, b[: len(b) // 3 // w * w], 6, 128)))\n"
+)
+
+
+@pytest.mark.skipif(c_kernels is None or getattr(c_kernels, "simd", "") != "avx512bw", reason="no AVX-512 here")
+def test_the_portable_encoders_agree_with_the_avx512_ones() -> None:
+    """rice_encode (unary codes eight at a time, low bits by pext), pack2 and class_thresholds
+    pick their paths at import; run the portable ones in a child process and compare, on gaps
+    of every shape (long codes that leave the vector path, counts around its steps)."""
+    import subprocess
+    import sys
+
+    code = _ENCODER_CASES + (
+        "import sys\n"
+        "from deltasync.format import _kernels as k\n"
+        "assert k.simd == 'sse2'\n"
+        "for line in outputs(k): sys.stdout.write(line + '\\n')\n"
+    )
+    env = dict(os.environ, DELTASYNC_NO_AVX512="1")
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    namespace: dict[str, Any] = {}
+    exec(_ENCODER_CASES, namespace)
+    expected = list(namespace["outputs"](c_kernels))
+    assert len(expected) == 13 * 4 * 4
+    assert child.stdout.splitlines() == expected
+    assert list(namespace["outputs"](_kernels_py)) == expected
+
+
 def _expg_bits(es: list[int], k: int) -> int:
     return sum(2 * (((e >> k) + 1).bit_length() - 1) + 1 + k for e in es)
 
