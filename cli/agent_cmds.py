@@ -56,6 +56,9 @@ from deltasync.errors import UsageError
                    "tensors are overwritten in place), fanout[:MODULE:FACTORY] (the same, for rank 0 of a "
                    "torch.distributed group), vllm@URL (a vLLM with the deltasync backend: loads only what "
                    "changed), or http:sglang|vllm|generic@URL (the server reloads from the copy).")
+@click.option("--worker-repo", default=None, metavar="URL",
+              help="vllm@URL: the repository URL the vLLM workers pull from, as the server's host reaches it "
+                   "(a relay near the server, say) [default: --repo].")
 @click.option("--pause-mode", type=click.Choice(["keep", "wait", "abort"]), default="keep", show_default=True,
               help="vllm@URL: what the server does with requests in flight during a swap (keep: frozen, then resumed).")
 @move_aside_option
@@ -71,6 +74,7 @@ def subscribe(
     metrics_host: str,
     keep_versions: int, retries: int, engine_spec: str | None, pause_mode: str, move_aside: bool, fsync: bool,
     trusted_keys: tuple[Path, ...], ref_grace: float, workers: int, quiet: bool, state_dir: Path | None,
+    worker_repo: str | None,
     patterns: tuple[str, ...],
 ) -> None:
     """Bring a directory (and/or an engine) to the version to serve (the pinned one, else the latest); with
@@ -115,6 +119,8 @@ def subscribe(
                 options["model_dir"] = str(out)  # the server loads (from) the copy the agent serves
             if engine_spec.startswith("vllm@"):
                 options["pause_mode"] = pause_mode
+                if worker_repo is not None:
+                    options["repo_url"] = worker_repo
         else:
             if out is not None:
                 options["copy"] = str(out)  # a copy already at the version (a restart) is read, not fetched

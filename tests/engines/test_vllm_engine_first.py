@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 import deltasync
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository
 from deltasync.engines import VllmEngine, build_engine
+from deltasync.engines.vllm.engine import _chunks_changed
 from deltasync.errors import UsageError
 from deltasync.local.agent import read_status
 from deltasync.local.engine_agent import EngineAgent
@@ -70,10 +71,11 @@ class Steps:
         self.state = make_state(0, LAYOUT)
         self.versions: list[int] = []
 
-    def step(self, n: int = 1) -> list[int]:
+    def step(self, n: int = 1, *, fraction: float = 0.01) -> list[int]:
+        """``n`` versions, each changing ``fraction`` of every tensor's elements (at least one)."""
         for _ in range(n):
             if self.versions:
-                self.state = step_state(self.state, len(self.versions), 0.01)
+                self.state = step_state(self.state, len(self.versions), fraction)
             self.versions.append(int(self.pub.publish(self.state)))
         return self.versions
 
@@ -168,6 +170,19 @@ def test_a_vllm_engine_with_no_copy_is_engine_first(tmp_path: Path) -> None:
     assert agent.engine is first
     # Nothing answers at that port: the engine holds nothing known.
     assert not first.holds(1)
+    # What an update reports as changed: the chunks whose digest the held version lacks.
+    steps = Steps(tmp_path / "repo2")
+    steps.step(2, fraction=0.0)  # one element of each tensor: one of its two chunks
+    r2 = Repository(str(tmp_path / "repo2"))
+    v1, v2 = r2.manifest(1), r2.manifest(2)
+    total = sum(len(t.chunks) for t in v2.pb.tensors)
+    assert _chunks_changed(None, v2) == total and _chunks_changed(v2, v2) == 0
+    assert _chunks_changed(v1, v2) == len(LAYOUT) < total
+    # Where the workers pull from may be another URL of the repository (as the server's host reaches it).
+    other = build_engine("vllm@http://127.0.0.1:9", repo=str(repo), repo_url="rel/repo")
+    assert isinstance(other, VllmEngine) and other.repo_url == str(Path("rel/repo").absolute())
+    with pytest.raises(UsageError, match="memory://"):
+        VllmEngine("http://127.0.0.1:9", str(repo), repo_url="memory://x")
     with_copy = VllmEngine("http://127.0.0.1:9", str(repo), model_dir=tmp_path / "copy")
     assert with_copy.needs_files
     with pytest.raises(UsageError, match="loads versions from files"):
@@ -199,6 +214,14 @@ def _step(src: Path, dst: Path, *, seed: int, only: tuple[str, ...]) -> Path:
 def _tree_bytes(root: Path) -> int:
     """Bytes allocated on disk under ``root`` (links not followed)."""
     return sum(p.lstat().st_blocks * 512 for p in root.rglob("*") if not p.is_symlink())
+
+
+def _written_bytes(pid: int) -> int:
+    """Bytes process ``pid`` caused to be written to storage so far (``/proc/PID/io``)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no write_bytes in /proc/{pid}/io")
 
 
 def _loads(log: Path, version: int) -> list[dict[str, Any]]:
@@ -259,6 +282,13 @@ def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path) ->
         sub = ("subscribe", "--repo", repo, "--state", state, "--engine", f"vllm@{server.url}", "--quiet")
         r = ok(deltasync_cli(*sub, cwd=tmp_path))
         assert "engine serves version 2" in r.out and "the engine is at version 2" in r.out, r.out
+        # The agent knew the server held the snapshot (its workers said so): only the chunks
+        # that differ from version 1 count as changed.
+        info1, info2 = Repository(str(repo)).manifest(1), Repository(str(repo)).manifest(2)
+        differ = sum(a.target_digest != b.target_digest for t1, t2 in zip(info1.pb.tensors, info2.pb.tensors, strict=True)
+                     for a, b in zip(t1.chunks, t2.chunks, strict=True))
+        assert 0 < differ < sum(len(t.chunks) for t in info2.pb.tensors)
+        assert f"{differ} chunks changed" in r.out, r.out
         assert server.weight_version() == "2"
         (load2,) = _loads(log, 2)
         assert load2["from"] == 1 and load2["tensors_loaded"] < load2["tensors_total"]  # only what changed since 1
@@ -276,9 +306,14 @@ def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path) ->
         assert pub.publish_dir(dirs[4], base_dir=dirs[3]) == 4
         _wait_for("version 4 served", lambda: read_status(state)["engine_version"] == 4)
         # Two versions later: the state grew by far less than the model (manifests and
-        # records), and the snapshot directory was not touched.
+        # records), the follower wrote far less than the model, and the snapshot directory
+        # was not touched.
         grown = _tree_bytes(state) - state_bytes
+        written = _written_bytes(agent.pid)
+        print(f"model {model_bytes} B; over versions 3 and 4 the state directory grew {grown} B; "
+              f"the following agent wrote {written} B in all (its start included)")
         assert grown < model_bytes // 8, (grown, model_bytes)
+        assert written < model_bytes // 4, (written, model_bytes)
         assert stamps(snap) == snap_before and _tree_bytes(snap) == snap_bytes
         # Killed (SIGKILL) and run again: the server holds version 4 by its own answer and
         # its workers' version digest: adopted as it is, nothing loaded again.
@@ -297,7 +332,8 @@ def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path) ->
         server.stop()
         server.start()
         assert server.weight_version() == "default"
-        r = ok(deltasync_cli(*sub, cwd=tmp_path))
+        # (the workers pull from another URL of the same repository this time)
+        r = ok(deltasync_cli(*sub, "--worker-repo", f"file://{repo}", cwd=tmp_path))
         assert "engine serves version 4" in r.out, r.out
         again = _loads(log, 4)[-1]
         assert again["from"] == 1, again

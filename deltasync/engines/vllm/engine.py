@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ...errors import UsageError
+from ...errors import DeltasyncError, UsageError
 from ...format.manifest import ManifestInfo
 from ...format.signing import PublicKeyLike
 from ...repo.repository import Repository
@@ -95,8 +95,12 @@ class VllmEngine(HttpEngine):
         if pause_mode not in PAUSE_MODES:
             raise UsageError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         if repo_url is None and isinstance(repo, str) and not repo.startswith("memory://"):
+            repo_url = repo
+        if repo_url is not None:
+            if repo_url.startswith("memory://"):
+                raise UsageError("the vLLM workers cannot read a memory:// repository (it lives in this process)")
             # where workers pull what the copy does not hold (a path: absolute, workers run elsewhere)
-            repo_url = repo if "://" in repo else str(Path(repo).absolute())
+            repo_url = repo_url if "://" in repo_url else str(Path(repo_url).absolute())
         if model_dir is None and repo_url is None:
             raise UsageError("the vllm engine needs model_dir= (a copy the server can read) or a repository URL")
         preset = HttpPreset(
@@ -171,6 +175,25 @@ class VllmEngine(HttpEngine):
         self._held_info = info
         return True
 
+    def _held_by_workers(self) -> ManifestInfo | None:
+        """The manifest of the version every worker says it holds, when they agree and the
+        repository has it under the same version digest (None otherwise)."""
+        try:
+            workers = self.server_state()["workers"]
+        except EngineError:
+            return None
+        held = {(w["held"], w["held_digest"]) for w in workers}
+        if len(held) != 1:
+            return None
+        ((version, digest),) = held
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1 or not digest:
+            return None
+        try:
+            info = self.subscriber.repo.manifest(version)
+        except DeltasyncError:
+            return None
+        return info if info.pb.version_digest.hex() == digest else None
+
     def _stage(self, version: int) -> Staged:
         info = self.subscriber.repo.manifest(version)
         if self.copy is not None:
@@ -179,8 +202,11 @@ class VllmEngine(HttpEngine):
             chunks = sum(len(t.chunks) for t in info.pb.tensors)
             staged = HttpStaged(version, model_path="", chunks_total=chunks, extra={"preset": "vllm"})
         held = self._held_info if self._held_info is not None and self.holds(self._held_info.version) else None
+        if held is None:
+            held = self._held_by_workers()  # e.g. a server started from `pull --snapshot`
         names = set(names_to_load(held, info, COMMON_PACKED))
         staged.bytes_to_write = sum(t.nbytes for t in info.pb.tensors if t.name in names)
+        staged.chunks_changed = _chunks_changed(held, info)
         staged.extra = {**staged.extra, "tensors_loaded_estimate": len(names)}
         if self.stage_max_bytes:
             # The workers read and verify what they will load now, while the server serves;
@@ -266,6 +292,14 @@ class VllmEngine(HttpEngine):
 
     def _post(self, path: str, body: Any, what: str) -> Any:
         return self._call(Call(path=path, body=_literal(body)), what)
+
+
+def _chunks_changed(held: ManifestInfo | None, target: ManifestInfo) -> int:
+    """Chunks of ``target`` whose digest the held version does not have at the same place."""
+    before = {} if held is None else {
+        (t.name, tuple(t.slice_offsets), i): c.target_digest for t in held.pb.tensors for i, c in enumerate(t.chunks)}
+    return sum(before.get((t.name, tuple(t.slice_offsets), i)) != c.target_digest
+               for t in target.pb.tensors for i, c in enumerate(t.chunks))
 
 
 def _literal(obj: Any) -> Any:
