@@ -70,6 +70,16 @@ def worker_record(log: Path, version: int) -> dict[str, Any]:
     return out
 
 
+def worker_staging(log: Path, version: int) -> float:
+    """Seconds the backend worker's last staging of ``version`` took (its log line), or NaN."""
+    tag = f"deltasync: staged version {version} in "
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if tag in ln]
+    try:
+        return float(lines[-1].split(tag, 1)[1].split(" s", 1)[0]) if lines else float("nan")
+    except ValueError:
+        return float("nan")
+
+
 def perturb(src: Path, dst: Path, *, fraction: float, seed: int, only: str | None) -> Path:
     shutil.copytree(src, dst)
     g = torch.Generator().manual_seed(seed)
@@ -101,6 +111,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="versions per row (medians are printed per row)")
     ap.add_argument("--no-restart", action="store_true", help="skip timing a server restart")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (the servers' logs) and say where")
     a = ap.parse_args()
     if a.repeats < 1:
         raise SystemExit("bench_vllm: --repeats must be >= 1")
@@ -112,7 +123,10 @@ def main() -> None:
         run(py, root, a.hidden, a.layers, a.vocab, [float(x) for x in a.fractions.split(",")], a.repeats,
             restart=not a.no_restart)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if a.keep:
+            print(f"\nscratch directory kept: {root} (backend.log, reload.log)")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def rows_of(fractions: list[float]) -> list[tuple[float, str, str | None]]:
@@ -200,9 +214,15 @@ def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: l
             rec = worker_record(backend.log, v)
             did = f"{rec.get('tensors_patched', '?')}/{rec.get('tensors_reloaded', '?')} of {rec.get('tensors_total', '?')}"
             est, meas = float(rec.get("estimate_s", float("nan"))), float(rec.get("measured_s", float("nan")))
-            results.setdefault(what, []).append(Swap(rb.pause_s, rr.pause_s, e2e_b, e2e_r, did, est, meas))
+            # Where the backend's end to end goes: staging (agent side, the worker's share of it), opening
+            # the update and pausing, the pause (the worker's load in it), the version check after.
+            prof = Profile(rb.stage_s, worker_staging(backend.log, v), rb.drain_s, rb.pause_s,
+                           float(rec.get("seconds", float("nan"))), e2e_b - rb.stage_s - rb.drain_s - rb.pause_s,
+                           rr.stage_s + rr.drain_s, e2e_r - rr.stage_s - rr.drain_s - rr.pause_s)
+            results.setdefault(what, []).append(Swap(rb.pause_s, rr.pause_s, e2e_b, e2e_r, did, est, meas, prof))
             print(f"v{v} {what:<27} {rb.pause_s:>12.3f} s {rr.pause_s:>11.3f} s {ratio:>6.1f}x {e2e_b:>10.3f} s "
                   f"{e2e_r:>9.3f} s  {did}, {est:.3f} s / {meas:.3f} s", flush=True)
+            print(f"    backend: {prof.describe()}", flush=True)
     print_medians(results)
     if restart:
         t = time.perf_counter()
@@ -210,6 +230,30 @@ def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: l
                         kv_cache_gib=KV_CACHE_GIB):
             took = time.perf_counter() - t
         print(f"\nserver restart on the last version (start → /health): {took:.1f} s")
+
+
+class Profile(NamedTuple):
+    """Where one version's end to end went (seconds)."""
+
+    stage: float
+    """Backend: staging, agent side (the worker's staging calls and the wait for them)."""
+    worker_stage: float
+    """Backend: of that, the worker's staging thread (its log)."""
+    open_pause: float
+    """Backend: opening the update and pausing (before the pause is timed)."""
+    pause: float
+    worker_load: float
+    """Backend: of the pause, the worker's update_weights (its record)."""
+    after: float
+    """Backend: after the resume (the version served checked)."""
+    reload_before: float
+    """Reload: staging and pausing (before its pause is timed)."""
+    reload_after: float
+
+    def describe(self) -> str:
+        return (f"stage {self.stage:.3f} s (worker {self.worker_stage:.3f} s), open+pause {self.open_pause:.3f} s, "
+                f"pause {self.pause:.3f} s (worker load {self.worker_load:.3f} s), after {self.after:.3f} s; "
+                f"reload: before {self.reload_before:.3f} s, after {self.reload_after:.3f} s")
 
 
 class Swap(NamedTuple):
@@ -222,6 +266,7 @@ class Swap(NamedTuple):
     did: str
     estimate: float
     measured: float
+    profile: Profile
 
 
 def print_medians(results: dict[str, list[Swap]]) -> None:
@@ -235,6 +280,12 @@ def print_medians(results: dict[str, list[Swap]]) -> None:
         est, meas = statistics.median(r.estimate for r in rs), statistics.median(r.measured for r in rs)
         print(f"| {what:<24} | {bp:.3f} s | {rp:.3f} s | {rp / bp:.1f}x | {be:.3f} s | {re_:.3f} s | {re_ / be:.1f}x "
               f"| {rs[-1].did} | {est:.3f} s / {meas:.3f} s |")
+    print("\nwhere the backend's end to end goes (medians per row)")
+    print(f"| {'version':<24} | staging (agent) | of it, worker | open + pause | pause | of it, worker load | after |")
+    print("|---|---|---|---|---|---|---|")
+    for what, rs in results.items():
+        med = [statistics.median(getattr(r.profile, f) for r in rs) for f in Profile._fields[:6]]
+        print(f"| {what:<24} | " + " | ".join(f"{x:.3f} s" for x in med) + " |")
 
 
 if __name__ == "__main__":

@@ -904,3 +904,22 @@ def decode_reverse(codec: PlanesZstdCodec, chunk: EncodedChunk, target: Bytes, w
     t, c = np.ascontiguousarray(target).view(u), change.view(u)
     base = t ^ c if chunk.payload[0] == _XOR else t - c  # the transform is the first payload byte
     return base.view(np.uint8)
+
+
+def changed_elements(target: Bytes, base: Bytes, width: int) -> tuple[npt.NDArray[np.int64], Bytes, Bytes]:
+    """Where two equal-length byte arrays of ``width``-byte elements differ by bit pattern, as the
+    encoder finds a chunk's changes (the same scan kernel; C, the GIL released): the ascending
+    element positions, and those elements' bytes in ``target`` and in ``base`` (``width`` bytes
+    each, in position order). Neither array is copied."""
+    _check_width(width)
+    if target.dtype != np.uint8 or base.dtype != np.uint8 or target.shape != base.shape or target.ndim != 1:
+        raise UsageError("target and base must be 1-d uint8 arrays of the same length")
+    if len(target) % width:
+        raise UsageError(f"{len(target)} bytes is not whole {width}-byte elements")
+    n = len(target) // width
+    if n > _MAX_SPARSE_ELEMENTS:
+        raise UsageError(f"{n} elements is more than one scan takes ({_MAX_SPARSE_ELEMENTS}); scan it in parts")
+    _count, idx, tv, bv = _K.scan(np.ascontiguousarray(target), np.ascontiguousarray(base), width, n)
+    assert idx is not None and tv is not None and bv is not None  # the limit is every element
+    return (np.frombuffer(idx, dtype=np.uint32).astype(np.int64), np.frombuffer(tv, dtype=np.uint8),
+            np.frombuffer(bv, dtype=np.uint8))

@@ -696,3 +696,66 @@ def test_forget_probes_placements_again_and_keeps_refusals() -> None:
     assert isinstance(c.check("embed.weight", (8, 4), bf), Placement) and len(toy.loads) == probes + 1
     c.forget()
     assert isinstance(c.check("k.bias", (4,), bf), Placement) and len(toy.loads) == probes + 2
+
+
+def test_diff_scans_only_the_chunks_whose_digests_differ(tmp_path: Path) -> None:
+    """Changed positions come from the codec's change scan over the chunks whose digests
+    differ between the held and the target manifest: exactly the elements whose bits differ,
+    with their values on both sides, and nothing outside those chunks is compared."""
+    from deltasync.engines.vllm.weights import changed_ranges
+    from deltasync.format.codec import PlanesZstdCodec
+    from deltasync.publish.config import PublisherConfig
+
+    pub = deltasync.Publisher(str(tmp_path / "repo"), config=PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=64)))
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(40, 8, generator=g).to(torch.bfloat16)  # 640 bytes: 10 chunks of 32 elements
+    new = old.clone()
+    flat = new.view(-1)
+    flat[[5, 6, 200, 319]] = torch.tensor([1.5, -0.0, float("nan"), 3.0], dtype=torch.bfloat16)
+    norm = old[0].clone()
+    for i, s in enumerate(({"w": old, "n": norm}, {"w": new, "n": norm})):
+        write_checkpoint(tmp_path / f"c{i}", s)
+        pub.publish_dir(tmp_path / f"c{i}")
+    r = deltasync.Repository(str(tmp_path / "repo"))
+    held, target = r.manifest(1), r.manifest(2)
+    ranges = changed_ranges(held, target, "w")
+    assert ranges == [(0, 64), (384, 64), (576, 64)]  # chunks 0, 6 and 9
+    assert changed_ranges(held, target, "n") == []
+    got = diff_tensor("w", old, new, ranges=ranges)
+    assert isinstance(got, TensorChange)
+    assert got.indices.tolist() == [5, 6, 200, 319]
+    assert int_view(got.new).tolist() == int_view(flat[[5, 6, 200, 319]]).tolist()
+    assert int_view(got.old).tolist() == int_view(old.view(-1)[[5, 6, 200, 319]]).tolist()
+    # What lies outside the spans given is not looked at (the digests said it is the same).
+    assert diff_tensor("w", old, new, ranges=[(384, 64)]).indices.tolist() == [200]  # type: ignore[union-attr]
+    with pytest.raises(UsageError, match="not whole elements"):
+        diff_tensor("w", old, new, ranges=[(1, 64)])
+    # Another chunking on the two sides: unknown, so the whole tensor is compared.
+    pub2 = deltasync.Publisher(str(tmp_path / "repo2"), config=PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=128)))
+    pub2.publish_dir(tmp_path / "c1")
+    assert changed_ranges(held, deltasync.Repository(str(tmp_path / "repo2")).manifest(1), "w") is None
+
+
+def test_a_placement_outlives_what_keeps_its_parameter_and_not_what_replaces_it() -> None:
+    """A placement stays while its parameter is the same object, registered by the same
+    module, in the same storage and layout (vLLM's layerwise reload of a module keeps them);
+    a parameter replaced, re-registered or given new data is probed again."""
+    toy = _Toy()
+    c = Contract(toy)
+    bf = torch.bfloat16
+    first = c.check("embed.weight", (8, 4), bf)
+    assert isinstance(first, Placement) and first.still_valid()
+    probes = len(toy.loads)
+    # Values written in place (what a reload's copy back does): the same placement, no probe.
+    toy.embed.weight.data.copy_(torch.ones(8, 4, dtype=bf))
+    assert c.check("embed.weight", (8, 4), bf) is first and len(toy.loads) == probes
+    # Another Parameter registered under the name: probed again, placed at the new one.
+    toy.embed.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=bf), requires_grad=False)
+    assert not first.still_valid()
+    again = c.check("embed.weight", (8, 4), bf)
+    assert isinstance(again, Placement) and again.param is toy.embed.weight and len(toy.loads) == probes + 1
+    # New data under the same Parameter object (another storage): probed again.
+    toy.embed.weight.data = torch.zeros(8, 4, dtype=bf)
+    assert not again.still_valid()
+    third = c.check("embed.weight", (8, 4), bf)
+    assert isinstance(third, Placement) and third.still_valid() and len(toy.loads) == probes + 2

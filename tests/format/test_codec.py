@@ -1146,3 +1146,28 @@ def test_a_zstd_section_with_trailing_bytes_is_refused(kind: str) -> None:
     with pytest.raises(CorruptObjectError):
         codec.decode_into(bad, base, out, 2)
     assert np.array_equal(out, base)
+
+
+def test_changed_elements_are_the_bit_differences_with_both_values() -> None:
+    """``changed_elements``: the positions whose bit patterns differ (a signed zero and a NaN
+    payload count, equal NaNs do not), and each side's bytes there, for every width."""
+    from deltasync.format.codec import changed_elements
+
+    g = np.random.default_rng(11)
+    for width, dt in ((1, np.uint8), (2, np.uint16), (4, np.uint32), (8, np.uint64)):
+        base = g.integers(0, 1 << (8 * width - 1), size=5000, dtype=np.uint64).astype(dt)
+        target = base.copy()
+        at = np.sort(g.choice(len(base), size=61, replace=False))
+        target[at] ^= dt(1)
+        idx, tv, bv = changed_elements(target.view(np.uint8), base.view(np.uint8), width)
+        assert idx.dtype == np.int64 and idx.tolist() == at.tolist()
+        assert tv.view(dt).tolist() == target[at].tolist() and bv.view(dt).tolist() == base[at].tolist()
+        none = changed_elements(base.view(np.uint8), base.copy().view(np.uint8), width)
+        assert [len(x) for x in none] == [0, 0, 0]
+    f = np.array([0.0, np.nan, 1.0], dtype=np.float32)
+    h = np.array([-0.0, np.nan, 1.0], dtype=np.float32)
+    assert changed_elements(h.view(np.uint8), f.view(np.uint8), 4)[0].tolist() == [0]
+    with pytest.raises(UsageError):
+        changed_elements(np.zeros(6, dtype=np.uint8), np.zeros(6, dtype=np.uint8), 4)
+    with pytest.raises(UsageError):
+        changed_elements(np.zeros(8, dtype=np.uint8), np.zeros(4, dtype=np.uint8), 2)

@@ -115,6 +115,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             log.info("deltasync: serving version %d (from the copy at %s)", self.held.version, started_from)
         self.last: dict[str, Any] = {}
         self._staging: _Staging | None = None
+        self._manifests: dict[tuple[int, str], ManifestInfo] = {}
         # Which parameters take sparse patches: probed on first use, per checkpoint tensor.
         self.contract = Contract(model)
         # What each way of loading costs here: calibrated by every update's measured times.
@@ -150,13 +151,15 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         req = update_info.request
         started = time.perf_counter()
         source = Source(req.copy, req.repo, req.trusted_keys)
-        target = source.manifest(req.version, req.version_digest)
+        target = self._manifest(source, req.version, req.version_digest)
         held = self.held
         if held is None and req.from_version is not None:
             held = source.manifest(req.from_version)
         packed = _packed(self.model)
         t_manifests = time.perf_counter() - started
-        plan = plan_update(held, target, packed, self._contract_reason)
+        # The plan made when this update was staged holds still (nothing loaded since: any
+        # other update drops the staging); else it is made now.
+        plan = self._staged_plan(held, target) or plan_update(held, target, packed, self._contract_reason)
         if req.stage:
             t_plan = time.perf_counter() - started - t_manifests
             self._start_staging(source, held, target, plan, req.stage_max_bytes)
@@ -299,6 +302,27 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         whole_unstaged = sum(b for n, b in sizes.items() if n not in staged)
         return choose(work, whole_bytes, whole_unstaged, len(members), self.rates)
 
+    def _manifest(self, source: Source, version: int, version_digest: str | None) -> ManifestInfo:
+        """``version``'s manifest (:meth:`Source.manifest`); one named by its version digest is
+        kept (a few), as a manifest does not change: staging and the update each needed it
+        read and parsed from the copy's state, about 4 ms, the second time in the pause."""
+        if version_digest is None:
+            return source.manifest(version)
+        key = (version, version_digest)
+        info = self._manifests.get(key)
+        if info is None:
+            info = self._manifests[key] = source.manifest(version, version_digest)
+            while len(self._manifests) > 4:
+                del self._manifests[next(iter(self._manifests))]
+        return info
+
+    def _staged_plan(self, held: ManifestInfo | None, target: ManifestInfo) -> UpdatePlan | None:
+        """A copy of the plan of the staging for going from ``held`` to ``target``, if one runs."""
+        st = self._staging
+        if st is None or st.plan is None or st.key != (None if held is None else held.version, target.version):
+            return None
+        return UpdatePlan(list(st.plan.dense), list(st.plan.sparse), dict(st.plan.why_dense))
+
     def _contract_reason(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
         """None when the parameter ``name`` loads into takes sparse patches, else why not."""
         place = self.contract.check(name, shape, dtypes.to_torch(dtype))
@@ -333,24 +357,40 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 break
             limit -= size
             (sparse if n in plan.sparse else dense).append(n)
-        staging = _Staging((None if held is None else held.version, target.version), {})
+        staging = _Staging((None if held is None else held.version, target.version), {},
+                           plan=UpdatePlan(list(plan.dense), list(plan.sparse), dict(plan.why_dense)))
         served = self._served_views(target, sparse)
+
+        took = {"diffed": 0.0, "mapped": 0.0}
+
+        def diff() -> None:
+            t0 = time.perf_counter()
+            try:
+                assert held is not None
+                staging.changes, staging.refused = read_changes(source, held, target, sparse, served.get)
+            except BaseException as e:  # the update reads them itself
+                staging.error = e
+            took["diffed"] = time.perf_counter() - t0
 
         def work() -> None:
             t0 = time.perf_counter()
+            # The diffs (scans without the GIL) run next to the mapping (page faults, Python).
+            differ = threading.Thread(target=diff, name="deltasync-stage-diff", daemon=True) if sparse else None
+            if differ is not None:
+                differ.start()
             try:
-                if sparse:
-                    assert held is not None
-                    staging.changes, staging.refused = read_changes(source, held, target, sparse, served.get)
                 with source.tensors(target, dense, mapped=True) as (_where, stream):
                     for n, tensor in stream:
                         staging.tensors[n] = tensor
             except BaseException as e:  # the update reads them itself
                 staging.error = e
+            took["mapped"] = time.perf_counter() - t0
+            if differ is not None:
+                differ.join()
             staging.seconds = time.perf_counter() - t0
-            log.info("deltasync: staged version %d in %.3f s (%d tensors mapped, %d diffed%s)", target.version,
-                     staging.seconds, len(staging.tensors), len(staging.changes) + len(staging.refused),
-                     "" if staging.error is None else f"; failed: {staging.error}")
+            log.info("deltasync: staged version %d in %.3f s (%d tensors diffed in %.3f s, %d mapped in %.3f s%s)",
+                     target.version, staging.seconds, len(staging.changes) + len(staging.refused), took["diffed"],
+                     len(staging.tensors), took["mapped"], "" if staging.error is None else f"; failed: {staging.error}")
 
         staging.thread = threading.Thread(target=work, name="deltasync-stage", daemon=True)
         staging.thread.start()
@@ -441,10 +481,12 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 quiet.setLevel(level)
                 for module in scope:
                     unwrap_reload_loaders(module)
+                # A module reload keeps the module's parameters (vLLM copies the processed
+                # values back into them), so its placements stay (each is checked at use:
+                # Placement.still_valid; probing them all again cost 40-80 ms of the next
+                # staging call). After a reload of the whole model every one is probed again.
                 if whole or scope == [self.model]:
                     self.contract.forget()
-                else:
-                    self.contract.forget(lambda name: group_key(name, packed) in groups)
         return where
 
     def _restore(self, source: Source, held: ManifestInfo | None, target: ManifestInfo, plan: UpdatePlan,
@@ -504,6 +546,8 @@ class _Staging:
     thread: threading.Thread = field(default_factory=threading.Thread)
     error: BaseException | None = None
     seconds: float = 0.0
+    plan: UpdatePlan | None = None
+    """The update's plan when it was staged (before any demotion)."""
 
 
 def _merge(names: list[str], staged: dict[str, torch.Tensor],

@@ -80,12 +80,23 @@ class Placement:
     """Modules whose kernel copies (which the model's forward does not read) are marked stale
     after a patch, and rebuilt at their first use."""
     data_ptr: int = 0
+    holders: tuple[tuple[torch.nn.Module, str], ...] = ()
+    """Every (module, parameter name) that registered ``param`` when it was probed."""
+    layout: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] = ((), (), torch.float32)
+    """The parameter's shape, strides and dtype when it was probed."""
 
     def still_valid(self) -> bool:
-        """The parameter's storage is still where the probe found it (one replaced with
-        ``.data = ...`` is not). The backend also forgets every placement after a module
-        reload, which may re-register parameters or change loaders."""
-        return self.param.untyped_storage().data_ptr() == self.data_ptr and self.param.numel() >= self.dst + self.n
+        """The parameter is still the one the probe found, where it found it: the same object
+        registered by the same modules, its storage where it was (one replaced with ``.data =
+        ...`` is not), its shape, strides and dtype unchanged. vLLM's layerwise reload of a
+        module keeps its parameters (it loads into meta copies, then copies the processed
+        values back into the original storage and registers the originals again), so a
+        placement outlives a reload of its module; a reload that replaced a parameter or
+        re-registered another fails this test, and the tensor is probed again."""
+        p = self.param
+        return (p.untyped_storage().data_ptr() == self.data_ptr and p.numel() >= self.dst + self.n
+                and (tuple(p.shape), tuple(p.stride()), p.dtype) == self.layout
+                and all(m._parameters.get(name) is p for m, name in self.holders))
 
     def local(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Of checkpoint positions ``indices``: which are on this worker (a mask), and their
@@ -171,12 +182,14 @@ class Contract:
             return "its loader's copy writes no parameter of the model"
         if not param.is_contiguous():
             return "the parameter is not contiguous"
+        holders = tuple(_holders(self.model, param))
         place = Placement(param, int(dst.storage_offset() - param.storage_offset()),
-                          int(src.storage_offset() - probe.storage_offset()), dst.numel(), data_ptr=ptr)
+                          int(src.storage_offset() - probe.storage_offset()), dst.numel(), data_ptr=ptr,
+                          holders=holders, layout=(tuple(param.shape), tuple(param.stride()), param.dtype))
         if place.dst < 0 or place.dst + place.n > param.numel():
             return "its loader's copy writes outside the parameter"
         head = getattr(self.model, "lm_head", None)
-        for module, pname in _holders(self.model, param):
+        for module, pname in holders:
             if not hasattr(module, "cpu_linear"):
                 continue
             if pname != "weight":

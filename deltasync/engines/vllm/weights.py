@@ -34,6 +34,7 @@ import os
 import platform
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ import numpy as np
 from ...errors import CheckpointError, ChecksumMismatchError, DeltasyncError, UsageError
 from ...format import dtypes
 from ...format.checkpoint import FileReader
+from ...format.codec import changed_elements
 from ...format.digest import digest
 from ...format.manifest import ManifestInfo, key_of, logical_shape
 from ...local import CopyInUseError, StateDB, boot_id, copy_lock, other, placements, read_placed, slot_dir
@@ -211,37 +213,83 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(kinds[t.element_size()])
 
 
+#: Bytes compared per scan where a tensor's chunks are not known (about a chunk: cache-sized).
+SCAN_BLOCK = 4 << 20
+
+#: Threads that diff tensors at once (each scan runs without the GIL).
+DIFF_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """``t``'s bytes, row-major, as a numpy array (no copy when ``t`` is contiguous)."""
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor,
-                chunks: tuple[tuple[int, int, bytes], ...] = ()) -> TensorChange | str:
+                chunks: tuple[tuple[int, int, bytes], ...] = (),
+                ranges: Sequence[tuple[int, int]] | None = None) -> TensorChange | str:
     """The change from ``old`` to ``new`` (same name), or why it cannot travel as a sparse
     patch: another shape or dtype, or a dtype outside :data:`SPARSE_DTYPES`. (A patch is
     written at the parameter's slice, not through vLLM's NaN-masked copy: a changed element
-    may become a NaN.)"""
+    may become a NaN.) ``ranges``: the only (byte offset, length) spans that may differ (the
+    chunks whose digests differ; None: all of it). Bits are compared by the codec's change
+    scan (:func:`~deltasync.format.codec.changed_elements`), span by span, which also gives
+    the values on both sides: one pass, no mask, no gather."""
     import torch
 
     if old.shape != new.shape or old.dtype != new.dtype:
         return f"shape or dtype changed ({tuple(old.shape)} {old.dtype} -> {tuple(new.shape)} {new.dtype})"
     if dtypes.from_torch(new.dtype) not in SPARSE_DTYPES:
         return f"dtype {dtypes.from_torch(new.dtype)} (sparse patches are F16, BF16, F32 or F64)"
-    indices = torch.from_numpy(changed_positions(int_view(old).reshape(-1).numpy(), int_view(new).reshape(-1).numpy()))
-    return TensorChange(name, tuple(new.shape), new.dtype, indices, new.reshape(-1)[indices],
-                        old.reshape(-1)[indices], chunks)
+    width = new.element_size()
+    a, b = tensor_bytes(old), tensor_bytes(new)
+    if ranges is None:
+        ranges = [(off, min(SCAN_BLOCK, len(b) - off)) for off in range(0, len(b), SCAN_BLOCK)]
+    at: list[np.ndarray[Any, np.dtype[np.int64]]] = []
+    now: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+    was: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+    for off, length in ranges:
+        if off % width or length % width or off + length > len(b):
+            raise UsageError(f"{name}: byte span ({off}, {length}) is not whole elements of the tensor")
+        idx, tv, bv = changed_elements(b[off : off + length], a[off : off + length], width)
+        if len(idx):
+            at.append(idx + off // width)
+            now.append(tv)
+            was.append(bv)
+    indices = np.concatenate(at) if at else np.zeros(0, dtype=np.int64)
+    return TensorChange(name, tuple(new.shape), new.dtype, torch.from_numpy(indices),
+                        _values(now, new.dtype), _values(was, new.dtype), chunks)
+
+
+def _values(parts: list[np.ndarray[Any, np.dtype[np.uint8]]], dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
+    if not parts:
+        return torch.empty(0, dtype=dtype)
+    return torch.from_numpy(np.concatenate(parts)).view(dtype)
 
 
 def changed_positions(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
                       block: int = 1 << 18) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """Ascending int64 positions where the 1-d integer arrays ``a`` and ``b`` differ, compared a
-    block at a time (one small mask reused: no model-sized temporary, cache-resident; several
-    times faster than one whole-array compare on a busy host)."""
-    mask = np.empty(min(block, len(a)), dtype=bool)
-    parts: list[np.ndarray[Any, np.dtype[np.int64]]] = []
-    for off in range(0, len(a), block):
-        m = mask[: min(block, len(a) - off)]
-        np.not_equal(a[off : off + block], b[off : off + block], out=m)
-        found = np.flatnonzero(m)
-        if len(found):
-            parts.append(found + off)
-    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
+    """Ascending int64 positions where the 1-d integer arrays ``a`` and ``b`` differ, scanned
+    ``block`` elements at a time (the codec's change scan)."""
+    width = a.dtype.itemsize
+    ab, bb = np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)
+    parts = [changed_elements(bb[off * width : (off + block) * width], ab[off * width : (off + block) * width],
+                              width)[0] + off for off in range(0, len(a), block)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def changed_ranges(held: ManifestInfo, target: ManifestInfo, name: str) -> list[tuple[int, int]] | None:
+    """(byte offset, length) of the chunks of tensor ``name`` whose digests differ between the
+    two versions (the only places its bits can differ), where both hold it as one unsliced
+    entry chunked alike; None when that is not known (compare all of it)."""
+    new, old = tensor_chunks(target, name), tensor_chunks(held, name)
+    if not new or [c[:2] for c in new] != [c[:2] for c in old]:
+        return None
+    return [(off, length) for (off, length, d), (_o, _l, was) in zip(new, old, strict=True) if d != was]
 
 
 def tensor_chunks(info: ManifestInfo, name: str) -> tuple[tuple[int, int, bytes], ...]:
@@ -338,8 +386,16 @@ def read_changes(source: Source, held: ManifestInfo, target: ManifestInfo, names
     rest = [n for n in names if n not in old]
     with source.tensors(held, rest) as (_where, stream):
         old.update(stream)
-    for name in names:
-        diff = diff_tensor(name, old.pop(name), new.pop(name), tensor_chunks(target, name))
+
+    def one(name: str) -> TensorChange | str:
+        return diff_tensor(name, old[name], new[name], tensor_chunks(target, name), changed_ranges(held, target, name))
+
+    # The scans release the GIL: a few tensors at a time (the embeddings and the LM head
+    # together, say) on a machine with the cores.
+    workers = max(1, min(DIFF_WORKERS, len(names)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff") as pool:
+        diffs = list(pool.map(one, names))
+    for name, diff in zip(names, diffs, strict=True):
         if isinstance(diff, str):
             refused[name] = diff
         elif diff.indices.numel():
