@@ -39,6 +39,21 @@ from deltasync.errors import UsageError
               help="torch engines: hold only the tensors whose names match PATTERN (fnmatch, e.g. 'layers.1?.*'; "
                    "repeatable); only their chunks are fetched and decoded. A FACTORY may also return "
                    "deltasync.Slice values (a shard of a tensor): only the chunks covering it are fetched.")
+@click.option("--shard", default=None, metavar="I/N",
+              help="torch engines: hold only the I-th of N row slices (dimension 0) of each tensor, as "
+                   "deltasync.Slice values: only the chunks covering it are fetched, decoded and written (with "
+                   "--packcast, only those are received). Tensors with fewer than N rows (biases of small layers, "
+                   "norms, scalars) are held whole by every shard. I counts from 0.")
+@click.option("--packcast", "packcast", default=None, metavar="RANK/WORLD@HOST:PORT",
+              help="With --state: this process is node RANK of WORLD nodes of a cluster. Node 0 follows --repo "
+                   "(a relay) and listens on HOST:PORT; each new version's stored bytes are fetched by node 0 "
+                   "once and broadcast to the others over a gloo group; every node stages what its engine "
+                   "holds and records it in its own --state DIR. 'env' (or a part left out) takes torchrun's "
+                   "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT+1.")
+@click.option("--packcast-timeout", type=click.FloatRange(0.1, 3600), default=30.0, show_default=True,
+              metavar="SECONDS",
+              help="--packcast: how long a node waits for another (ready, a piece, node 0 at start) before going "
+                   "on without it (it then catches up from the relay).")
 @click.option("--follow", is_flag=True, help="Keep running: bring the directory to every new target (SIGTERM stops).")
 @click.option("--poll-interval", type=click.FloatRange(0.01, 3600), default=0.5, show_default=True, metavar="SECONDS",
               help="How often the repository's latest and pin refs are read.")
@@ -75,7 +90,7 @@ def subscribe(
     keep_versions: int, retries: int, engine_spec: str | None, pause_mode: str, move_aside: bool, fsync: bool,
     trusted_keys: tuple[Path, ...], ref_grace: float, workers: int, quiet: bool, state_dir: Path | None,
     worker_repo: str | None,
-    patterns: tuple[str, ...],
+    patterns: tuple[str, ...], shard: str | None, packcast: str | None, packcast_timeout: float,
 ) -> None:
     """Bring a directory (and/or an engine) to the version to serve (the pinned one, else the latest); with
     --follow, keep it there.
@@ -90,6 +105,8 @@ def subscribe(
 
     from deltasync.local.agent import Agent, AgentConfig, Update
 
+    if packcast is not None and (state_dir is None or engine_spec is None or not engine_spec.startswith("torch:")):
+        raise UsageError("--packcast keeps an engine on every node: give --state DIR and --engine torch:MODULE:FACTORY")
     if state_dir is not None:
         if directory is not None or out is not None:
             raise UsageError("give a directory to keep (DIR or --out DIR) or --state DIR for an engine alone, not both")
@@ -102,6 +119,14 @@ def subscribe(
         out = local_dir(directory, out, "subscribe")
     if patterns and not (engine_spec or "").startswith("torch"):
         raise UsageError("--tensors applies to torch:MODULE:FACTORY engines")
+    shard_of = _parse_shard(shard) if shard is not None else None
+    if shard_of is not None and not (engine_spec or "").startswith("torch:"):
+        raise UsageError("--shard applies to torch:MODULE:FACTORY engines")
+    node = None
+    if packcast is not None:
+        from deltasync.engines.packcast_agent import parse_packcast
+
+        node = parse_packcast(packcast)
     retry_log = RetryLog(retries, follow)
     config = AgentConfig(
         poll_interval=poll_interval, metrics_port=metrics_port, metrics_host=metrics_host,
@@ -130,8 +155,8 @@ def subscribe(
                 sys.path.insert(0, os.getcwd())
         if trusted_keys:
             options["trusted_keys"] = trusted_keys
-        if patterns:
-            engine_spec, options["model"] = "torch", _held_tensors(engine_spec, patterns)
+        if patterns or shard_of is not None:
+            engine_spec, options["model"] = "torch", _held_tensors(engine_spec, patterns, shard_of)
         engine = build_engine(engine_spec, **options)
 
     def report(u: Update) -> None:
@@ -151,12 +176,28 @@ def subscribe(
         if a.metrics_port is not None:
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{a.metrics_port}/metrics")
         if follow:
-            click.echo(f"following {repo} into {out if state_dir is None else f'the engine (state in {state_dir})'}; "
-                       "SIGTERM stops")
+            where = f" as packcast node {node[0]}/{node[1]} ({node[2]})" if node is not None else ""
+            click.echo(f"following {repo} into {out if state_dir is None else f'the engine (state in {state_dir})'}"
+                       f"{where}; SIGTERM stops")
+        sys.stdout.flush()
+
+    def round_done(r: RoundReport) -> None:
+        members = f"{len(r.members)} nodes" if r.members else "left out: caught up from the relay"
+        click.echo(f"packcast round {r.round}, version {r.version} ({members}): {mib(r.received_bytes)} received "
+                   f"from the group, {mib(r.upstream_bytes)} from the relay"
+                   + (f"; broadcast stopped: {r.broadcast_error}" if r.broadcast_error else ""))
         sys.stdout.flush()
 
     agent: Agent
-    if state_dir is not None:
+    if node is not None:
+        from deltasync.engines.packcast import RoundReport
+        from deltasync.engines.packcast_agent import PackcastAgent
+
+        assert engine is not None and state_dir is not None
+        agent = PackcastAgent(engine, state_dir, config, rank=node[0], world=node[1], master=node[2],
+                              timeout=packcast_timeout, trusted_keys=trusted_keys or None, on_update=report,
+                              on_ready=ready, on_round=round_done)
+    elif state_dir is not None:
         from deltasync.local.engine_agent import EngineAgent
 
         assert engine is not None
@@ -188,8 +229,9 @@ def subscribe(
         click.echo(f"{what} is at version {version}")
 
 
-def _held_tensors(spec: str, patterns: tuple[str, ...]) -> dict[str, object]:
-    """The tensors of a torch:MODULE:FACTORY model whose names match one of ``patterns``."""
+def _held_tensors(spec: str, patterns: tuple[str, ...], shard: tuple[int, int] | None = None) -> dict[str, object]:
+    """The tensors of a torch:MODULE:FACTORY model whose names match one of ``patterns`` (all
+    without), each as its ``shard`` (I, N): the I-th of N row slices (see :func:`_row_slice`)."""
     import fnmatch
 
     from deltasync.engines import _call_factory
@@ -197,11 +239,37 @@ def _held_tensors(spec: str, patterns: tuple[str, ...]) -> dict[str, object]:
 
     kind, _, ref = spec.partition(":")
     if kind != "torch" or not ref:
-        raise UsageError("--tensors needs --engine torch:MODULE:FACTORY")
+        raise UsageError("--tensors and --shard need --engine torch:MODULE:FACTORY")
     model = _call_factory(ref)
     values = dict(model) if isinstance(model, dict) else held_tensors(model)
-    held = {n: t for n, t in values.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    held = {n: t for n, t in values.items() if not patterns or any(fnmatch.fnmatchcase(n, p) for p in patterns)}
     if not held:
         raise UsageError(f"no tensor of the model matches {' or '.join(patterns)}")
+    if shard is not None:
+        held = {n: _row_slice(n, t, *shard) for n, t in held.items()}
     return held
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    i, slash, n = text.partition("/")
+    if not slash or not i.strip().isdigit() or not n.strip().isdigit() or int(n) < 1 or int(i) >= int(n):
+        raise UsageError(f"--shard must be I/N with 0 <= I < N (e.g. 1/4: the second of four row slices), got {text!r}")
+    return int(i), int(n)
+
+
+def _row_slice(name: str, t: object, i: int, n: int) -> object:
+    """Rows ``[i*R//n, (i+1)*R//n)`` of ``t`` (R rows) as a Slice viewing its memory (written in
+    place); a tensor with fewer than ``n`` rows (or none) is held whole."""
+    import torch
+
+    from deltasync.format.slices import Slice
+
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(f"--shard: {name!r} is already a slice (the FACTORY returns deltasync.Slice values); "
+                         "give one or the other")
+    rows = t.shape[0] if t.dim() else 0
+    if rows < n:
+        return t
+    start, stop = i * rows // n, (i + 1) * rows // n
+    return Slice(t.detach()[start:stop], (start, *(0,) * (t.dim() - 1)), tuple(t.shape))
 

@@ -156,6 +156,12 @@ class Store(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or handles."""
 
+    def prefers_ranges(self, key: str) -> bool:
+        """Whether a pull should read ``key`` by the ranges it needs even where it needs most of
+        it (by default it then reads the object whole, in one request): True where the store
+        holds just those ranges close by (a packcast node's cache, engines/_packcache.py)."""
+        return False
+
     @abstractmethod
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes: ...
 
@@ -212,6 +218,9 @@ class WrappingStore(Store):
 
     def close(self) -> None:
         self.inner.close()
+
+    def prefers_ranges(self, key: str) -> bool:
+        return self.inner.prefers_ranges(key)
 
 
 def listing_too_long(prefix: str, where: object) -> StoreError:

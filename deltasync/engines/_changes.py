@@ -99,6 +99,19 @@ class VersionChanges:
         return sum(e.elements for e in self.entries.values())
 
 
+def want_of(
+    entries: Mapping[str, pb.Tensor], keys: Iterable[str] | None, chunks: Mapping[str, Sequence[int]] | None
+) -> dict[str, list[int]] | None:
+    """The chunks staging reads (entry key -> chunk indices; None: all): those of the entries
+    ``keys`` (None: all), narrowed to ``chunks`` for the entries it names. A packcast
+    (engines/packcast.py) sends a node holding only some chunks what this returns for it."""
+    want = None if keys is None else {k: list(range(len(entries[k].chunks))) for k in keys if k in entries}
+    if chunks is not None:
+        want = want if want is not None else {k: list(range(len(t.chunks))) for k, t in entries.items()}
+        want.update({k: sorted(idx) for k, idx in chunks.items() if k in want})
+    return want
+
+
 def compute_changes(
     sub: Subscriber,
     version: int,
@@ -123,10 +136,7 @@ def compute_changes(
     """
     info = sub.repo.manifest(version)
     entries = info.entries()
-    want = None if keys is None else {k: list(range(len(entries[k].chunks))) for k in keys if k in entries}
-    if chunks is not None:
-        want = want if want is not None else {k: list(range(len(t.chunks))) for k, t in entries.items()}
-        want.update({k: sorted(idx) for k, idx in chunks.items() if k in want})
+    want = want_of(entries, keys, chunks)
     if copy is not None:
         try:
             from_copy = _changes_from_copy(Path(copy), info, want, read, dense_fraction, dest, max(1, sub.workers))

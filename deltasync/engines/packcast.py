@@ -26,16 +26,29 @@ nodes that said they were ready within ``timeout`` seconds; a node that died or 
 left out of the next group (a fresh gloo group over the members, built through the store),
 so it blocks the others for at most ``timeout`` seconds. A node left out catches up from the
 relay and says it is ready for the next round.
+
+Shard-aware: a node whose engine holds only some tensors or regions (``TorchEngine.holdings``:
+``--tensors``, ``--shard I/N``, :class:`~deltasync.Slice` values) says so when it joins. Node
+0 groups the members by what they hold; each class gets its own stream, over its own group
+(node 0 and the class's members): the objects, or the byte ranges of packs, that the class's
+pull will read (the byte ranges of the chunks covering what it holds, along the path its
+planner takes; its pull then reads those packs by ranges, served from memory). Node 0 reads the union of
+all streams from the relay once and copies each range into the streams that carry it. Nodes
+holding the same shard thus share one fetch and one broadcast, and a node receives about its
+share of the delta, not the whole of it. Ranges of a pack cannot be checked against its
+content address: every chunk is checked by its digest when decoded, and a round whose staging
+does not verify is staged again from the relay, as for a corrupt piece.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,11 +64,21 @@ from ..errors import (
     UsageError,
 )
 from ..format.codec import SAME
-from ..format.manifest import MAX_MANIFEST_BYTES, key_of, manifest_key
+from ..format.manifest import MAX_MANIFEST_BYTES, ManifestInfo, key_of, manifest_key
+from ..format.slices import Region
+from ..pull.plan import wanted
+from ..pull.select import select_tensors
 from ..repo.repository import squash_key
 from ..storage import WrappingStore
+from ._changes import want_of
 from ._packcache import PackCache
 from .base import Engine, SwapRecord
+
+#: One object, or a byte range of one, in a class's stream: (key, object size, offset, length).
+Segment = tuple[str, int, int, int]
+#: What a node's engine holds: tensor name -> None (whole) or [offsets, shape]; None: everything.
+Holds = dict[str, list[list[int]] | None] | None
+Apply = Callable[[int], SwapRecord | None]
 
 log = logging.getLogger("deltasync.engines")
 
@@ -97,6 +120,7 @@ class PackcastNode:
     a ``torch.distributed`` Store shared by the nodes. ``timeout``: seconds a node waits for
     another (to say it is ready, to build the group, for a piece) before going on without it.
     ``piece_bytes``: the unit of a broadcast. ``backend``: ``gloo`` (CPU) or ``nccl``.
+    An engine with ``holdings()`` (a :class:`TorchEngine`) receives only what covers them.
     """
 
     def __init__(
@@ -115,8 +139,9 @@ class PackcastNode:
     ) -> None:
         import torch.distributed as dist
 
-        if not 0 <= rank < world:
-            raise UsageError(f"rank must be in 0..{world - 1}, got {rank}")
+        if world < 1 or not 0 <= rank < world:
+            raise UsageError(f"rank must be in 0..{world - 1}, got {rank}" if world >= 1 else
+                             f"world must be at least 1, got {world}")
         if timeout <= 0 or piece_bytes < 1:
             raise UsageError("timeout and piece_bytes must be positive")
         if backend not in ("gloo", "nccl"):
@@ -139,18 +164,29 @@ class PackcastNode:
         if store is None:
             assert master is not None
             host, _, port = master.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise UsageError(f"master must be host:port, got {master!r}")
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                host, int(port), None, rank == 0, timeout=timedelta(seconds=timeout), wait_for_workers=False
-            )
+            try:
+                store = dist.TCPStore(  # type: ignore[attr-defined]
+                    host, int(port), None, rank == 0, timeout=timedelta(seconds=timeout), wait_for_workers=False
+                )
+            except RuntimeError as e:  # torch's DistError is one
+                if rank == 0:
+                    raise UsageError(f"packcast node 0 cannot listen on {master}: {e}") from None
+                raise GroupError(f"packcast node {rank}: node 0's store at {master} did not answer within "
+                                 f"{timeout:g}s: {e}") from None
         self._store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         self._round = 0
         self._epoch = 0
         self._members: tuple[int, ...] = ()
-        self._pg: Any = None
+        self._classes: tuple[tuple[int, ...], ...] = ()  # node 0: how the members were grouped
+        self._groups: dict[tuple[int, ...], Any] = {}  # process groups of ``_group_epoch``, by their ranks
+        self._group_epoch = -1
+        self._groups_lock = threading.Lock()
         self._rebuild = False
         self._retained_raw: dict[str, bytes] = {}  # node 0: the manifests of the round being planned
+        self._holds_of: dict[int, Holds] = {}  # node 0: what each node holds, as it said when it joined
+        self._joins_seen = 0
         if rank == 0:
             self._store.set("next", "1")
             self._fetchers = max(2, min(8, cache.io_concurrency))
@@ -159,19 +195,32 @@ class PackcastNode:
             try:
                 self._store.wait(["next"], timedelta(seconds=timeout))
                 self._round = int(self._store.get("next")) - 1
+                self._store.set(f"holds/{rank}", json.dumps(self.holds(), sort_keys=True))
                 self._store.set(f"joined/{rank}", "1")  # node 0 waits for it from its next round
+                self._store.add("joins", 1)  # and starts one soon, even at the version it holds
             except dist.DistError as e:
                 raise GroupError(f"packcast node {rank}: node 0's store at {master or 'the store given'} did not "
                                  f"answer within {timeout:g}s: {e}") from None
 
+    def holds(self) -> Holds:
+        """What this node's engine holds, as node 0 plans with it (None: every tensor)."""
+        holdings = getattr(self.engine, "holdings", None)
+        if not callable(holdings):
+            return None
+        held: Mapping[str, Region | None] = holdings()
+        return {n: None if r is None else [list(r.offsets), list(r.shape)] for n, r in held.items()}
+
     # -- node 0 ------------------------------------------------------------------------------------
 
-    def update(self, version: int | None = None) -> RoundReport:
+    def update(self, version: int | None = None, *, apply: Apply | None = None,
+               note: Mapping[str, Any] | None = None) -> RoundReport:
         """Node 0: bring every member's engine to ``version`` (default: the latest).
 
         Members are last round's nodes that say they are ready within ``timeout`` (the first
         round waits for all ``world``), nodes that joined since, and any other already ready.
-        Returns this node's report; each follower keeps its own in ``reports``."""
+        ``apply(version)`` takes the version into this node's engine (default:
+        ``engine.update``); ``note`` goes to the followers with the round (an agent's latest
+        and pin). Returns this node's report; each follower keeps its own in ``reports``."""
         if self.rank != 0:
             raise UsageError("nodes other than 0 follow node 0: call follow()")
         sub = self.engine.subscriber  # type: ignore[attr-defined]
@@ -179,18 +228,31 @@ class PackcastNode:
         target = sub.repo.resolve(version)
         n = self._round + 1
         self._store.set(f"ready/{n}/0", "ok")
-        members = self._gather_ready(n)
-        objects = self._objects_for(sub, target)
-        if members != self._members or self._rebuild:
+        members, versions = self._gather_ready(n)
+        # Nodes that join from here on get a round of their own (joins_pending); one that joined
+        # just before and missed this round's members catches up from the relay when it reads
+        # the round's header.
+        self._joins_seen = int(self._store.add("joins", 0))
+        classes = self._classes_for(sub, target, members, versions)
+        grouping = tuple(tuple(c["ranks"]) for c in classes)
+        if members != self._members or grouping != self._classes or self._rebuild:
             self._epoch += 1
-        header = {"version": target, "members": members, "epoch": self._epoch, "objects": objects}
+            self._members, self._classes, self._rebuild = members, grouping, False
+        header: dict[str, Any] = {"version": target, "members": members, "epoch": self._epoch, "classes": classes}
+        if note:
+            header["note"] = dict(note)
         self._store.set(f"round/{n}", json.dumps(header))
         self._store.set("next", str(n + 1))  # the round a node starting now takes part in
         for r in range(self.world) if n > 2 else ():  # what no node reads any more
             self._store.delete_key(f"ready/{n - 2}/{r}")
         if n > 2:
             self._store.delete_key(f"round/{n - 2}")
-        return self._run_round(n, header, counters)
+        return self._run_round(n, header, apply, counters)
+
+    def joins_pending(self) -> bool:
+        """Node 0: whether a node joined (or came back) since the last round started; a round,
+        even at the version node 0 holds, brings it to that version."""
+        return int(self._store.add("joins", 0)) > self._joins_seen
 
     def close(self) -> None:
         """Node 0: tell the followers to return from :meth:`follow`."""
@@ -198,51 +260,91 @@ class PackcastNode:
             self._store.set(f"round/{self._round + 1}", json.dumps({"stop": True}))
             self._fetch_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _gather_ready(self, n: int) -> tuple[int, ...]:
+    def _gather_ready(self, n: int) -> tuple[tuple[int, ...], dict[int, int | None]]:
         """Last round's members and nodes that joined since, those that say they are ready
-        within the timeout; and any other node that already has."""
+        within the timeout; and any other node that already has. With the version each one's
+        engine holds."""
         expected = set(self._members or range(self.world))  # the first round waits for every node
-        joined = [r for r in range(1, self.world) if r not in expected and self._store.check([f"joined/{r}"])]
+        joined = [r for r in range(1, self.world) if self._store.check([f"joined/{r}"])]
         for r in joined:  # waited for once: one that died since is not waited for again
             self._store.delete_key(f"joined/{r}")
-        wanted = [f"ready/{n}/{r}" for r in sorted(expected.union(joined)) if r != 0]
+            self._holds_of.pop(r, None)  # it may hold something else now
+        wanted_keys = [f"ready/{n}/{r}" for r in sorted(expected.union(joined)) if r != 0]
         deadline = time.monotonic() + self.timeout
-        while wanted and not self._store.check(wanted) and time.monotonic() < deadline:
+        while wanted_keys and not self._store.check(wanted_keys) and time.monotonic() < deadline:
             time.sleep(0.005)
         ready = [0]
+        versions: dict[int, int | None] = {0: self.engine.version}
         for r in range(1, self.world):
             key = f"ready/{n}/{r}"
             if self._store.check([key]):
                 ready.append(r)
-                if self._store.get(key) != b"ok":
+                said = json.loads(self._store.get(key))
+                versions[r] = said.get("version")
+                if not said.get("ok"):
                     self._rebuild = True  # its group broke last round
-        return tuple(ready)
+        return tuple(ready), versions
 
-    def _objects_for(self, sub: Any, target: int) -> list[tuple[str, int]]:
-        """The objects a node at node 0's version reads to stage ``target``, in the order it reads
-        them: the manifests of the path, then the packs by first use."""
-        plan, chain = sub.plan(target, self.engine.version)
-        out: dict[str, int] = {}
+    def _holds_of_node(self, r: int) -> Holds:
+        if r == 0:
+            return self.holds()
+        if r not in self._holds_of:
+            key = f"holds/{r}"
+            self._holds_of[r] = json.loads(self._store.get(key)) if self._store.check([key]) else None
+        return self._holds_of[r]
+
+    def _classes_for(self, sub: Any, target: int, members: tuple[int, ...],
+                     versions: Mapping[int, int | None]) -> list[dict[str, Any]]:
+        """The members grouped by what they hold and the version they hold it at, each class
+        with the stream it receives."""
+        info = sub.repo.manifest(target)
+        by_holds: dict[str, list[int]] = {}
+        holds: dict[str, tuple[Holds, int | None]] = {}
+        for r in members:
+            h = self._holds_of_node(r)
+            k = hashlib.sha256(json.dumps([h, versions.get(r)], sort_keys=True).encode()).hexdigest()
+            by_holds.setdefault(k, []).append(r)
+            holds[k] = h, versions.get(r)
         self._retained_raw.clear()
-        for info in chain.infos:
-            if info.version == plan.base:
-                continue  # the nodes at node 0's version hold it already
-            key = squash_key(info.parent or 0, info.version) if chain.is_squash(info) else manifest_key(info.version)
-            raw = self.cache.retained(key)
+        streams = {k: self._segments_for(sub, info, *holds[k]) for k in by_holds}
+        # One order of objects for every stream, so that node 0 reads each range once and
+        # copies it into every stream that carries it.
+        rank = _object_order(streams.values())
+        return [{"ranks": ranks, "segments": sorted(streams[k], key=lambda s: (rank[s[0]], s[2]))}
+                for k, ranks in by_holds.items()]
+
+    def _segments_for(self, sub: Any, info: ManifestInfo, holds: Holds, base: int | None) -> list[Segment]:
+        """What a node holding ``holds`` at version ``base`` reads to stage ``info``'s version:
+        the manifests of its path, then the packs in the order it first reads them: the ranges
+        its pull reads (it reads them as ranges: ``PackCache.prefers_ranges``), or whole for an
+        engine that does not say what it holds."""
+        want = _want(info, holds)
+        plan, chain = sub.plan(info.version, base, want)
+        out: list[Segment] = []
+        for step in chain.infos:
+            if step.version == plan.base:
+                continue  # the nodes at that version hold it already
+            key = squash_key(step.parent or 0, step.version) if chain.is_squash(step) else manifest_key(step.version)
+            raw = self._retained_raw.get(key) or self.cache.retained(key)
             if raw is None:
                 raw = self.cache.inner.get(key, max_bytes=MAX_MANIFEST_BYTES)
                 self.cache.add_upstream(len(raw))
-            out[key] = len(raw)
             self._retained_raw[key] = raw
-        info = sub.repo.manifest(target)
+            out.append((key, len(raw), 0, len(raw)))
+        reads: dict[str, tuple[int, list[tuple[int, int]]]] = {}
         for t in info.pb.tensors:
             key = key_of(t)
-            for idx in range(len(t.chunks)):
+            for idx in wanted(want, key, len(t.chunks)):
                 for step, c in reversed(chain.steps(key, idx, plan.base)[0]):
                     if c.encoding != SAME:
                         pack = step.pb.packs[c.pack]
-                        out.setdefault(pack.key, int(pack.size))
-        return list(out.items())
+                        reads.setdefault(pack.key, (int(pack.size), []))[1].append((int(c.offset), int(c.length)))
+        for key, (size, ranges) in reads.items():
+            if holds is None:
+                out.append((key, size, 0, size))
+            else:  # the ranges it reads (all of the pack, often: one whole object, checked on arrival)
+                out.extend((key, size, off, n) for off, n in _merged(ranges))
+        return out
 
     def _fetch(self, key: str, size: int, offset: int, length: int) -> bytes:
         """Bytes ``offset .. offset+length`` of an object of the round (ranged reads: a piece
@@ -266,95 +368,120 @@ class PackcastNode:
         ``stop`` returns True. A round this node is left out of, it catches up on from the relay.
         Raises GroupError when node 0's store is gone (the caller then follows the relay:
         ``engine.update()``)."""
-        import torch.distributed as dist
-
         if self.rank == 0:
             raise UsageError("node 0 drives the group: call update()")
         done = 0
         while (stop is None or not stop()) and (rounds is None or done < rounds):
             done += 1
-            n = self._round + 1
-            try:
-                # Rounds that went on while this node was busy (node 0 keeps only the last two):
-                # take the newest one, as a member if it has not started, else catching up.
-                n = max(n, int(self._store.get("next")) - 1)
-                self._store.set(f"ready/{n}/{self.rank}", "rebuild" if self._rebuild else "ok")
-                # Waiting is event driven (node 0's close is a round too); with ``stop`` it is
-                # asked twice a second.
-                wait = timedelta(seconds=0.5) if stop is not None else timedelta(hours=24)
-                while True:
-                    try:
-                        self._store.wait([f"round/{n}"], wait)
-                        break
-                    except dist.DistStoreError:
-                        if stop is not None and stop():
-                            return
-                header = json.loads(self._store.get(f"round/{n}"))
-            except dist.DistError as e:
-                raise GroupError(f"packcast node {self.rank}: node 0's store is gone ({e})") from None
-            if header.get("stop"):
+            got = self.next_round(stop)
+            if got is None or got[1].get("stop"):
                 return
-            self._round = n
+            n, header = got
             try:
-                if self.rank in header["members"]:
-                    self._run_round(n, header)
-                else:
-                    self._catch_up(n, int(header["version"]))
+                self.take_round(n, header)
             except (DeltasyncError, OSError) as e:  # the engine serves what it held; the next round retries
                 log.warning("packcast node %d: version %s did not reach the engine: %s", self.rank, header["version"], e)
                 self.reports.append(RoundReport(n, int(header["version"]), tuple(header["members"]), None, 0, 0, None,
                                                 False, time.time(), f"{type(e).__name__}: {e}"))
 
-    def _catch_up(self, n: int, version: int) -> None:
+    def next_round(self, stop: Callable[[], bool] | None = None) -> tuple[int, dict[str, Any]] | None:
+        """Say this node is ready and wait for the next round node 0 starts: ``(round, header)``
+        (``header["stop"]``: node 0 closed); None once ``stop`` returns True (asked twice a
+        second while waiting). Raises GroupError when node 0's store is gone."""
+        import torch.distributed as dist
+
+        n = self._round + 1
+        try:
+            # Rounds that went on while this node was busy (node 0 keeps only the last two):
+            # take the newest one, as a member if it has not started, else catching up.
+            n = max(n, int(self._store.get("next")) - 1)
+            self._store.set(f"ready/{n}/{self.rank}", json.dumps({"ok": not self._rebuild, "version": self.engine.version}))
+            # Waiting is event driven (node 0's close is a round too); with ``stop``, the store
+            # is asked every 50 ms instead (a wait that times out has torch log a warning).
+            if stop is None:
+                self._store.wait([f"round/{n}"], timedelta(hours=24))
+            while stop is not None and not self._store.check([f"round/{n}"]):
+                if stop():
+                    return None
+                time.sleep(0.05)
+            header: dict[str, Any] = json.loads(self._store.get(f"round/{n}"))
+        except dist.DistError as e:
+            raise GroupError(f"packcast node {self.rank}: node 0's store is gone ({e})") from None
+        if not header.get("stop"):
+            self._round = n
+        return n, header
+
+    def take_round(self, n: int, header: dict[str, Any], apply: Apply | None = None) -> RoundReport:
+        """Take part in round ``n`` (from :meth:`next_round`): as a member, receive and stage
+        from what arrives; left out of it, catch up from the relay. ``apply`` as for :meth:`update`."""
+        self._round = n
+        if self.rank in header["members"]:
+            return self._run_round(n, header, apply)
+        return self._catch_up(n, int(header["version"]), apply)
+
+    def _catch_up(self, n: int, version: int, apply: Apply | None) -> RoundReport:
         before = self.cache.upstream_bytes
-        record = self.engine.update(version)
-        self.reports.append(RoundReport(n, version, (), record, 0, self.cache.upstream_bytes - before, None, False, time.time()))
+        record = (apply or self.engine.update)(version)
+        report = RoundReport(n, version, (), record, 0, self.cache.upstream_bytes - before, None, False, time.time())
+        self.reports.append(report)
+        return report
 
     # -- every member --------------------------------------------------------------------------------
 
-    def _group(self, epoch: int, members: tuple[int, ...]) -> Any:
+    def _group(self, epoch: int, ranks: tuple[int, ...]) -> Any:
+        """The process group of ``ranks`` (node 0 first) for ``epoch``, built through the store."""
         import torch.distributed as dist
 
-        if self._pg is not None and epoch == self._epoch and members == self._members:
-            return self._pg
-        self._pg = None
-        store = dist.PrefixStore(f"epoch/{epoch}", self._store)  # type: ignore[attr-defined]
-        idx, size = members.index(self.rank), len(members)
-        pg: Any
+        with self._groups_lock:
+            if epoch != self._group_epoch:
+                self._groups.clear()
+                self._group_epoch, self._rebuild = epoch, False
+            pg = self._groups.get(ranks)
+        if pg is not None:
+            return pg
+        store = dist.PrefixStore(f"epoch/{epoch}/{'.'.join(map(str, ranks))}", self._store)  # type: ignore[attr-defined]
+        idx, size = ranks.index(self.rank), len(ranks)
         if self.backend == "nccl":
             pg = dist.ProcessGroupNCCL(store, idx, size, dist.ProcessGroupNCCL.Options())
         else:
             pg = dist.ProcessGroupGloo(store, idx, size, timedelta(seconds=self.timeout))
-        self._pg, self._epoch, self._members, self._rebuild = pg, epoch, members, False
+        with self._groups_lock:
+            if epoch == self._group_epoch:
+                self._groups[ranks] = pg
         return pg
 
-    def _run_round(self, n: int, header: dict[str, Any], counters: tuple[int, int] | None = None) -> RoundReport:
+    def _run_round(self, n: int, header: dict[str, Any], apply: Apply | None = None,
+                   counters: tuple[int, int] | None = None) -> RoundReport:
         version, members = int(header["version"]), tuple(header["members"])
-        objects = [(str(k), int(size)) for k, size in header["objects"]]
+        classes = [(tuple(int(r) for r in c["ranks"]), [_segment(s) for s in c["segments"]]) for c in header["classes"]]
+        mine = next((segs for ranks, segs in classes if self.rank in ranks), [])
         self._round = n
         received0, upstream0 = counters or (self.cache.received_bytes, self.cache.upstream_bytes)
-        self.cache.expect(k for k, _ in objects)
+        self.cache.expect((s[0] for s in mine), in_part={s[0] for s in mine if s[3] != s[1]})
         errors: list[str] = []
-        mover = threading.Thread(target=self._move, args=(int(header["epoch"]), members, objects, errors),
+        mover = threading.Thread(target=self._move, args=(int(header["epoch"]), classes, errors),
                                  name="deltasync-packcast", daemon=True)
         mover.start()
+        take = apply or self.engine.update
         repaired = False
         try:
             try:
-                record = self.engine.update(version)
+                record = take(version)
             except (CorruptObjectError, ChecksumMismatchError) as e:
                 log.warning("packcast: version %d from the bytes received did not verify (%s); reading it from the relay",
                             version, e)
                 mover.join()
                 self.cache.forget()
                 repaired = True
-                record = self.engine.update(version)
+                record = take(version)
         finally:
             mover.join()
             self.cache.forget()
         if errors:
             self._rebuild = True
-            self._pg = None
+            with self._groups_lock:
+                self._groups.clear()
+                self._group_epoch = -1
         report = RoundReport(
             n, version, members, record, self.cache.received_bytes - received0, self.cache.upstream_bytes - upstream0,
             errors[0] if errors else None, repaired, time.time(),
@@ -362,71 +489,80 @@ class PackcastNode:
         self.reports.append(report)
         return report
 
-    def _move(self, epoch: int, members: tuple[int, ...], objects: list[tuple[str, int]], errors: list[str]) -> None:
-        """Send (node 0) or receive the round's objects, back to back in pieces, handing each to
-        the cache as it completes. Any failure ends the broadcast here: the rest comes from the relay."""
+    def _move(self, epoch: int, classes: list[tuple[tuple[int, ...], list[Segment]]], errors: list[str]) -> None:
+        """Send (node 0) or receive the round's streams, in pieces, handing each object (or its
+        ranges) to the cache as it completes. Any failure ends a stream here: the rest comes
+        from the relay."""
         import torch
 
         try:
-            pg = self._group(epoch, members)
-            total = sum(size for _, size in objects)
+            if self.rank == 0:
+                self._send(epoch, classes, errors)
+                return
+            segments = next((segs for ranks, segs in classes if self.rank in ranks), [])
+            total = sum(s[3] for s in segments)
             if total:
+                ranks = next(_group_ranks(r) for r, _ in classes if self.rank in r)
+                pg = self._group(epoch, ranks)
                 piece = torch.empty(min(self.piece_bytes, total), dtype=torch.uint8)
-                (self._send if self.rank == 0 else self._receive)(pg, piece, objects, total)
+                self._receive(pg, piece, segments, total)
         except Exception as e:  # a dead or hung peer, or a group that could not be built
             errors.append(f"{type(e).__name__}: {e}")
             log.warning("packcast node %d: the broadcast stopped (%s); reading the rest from the relay", self.rank, e)
         finally:
             self.cache.give_up()
 
-    def _send(self, pg: Any, piece: Any, objects: list[tuple[str, int]], total: int) -> None:
-        view = piece.numpy()
-        step = len(view)
-        parts = [(key, size, off, min(step, size - off)) for key, size in objects for off in range(0, size, step)]
-        whole: dict[str, bytearray] = {}
-        filled = 0
+    def _send(self, epoch: int, classes: list[tuple[tuple[int, ...], list[Segment]]], errors: list[str]) -> None:
+        streams = [_Stream(self, ranks, segs) for ranks, segs in classes if any(s[3] for s in segs)]
+        if not streams:
+            return
+        # Every class's group at once (each waits for its own members).
+        def build(st: _Stream) -> None:
+            if st.ranks == (0,):
+                return  # node 0's own class, alone: nothing to send
+            try:
+                st.pg = self._group(epoch, _group_ranks(st.ranks))
+            except Exception as e:
+                st.failed(e, errors)
+
+        remote = [st for st in streams if st.ranks != (0,)]
+        if len(remote) > 1:
+            with ThreadPoolExecutor(len(remote), thread_name_prefix="deltasync-packcast-group") as pool:
+                list(pool.map(build, remote))
+        else:
+            for st in remote:
+                build(st)
+        # The union of the streams, in their one order, read once in pieces (ranged reads run
+        # ahead in a bounded window while earlier pieces go out).
+        order = _object_order(st.segments for st in streams)
+        runs: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+        for st in streams:
+            for key, size, off, n in st.segments:
+                runs.setdefault(key, (size, []))[1].append((off, n))
+        step = self.piece_bytes
+        parts = [(key, size, off, min(step, start + n - off))
+                 for key, (size, ranges) in sorted(runs.items(), key=lambda kv: order[kv[0]])
+                 for start, n in _merged(ranges) for off in range(start, start + n, step)]
         window: deque[Future[bytes]] = deque()
         ahead = 2 * self._fetchers
         todo = iter(parts)
-        for key, size, off, n in parts:
-            # Fetches run ahead (a bounded window) while earlier pieces go out.
+        for key, _size, off, _n in parts:
             while len(window) < ahead and (nxt := next(todo, None)) is not None:
                 window.append(self._fetch_pool.submit(self._fetch, *nxt))
             data = window.popleft().result()
-            got = whole.setdefault(key, bytearray())
-            got += data
-            if off + n == size:
-                self.cache.offer(key, bytes(whole.pop(key)))  # this node's own engine starts on it now
-            src = np.frombuffer(data, dtype=np.uint8)
-            at = 0
-            while at < n:
-                take = min(step - filled, n - at)
-                view[filled : filled + take] = src[at : at + take]
-                filled, at = filled + take, at + take
-                if filled == step:
-                    self._broadcast(pg, piece)
-                    filled = 0
-        if filled:
-            self._broadcast(pg, piece[:filled])
+            for st in streams:
+                st.take(key, off, data, errors)
+        for st in streams:
+            st.flush(errors)
 
-    def _receive(self, pg: Any, piece: Any, objects: list[tuple[str, int]], total: int) -> None:
+    def _receive(self, pg: Any, piece: Any, segments: list[Segment], total: int) -> None:
         view = piece.numpy()
-        queue = deque(objects)
-        cur = bytearray()
+        assembly = _Assembly(segments, self.cache)
         left = total
         while left:
             length = min(len(view), left)
             self._broadcast(pg, piece[:length])
-            at = 0
-            while at < length or (queue and queue[0][1] == len(cur)):
-                key, size = queue[0]
-                take = min(size - len(cur), length - at)
-                cur += view[at : at + take].tobytes()
-                at += take
-                if len(cur) == size:
-                    self.cache.offer(key, bytes(cur))
-                    cur = bytearray()
-                    queue.popleft()
+            assembly.feed(view[:length].tobytes())
             left -= length
 
     def _broadcast(self, pg: Any, piece: Any) -> None:
@@ -443,6 +579,155 @@ class PackcastNode:
             piece.copy_(dev)
         else:
             pg.broadcast([piece], opts).wait()
+
+
+class _Assembly:
+    """Objects (or their ranges) out of a stream's bytes, handed to a cache as each completes."""
+
+    def __init__(self, segments: list[Segment], cache: PackCache) -> None:
+        self.queue = deque(segments)
+        self.cache = cache
+        self.cur = bytearray()
+        self.left: dict[str, int] = {}
+        for key, *_ in segments:
+            self.left[key] = self.left.get(key, 0) + 1
+        self.parts: dict[str, list[tuple[int, bytes]]] = {}
+
+    def feed(self, data: bytes) -> None:
+        at = 0
+        while at < len(data) and self.queue:
+            key, size, off, n = self.queue[0]
+            take = min(n - len(self.cur), len(data) - at)
+            self.cur += data[at : at + take]
+            at += take
+            if len(self.cur) < n:
+                continue
+            self.queue.popleft()
+            got, self.cur = bytes(self.cur), bytearray()
+            self.parts.setdefault(key, []).append((off, got))
+            self.left[key] -= 1
+            if not self.left[key]:
+                parts = self.parts.pop(key)
+                if len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1]) == size:
+                    self.cache.offer(key, got)  # whole: checked against its content address
+                else:
+                    self.cache.offer_parts(key, parts)
+
+
+class _Stream:
+    """Node 0's side of one class's stream: the ranges it carries, copied out of the pieces
+    node 0 reads, broadcast a piece at a time over the class's group (and, for node 0's own
+    class, handed to its own cache)."""
+
+    def __init__(self, node: PackcastNode, ranks: tuple[int, ...], segments: list[Segment]) -> None:
+        import torch
+
+        self.node, self.ranks, self.segments = node, ranks, segments
+        self.queue = deque(segments)
+        self.done = 0  # bytes of the first segment in the queue already taken
+        total = sum(s[3] for s in segments)
+        self.piece = torch.empty(min(node.piece_bytes, total), dtype=torch.uint8)
+        self.view = self.piece.numpy()
+        self.filled = 0
+        self.pg: Any = None
+        self.own = _Assembly(segments, node.cache) if 0 in ranks else None
+
+    def failed(self, e: BaseException, errors: list[str]) -> None:
+        self.pg = None
+        errors.append(f"{type(e).__name__}: {e}")
+        log.warning("packcast: the stream to nodes %s stopped (%s); they read the rest from the relay",
+                    list(self.ranks), e)
+
+    def take(self, key: str, off: int, data: bytes, errors: list[str]) -> None:
+        """Copy what this stream carries of bytes ``off ..`` of ``key`` (the reads come in the
+        stream's own order, so its segments are met in turn)."""
+        end = off + len(data)
+        while self.queue:
+            k, _size, s_off, n = self.queue[0]
+            if k != key or s_off + self.done >= end:
+                return
+            lo = max(s_off + self.done, off)
+            hi = min(s_off + n, end)
+            self._emit(data[lo - off : hi - off], errors)
+            self.done += hi - lo
+            if self.done < n:
+                return
+            self.queue.popleft()
+            self.done = 0
+
+    def _emit(self, data: bytes, errors: list[str]) -> None:
+        if self.own is not None:
+            self.own.feed(data)
+        if self.pg is None:
+            return
+        src = np.frombuffer(data, dtype=np.uint8)
+        step, at = len(self.view), 0
+        while at < len(src) and self.pg is not None:
+            take = min(step - self.filled, len(src) - at)
+            self.view[self.filled : self.filled + take] = src[at : at + take]
+            self.filled, at = self.filled + take, at + take
+            if self.filled == step:
+                self._send(self.piece, errors)
+                self.filled = 0
+
+    def flush(self, errors: list[str]) -> None:
+        if self.filled and self.pg is not None:
+            self._send(self.piece[: self.filled], errors)
+        self.filled = 0
+
+    def _send(self, piece: Any, errors: list[str]) -> None:
+        try:
+            self.node._broadcast(self.pg, piece)
+        except Exception as e:  # a dead or hung member: the others of this class read the rest from the relay
+            self.failed(e, errors)
+
+
+def _object_order(streams: Iterable[list[Segment]]) -> dict[str, int]:
+    """One order of the objects of all streams: manifests first (a node's staging starts
+    with them), then packs by first use (class by class)."""
+    streams = list(streams)
+    rank: dict[str, int] = {}
+    for segs in streams:
+        for key, *_ in segs:
+            if not key.startswith("packs/"):
+                rank.setdefault(key, len(rank))
+    for segs in streams:
+        for key, *_ in segs:
+            rank.setdefault(key, len(rank))
+    return rank
+
+
+def _want(info: ManifestInfo, holds: Holds) -> dict[str, list[int]] | None:
+    """The chunks a torch engine holding ``holds`` stages (as TorchEngine._stage picks them)."""
+    if holds is None:
+        return None
+    names = {t.name for t in info.pb.tensors}
+    keys = [key_of(t) for t in info.pb.tensors if t.name in holds]
+    regions = {n: Region(tuple(r[0]), tuple(r[1])) for n, r in holds.items() if r is not None and n in names}
+    chunks = select_tensors(info, None, regions)[0] if regions else None
+    return want_of(info.entries(), keys, chunks)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges joined where they touch or overlap, in order."""
+    out: list[tuple[int, int]] = []
+    for off, n in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1]:
+            last_off, last_n = out[-1]
+            out[-1] = (last_off, max(last_n, off + n - last_off))
+        else:
+            out.append((off, n))
+    return out
+
+
+def _segment(s: Any) -> Segment:
+    key, size, off, n = s
+    return str(key), int(size), int(off), int(n)
+
+
+def _group_ranks(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """A class's group: node 0 (the root, group rank 0) and the class's members."""
+    return (0, *sorted(r for r in ranks if r != 0))
 
 
 __all__ = ["PackCache", "PackcastNode", "RoundReport"]

@@ -367,6 +367,12 @@ class TorchEngine(Engine):
             for name, w in self._bytes().items()
         }
 
+    def holdings(self) -> dict[str, Region | None]:
+        """What this engine holds, by tensor name: None for a whole tensor, else the region of
+        the logical tensor (a :class:`Slice`). Staging reads only the chunks covering these; a
+        packcast (packcast.py) sends the node only those."""
+        return {n: Region(g.offsets, g.shape) if n in self._sliced else None for n, g in self._geometry.items()}
+
     def _bytes(self) -> dict[str, torch.Tensor]:
         import torch
 

@@ -11,16 +11,20 @@ that keep copies and engines current.
 :mod:`~deltasync.local.cache` (objects a copy or agent keeps).
 
 The names below are the face the engines use (they read a version's bytes from a copy, under
-its lock); ``tests/test_layout.py`` keeps engines off the modules behind it.
+its lock; a packcast agent is an engine-first agent); ``tests/test_layout.py`` keeps engines
+off the modules behind it.
 """
 
 from __future__ import annotations
 
+from .agent import Agent as Agent, AgentConfig as AgentConfig, Update as Update
+from .engine_agent import EngineAgent as EngineAgent
 from .placement import Bits as Bits, Placement as Placement, placements as placements, read_placed as read_placed
 from .slots import boot_id as boot_id, other as other, slot_dir as slot_dir
 from .state import (
     CopyInUseError as CopyInUseError,
     LocalState as LocalState,
+    PullStopped as PullStopped,
     StateDB as StateDB,
     copy_lock as copy_lock,
     read_local_state as read_local_state,

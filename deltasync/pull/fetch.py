@@ -1,9 +1,10 @@
 """Reading chunk payloads out of packs, with few requests and many in flight.
 
 A pull knows up front which byte ranges of which packs it will read. A pack that the pull
-reads mostly (by bytes) is fetched whole, once, and sliced; scattered small reads stay
-ranged reads. Whole packs are held only until their last expected reader took its slice,
-and never more than ``max_cached`` bytes of them at once. Every read stays within what the
+reads mostly (by bytes) is fetched whole, once, and sliced (unless the store holds ranges of it
+close by: ``Store.prefers_ranges``); scattered small reads stay ranged reads. Whole packs are
+held only until their last expected reader took its slice, and never more than ``max_cached``
+bytes of them at once. Every read stays within what the
 verified manifest declares: chunk ranges inside their pack's declared size, whole packs no
 larger than it.
 """
@@ -52,7 +53,8 @@ class PackFetcher:
 
     def _whole(self, key: str) -> bool:
         u = self._usage.get(key)
-        return u is not None and u.expected > 1 and u.needed >= self.whole_fraction * u.size and u.size <= self.max_cached
+        return (u is not None and u.expected > 1 and u.needed >= self.whole_fraction * u.size and u.size <= self.max_cached
+                and not self.store.prefers_ranges(key))
 
     def get(self, key: str, offset: int, length: int) -> bytes:
         if not self._whole(key):
