@@ -695,6 +695,9 @@ class _RelayService:
             except FileNotFoundError:  # evicted (or removed) between lookup and open
                 self.cache.release(key)
                 self.cache.forget(key, entry)
+            except BaseException:
+                self.cache.release(key)
+                raise
         raise CorruptObjectError(key, "the relay cache keeps losing this object")
 
     def _fetch(self, key: str, *, warm: bool = False) -> _Flight:
