@@ -273,15 +273,14 @@ class ObjectCache:
             data = upstream.get(key, max_bytes=size)  # the object may have been replaced meanwhile
             if len(data) != size:
                 raise CorruptObjectError(key, f"upstream sent {len(data)} bytes of a {size}-byte object")
-            pieces: list[tuple[int, int]] = []
             self._write(fd, data, 0, landing, check)
-        else:
-            pieces = [(offset, min(self.piece_bytes, size - offset)) for offset in range(0, size, self.piece_bytes)]
-        for offset, n in pieces:
-            data = upstream.get(key, (offset, n))
-            if len(data) != n:
-                raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
-            self._write(fd, data, offset, landing, check)
+        else:  # in pieces, each written (and readable) as it arrives
+            for offset in range(0, size, self.piece_bytes):
+                n = min(self.piece_bytes, size - offset)
+                data = upstream.get(key, (offset, n))
+                if len(data) != n:
+                    raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
+                self._write(fd, data, offset, landing, check)
         if named and check is not None and check.digest().hex() != named.group(1):
             raise CorruptObjectError(key, "upstream's bytes do not match the digest in its name")
         landing._update(verified=True)
