@@ -321,9 +321,13 @@ def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path) ->
         agent.wait(timeout=60)
         agent = None
         loads = len(_loads(log, 4))
+        # (as if it had been killed inside a swap, after the finish and before the resume)
+        server.call("/pause?mode=keep", {})
+        assert server.call("/is_paused", method="GET")["is_paused"] is True
         r = ok(deltasync_cli(*sub, cwd=tmp_path))
         assert "the engine is at version 4" in r.out and "engine serves" not in r.out, r.out
         assert len(_loads(log, 4)) == loads == 1
+        assert server.call("/is_paused", method="GET")["is_paused"] is False
         assert [server.complete(p) for p in PROMPTS] == expected[0]
         assert server.checksums() == expected[1]
 

@@ -148,8 +148,9 @@ class VllmEngine(HttpEngine):
     def update(self, version: int | None = None, *, force: bool = False) -> SwapRecord | None:
         """As :meth:`Engine.update`; an engine that knows no version first asks the server
         (:meth:`server_state`): one already serving the target, every worker holding its
-        version digest, is adopted as it is (None, no swap). Otherwise the workers go from
-        what they hold to the target (every tensor when they hold nothing known)."""
+        version digest, is adopted as it is (None, no swap; resumed if an agent killed before
+        its resume left it paused). Otherwise the workers go from what they hold to the target
+        (every tensor when they hold nothing known)."""
         self._check_open()
         if self._version is None and (version is None or (isinstance(version, int) and version >= 1)):
             with self._mutex:
@@ -169,6 +170,13 @@ class VllmEngine(HttpEngine):
         if state["weight_version"] != target or not workers or any(
                 w["held"] != target or w["held_digest"] != digest for w in workers):
             return False
+        # An agent killed between the finish and the resume left it paused: nobody else resumes it.
+        try:
+            paused = self._call(Call(method="GET", path="/is_paused"), "pause status")
+        except EngineError:
+            paused = None  # a vLLM without the route: nothing to learn
+        if isinstance(paused, dict) and paused.get("is_paused") is True:
+            self._post("/resume", {}, "resume a server left paused")
         self._version = target
         self._version_key = self.version_key(target)
         self._generation += 1
