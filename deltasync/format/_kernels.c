@@ -92,6 +92,12 @@ static inline uint64_t zigzag(uint64_t d, int w) {
 
 static inline uint64_t unzigzag(uint64_t z) { return (z >> 1) ^ (0 - (z & 1)); }
 
+/* An element's magnitude bin (codec.py, magnitude classes): its bits without the sign bit,
+ * shifted right by 3, 7, 23 or 52 for widths 1, 2, 4, 8; and how many bins a width has. */
+static inline int bin_shift(int w) { return w == 1 ? 3 : w == 2 ? 7 : w == 4 ? 23 : 52; }
+static inline size_t mag_bin(uint64_t v, int w) { return (size_t)((v & (width_mask(w) >> 1)) >> bin_shift(w)); }
+static inline size_t bin_count(int w) { return (size_t)((width_mask(w) >> 1) >> bin_shift(w)) + 1; }
+
 /* Appends bits to a stream a 32-bit word at a time (no read-modify-write of memory). */
 typedef struct {
     uint8_t *p;
@@ -297,19 +303,33 @@ static inline uint64_t change_mask64(const uint8_t *t, const uint8_t *b, int w) 
 /* Lowest set bit of m (63 when m is 0: a defined garbage value, overwritten later). */
 static inline uint32_t low_bit(uint64_t m) { return (uint32_t)__builtin_ctzll(m | ((uint64_t)1 << 63)); }
 
+/* The sample of the base that class_thresholds takes, counted while the scan reads the base
+ * anyway: elements 0, 16, 32 and 48 of a block of 64 into four interleaved histograms (a
+ * counter array would make each increment wait for the previous one to the same bin). */
+#define SAMPLE_BLOCK(bp, w, sample, nbins)                                                                 \
+    do {                                                                                                   \
+        (sample)[mag_bin(load_elem((bp), (w)), (w))]++;                                                    \
+        (sample)[(nbins) + mag_bin(load_elem((bp) + 16 * (w), (w)), (w))]++;                               \
+        (sample)[2 * (nbins) + mag_bin(load_elem((bp) + 32 * (w), (w)), (w))]++;                           \
+        (sample)[3 * (nbins) + mag_bin(load_elem((bp) + 48 * (w), (w)), (w))]++;                           \
+    } while (0)
+
 /* Count changed elements; while the count stays <= limit, also record each one. Returns the
- * count, or -1 when out of memory. Branch-light: the positions of a 64-element mask are
+ * count, or -1 when out of memory. With ``sample`` (4 histograms of bin_count(w) counters,
+ * zeroed), also counts the bins of every 16th base element. Branch-light: the positions of a 64-element mask are
  * written four at a time without asking how many there are (the usual case is 0 or 1). */
 #define DEFINE_SCAN(SCAN_ATTR, SCAN_NAME, MASK_FN) \
 SCAN_ATTR static inline __attribute__((always_inline)) int64_t SCAN_NAME(const uint8_t *t, const uint8_t *b, size_t n, \
-                                                               int w, size_t limit, Changes *c) { \
-    size_t count = 0, e = 0; \
+                                                               int w, size_t limit, Changes *c, \
+                                                               uint32_t *sample) { \
+    size_t count = 0, e = 0, nbins = bin_count(w); \
     int collect = 1; \
     for (; e + 64 <= n; e += 64) { \
         for (int line = 0; line < w; line++) { /* the hardware prefetcher alone leaves ~25% */ \
             __builtin_prefetch(t + e * (size_t)w + PREFETCH + 64 * line, 0, 2); \
             __builtin_prefetch(b + e * (size_t)w + PREFETCH + 64 * line, 0, 2); \
         } \
+        if (sample) SAMPLE_BLOCK(b + e * (size_t)w, w, sample, nbins); \
         uint64_t m = MASK_FN(t + e * (size_t)w, b + e * (size_t)w, w); \
         size_t cnt = (size_t)__builtin_popcountll(m); \
         count += cnt; \
@@ -350,6 +370,7 @@ SCAN_ATTR static inline __attribute__((always_inline)) int64_t SCAN_NAME(const u
         c->len += cnt; \
     } \
     for (; e < n; e++) { \
+        if (sample && e % 16 == 0) sample[mag_bin(load_elem(b + e * (size_t)w, w), w)]++; \
         if (load_elem(t + e * (size_t)w, w) == load_elem(b + e * (size_t)w, w)) continue; \
         count++; \
         if (!collect) continue; \
@@ -401,7 +422,8 @@ static int use_vbmi2 = 0; /* AVX-512 VBMI2 (compress of bytes and words); set on
 /* The scan of 2-byte elements with VBMI2: per 64 elements, the changed ones' positions and
  * values are compressed out of the vectors (no loop over the changes); full vectors are stored,
  * the lanes past the changes are overwritten next or land in the 64 entries reserved ahead. */
-VBMI2 static int64_t scan_w2_vbmi2(const uint8_t *t, const uint8_t *b, size_t n, size_t limit, Changes *c) {
+VBMI2 static int64_t scan_w2_vbmi2(const uint8_t *t, const uint8_t *b, size_t n, size_t limit, Changes *c,
+                                   uint32_t *sample) {
     size_t count = 0, e = 0;
     int collect = 1;
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -411,6 +433,7 @@ VBMI2 static int64_t scan_w2_vbmi2(const uint8_t *t, const uint8_t *b, size_t n,
             __builtin_prefetch(tg + PREFETCH + 64 * line, 0, 2);
             __builtin_prefetch(bg + PREFETCH + 64 * line, 0, 2);
         }
+        if (sample) SAMPLE_BLOCK(bg, 2, sample, 256);
         __m512i t0 = _mm512_loadu_si512(tg), t1 = _mm512_loadu_si512(tg + 64);
         __m512i b0 = _mm512_loadu_si512(bg), b1 = _mm512_loadu_si512(bg + 64);
         __mmask32 m0 = _mm512_cmpneq_epi16_mask(t0, b0), m1 = _mm512_cmpneq_epi16_mask(t1, b1);
@@ -439,6 +462,7 @@ VBMI2 static int64_t scan_w2_vbmi2(const uint8_t *t, const uint8_t *b, size_t n,
         c->len = len + cnt;
     }
     for (; e < n; e++) {
+        if (sample && e % 16 == 0) sample[mag_bin(load_elem(b + 2 * e, 2), 2)]++;
         if (load_elem(t + 2 * e, 2) == load_elem(b + 2 * e, 2)) continue;
         count++;
         if (!collect) continue;
@@ -457,26 +481,27 @@ VBMI2 static int64_t scan_w2_vbmi2(const uint8_t *t, const uint8_t *b, size_t n,
 
 #if HAVE_AVX512
 AVX512 static int64_t scan_any_avx512(const uint8_t *t, const uint8_t *b, size_t n, int w, size_t limit,
-                                      Changes *c) {
+                                      Changes *c, uint32_t *s) {
     switch (w) {
-    case 1: return scan_impl_avx512(t, b, n, 1, limit, c);
-    case 2: return scan_impl_avx512(t, b, n, 2, limit, c);
-    case 4: return scan_impl_avx512(t, b, n, 4, limit, c);
-    default: return scan_impl_avx512(t, b, n, 8, limit, c);
+    case 1: return scan_impl_avx512(t, b, n, 1, limit, c, s);
+    case 2: return scan_impl_avx512(t, b, n, 2, limit, c, s);
+    case 4: return scan_impl_avx512(t, b, n, 4, limit, c, s);
+    default: return scan_impl_avx512(t, b, n, 8, limit, c, s);
     }
 }
 #endif
 
-static int64_t scan_any(const uint8_t *t, const uint8_t *b, size_t n, int w, size_t limit, Changes *c) {
+static int64_t scan_any(const uint8_t *t, const uint8_t *b, size_t n, int w, size_t limit, Changes *c,
+                        uint32_t *s) {
 #if HAVE_AVX512
-    if (use_vbmi2 && w == 2) return scan_w2_vbmi2(t, b, n, limit, c);
-    if (use_avx512) return scan_any_avx512(t, b, n, w, limit, c);
+    if (use_vbmi2 && w == 2) return scan_w2_vbmi2(t, b, n, limit, c, s);
+    if (use_avx512) return scan_any_avx512(t, b, n, w, limit, c, s);
 #endif
     switch (w) {
-    case 1: return scan_impl(t, b, n, 1, limit, c);
-    case 2: return scan_impl(t, b, n, 2, limit, c);
-    case 4: return scan_impl(t, b, n, 4, limit, c);
-    default: return scan_impl(t, b, n, 8, limit, c);
+    case 1: return scan_impl(t, b, n, 1, limit, c, s);
+    case 2: return scan_impl(t, b, n, 2, limit, c, s);
+    case 4: return scan_impl(t, b, n, 4, limit, c, s);
+    default: return scan_impl(t, b, n, 8, limit, c, s);
     }
 }
 
@@ -539,11 +564,17 @@ PyDoc_STRVAR(scan_doc,
              "Changed elements of two equal-length buffers. ``indices`` are u32, the values are the\n"
              "elements' bytes; all three are None when count > limit (then only counted).");
 
-static PyObject *k_scan(PyObject *self, PyObject *args) {
+PyDoc_STRVAR(scan_sampled_doc,
+             "scan_sampled(target, base, width, limit) -> (count, indices, target_values, base_values, sample)\n\n"
+             "scan, and the sample of ``base`` that class_thresholds_sampled takes, counted in the same\n"
+             "pass: u32 per magnitude bin, how many of every 16th element (from the first) it holds.");
+
+/* scan and scan_sampled. */
+static PyObject *scan_call(PyObject *args, int sampled) {
     PyObject *to, *bo;
     int w;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "OOin:scan", &to, &bo, &w, &limit)) return NULL;
+    if (!PyArg_ParseTuple(args, sampled ? "OOin:scan_sampled" : "OOin:scan", &to, &bo, &w, &limit)) return NULL;
     if (!check_width(w)) return NULL;
     Py_buffer tb, bb;
     if (get_buffer(to, &tb, 0) < 0) return NULL;
@@ -551,15 +582,24 @@ static PyObject *k_scan(PyObject *self, PyObject *args) {
         PyBuffer_Release(&tb);
         return NULL;
     }
-    PyObject *result = NULL;
+    PyObject *result = NULL, *sample = NULL;
+    uint32_t *sub = NULL;
     if (tb.len != bb.len || tb.len % w) {
         PyErr_SetString(PyExc_ValueError, "target and base must be equal lengths of whole elements");
         goto done;
     }
-    size_t n = (size_t)tb.len / (size_t)w;
+    size_t n = (size_t)tb.len / (size_t)w, nbins = bin_count(w);
     if (n > UINT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "too many elements for u32 indices");
         goto done;
+    }
+    if (sampled) {
+        sub = (uint32_t *)calloc(4 * nbins, sizeof(uint32_t));
+        sample = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * nbins));
+        if (!sub || !sample) {
+            if (!PyErr_Occurred()) PyErr_NoMemory();
+            goto done;
+        }
     }
     Changes c = changes_take(w);
     int64_t count;
@@ -568,25 +608,37 @@ static PyObject *k_scan(PyObject *self, PyObject *args) {
     /* Room for 1/8 of the elements changed (an RL step changes a few percent) up front, so
      * that the buffers rarely grow (each growth copies them); changes_reserve doubles beyond. */
     count = changes_reserve(&c, (lim < n / 8 ? lim : n / 8) + 64, w) ? 0 : -1;
-    if (count == 0) count = scan_any((const uint8_t *)tb.buf, (const uint8_t *)bb.buf, n, w, lim, &c);
+    if (count == 0) count = scan_any((const uint8_t *)tb.buf, (const uint8_t *)bb.buf, n, w, lim, &c, sub);
     Py_END_ALLOW_THREADS
+    if (sampled) {
+        uint32_t *out = (uint32_t *)PyBytes_AS_STRING(sample); /* little-endian host */
+        for (size_t i = 0; i < nbins; i++) out[i] = sub[i] + sub[nbins + i] + sub[2 * nbins + i] + sub[3 * nbins + i];
+    }
     if (count < 0) {
         PyErr_NoMemory();
     } else if ((size_t)count > lim) {
-        result = Py_BuildValue("(LOOO)", (long long)count, Py_None, Py_None, Py_None);
+        result = sampled ? Py_BuildValue("(LOOOO)", (long long)count, Py_None, Py_None, Py_None, sample)
+                         : Py_BuildValue("(LOOO)", (long long)count, Py_None, Py_None, Py_None);
     } else {
         /* y# turns a NULL pointer into None: no changes recorded means empty bytes */
-        result = Py_BuildValue("(Ly#y#y#)", (long long)count, c.idx ? (const char *)c.idx : "",
-                               (Py_ssize_t)(c.len * 4), c.tv ? (const char *)c.tv : "",
-                               (Py_ssize_t)(c.len * (size_t)w), c.bv ? (const char *)c.bv : "",
-                               (Py_ssize_t)(c.len * (size_t)w));
+        const char *idx = c.idx ? (const char *)c.idx : "", *tv = c.tv ? (const char *)c.tv : "";
+        const char *bv = c.bv ? (const char *)c.bv : "";
+        Py_ssize_t ilen = (Py_ssize_t)(c.len * 4), vlen = (Py_ssize_t)(c.len * (size_t)w);
+        result = sampled ? Py_BuildValue("(Ly#y#y#O)", (long long)count, idx, ilen, tv, vlen, bv, vlen, sample)
+                         : Py_BuildValue("(Ly#y#y#)", (long long)count, idx, ilen, tv, vlen, bv, vlen);
     }
     changes_keep(&c, w);
 done:
+    free(sub);
+    Py_XDECREF(sample);
     PyBuffer_Release(&tb);
     PyBuffer_Release(&bb);
     return result;
 }
+
+static PyObject *k_scan(PyObject *self, PyObject *args) { return scan_call(args, 0); }
+
+static PyObject *k_scan_sampled(PyObject *self, PyObject *args) { return scan_call(args, 1); }
 
 /* -- Rice-coded gaps between positions --------------------------------------------------- */
 
@@ -1982,9 +2034,10 @@ FP_STRICT_FN static double class_cost(double nn, double kk) {
 }
 
 /* The thresholds (bins, increasing) of the best split of a chunk into at most G classes, as
- * documented at class_thresholds below; returns their number, or -1 when out of memory. */
-static int choose_thresholds(const uint8_t *base, size_t n, const uint8_t *vals, size_t k, int w, int G,
-                             double overhead, uint16_t *out) {
+ * documented at class_thresholds below; returns their number, or -1 when out of memory. The
+ * elements per bin come from the n elements at base, or (n = 0) from ``sample``. */
+static int choose_thresholds(const uint8_t *base, size_t n, const uint32_t *sample, const uint8_t *vals, size_t k,
+                             int w, int G, double overhead, uint16_t *out) {
     const int shift = BIN_SHIFT[w];
     const uint64_t off = sign_off(w);
     const size_t nbins = (size_t)(off >> shift) + 1;
@@ -2028,7 +2081,7 @@ static int choose_thresholds(const uint8_t *base, size_t n, const uint8_t *vals,
 #undef BIN
 #undef HISTOGRAMS
     for (size_t b = 0; b < nbins; b++) {
-        hn[b] = (uint64_t)sub[b] + sub[nbins + b] + sub[2 * nbins + b] + sub[3 * nbins + b];
+        hn[b] = (uint64_t)sub[b] + sub[nbins + b] + sub[2 * nbins + b] + sub[3 * nbins + b] + (sample ? sample[b] : 0);
         hk[b] = (uint64_t)sub[4 * nbins + b] + sub[5 * nbins + b] + sub[6 * nbins + b] + sub[7 * nbins + b];
     }
     size_t L = 0;
@@ -2106,10 +2159,18 @@ PyDoc_STRVAR(class_thresholds_doc,
              "runs minimises sum over classes of n H(k / n) (k capped at n) plus ``overhead_bits``\n"
              "per class after the first (dynamic programming in float64, the first of equals).");
 
-static PyObject *k_class_thresholds(PyObject *self, PyObject *args) {
+PyDoc_STRVAR(class_thresholds_sampled_doc,
+             "class_thresholds_sampled(sample, width, values, max_classes, overhead_bits) -> thresholds\n\n"
+             "class_thresholds with the elements per bin taken from ``sample`` (what scan_sampled\n"
+             "returns for the base) instead of counted in the base again.");
+
+/* class_thresholds and class_thresholds_sampled (``base`` is then the sample). */
+static PyObject *thresholds_call(PyObject *args, int sampled) {
     PyObject *bo, *vo;
     int w, G, overhead;
-    if (!PyArg_ParseTuple(args, "OiOii:class_thresholds", &bo, &w, &vo, &G, &overhead)) return NULL;
+    if (!PyArg_ParseTuple(args, sampled ? "OiOii:class_thresholds_sampled" : "OiOii:class_thresholds", &bo, &w, &vo,
+                          &G, &overhead))
+        return NULL;
     if (!check_width(w)) return NULL;
     if (G < 1 || G > MAX_CLASSES || overhead < 0) return PyErr_Format(PyExc_ValueError, "bad class count %d", G);
     Py_buffer bb, vb;
@@ -2125,8 +2186,13 @@ static PyObject *k_class_thresholds(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "class_thresholds: buffers of whole elements expected");
         goto done;
     }
+    if (sampled && (size_t)bb.len != 4 * bin_count(w)) {
+        PyErr_SetString(PyExc_ValueError, "class_thresholds_sampled: a sample of u32 per bin of the width expected");
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
-    found = choose_thresholds((const uint8_t *)bb.buf, (size_t)bb.len / (size_t)w, (const uint8_t *)vb.buf,
+    found = choose_thresholds(sampled ? NULL : (const uint8_t *)bb.buf, sampled ? 0 : (size_t)bb.len / (size_t)w,
+                              sampled ? (const uint32_t *)bb.buf : NULL, (const uint8_t *)vb.buf,
                               (size_t)vb.len / (size_t)w, w, G, (double)overhead, th);
     Py_END_ALLOW_THREADS
     if (found < 0) {
@@ -2139,6 +2205,10 @@ done:
     PyBuffer_Release(&vb);
     return result;
 }
+
+static PyObject *k_class_thresholds(PyObject *self, PyObject *args) { return thresholds_call(args, 0); }
+
+static PyObject *k_class_thresholds_sampled(PyObject *self, PyObject *args) { return thresholds_call(args, 1); }
 
 /* -- encoding: ranks, values and streams of every class -- */
 
@@ -2418,6 +2488,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"scan", k_scan, METH_VARARGS, scan_doc},
+    {"scan_sampled", k_scan_sampled, METH_VARARGS, scan_sampled_doc},
     {"rice_encode", k_rice_encode, METH_VARARGS, rice_encode_doc},
     {"rice_decode", k_rice_decode, METH_VARARGS, rice_decode_doc},
     {"pack2", k_pack2, METH_VARARGS, pack2_doc},
@@ -2425,6 +2496,7 @@ static PyMethodDef methods[] = {
     {"scatter", k_scatter, METH_VARARGS, scatter_doc},
     {"apply2", k_apply2, METH_VARARGS, apply2_doc},
     {"class_thresholds", k_class_thresholds, METH_VARARGS, class_thresholds_doc},
+    {"class_thresholds_sampled", k_class_thresholds_sampled, METH_VARARGS, class_thresholds_sampled_doc},
     {"class_encode", k_class_encode, METH_VARARGS, class_encode_doc},
     {"class_select", k_class_select, METH_VARARGS, class_select_doc},
     {NULL, NULL, 0, NULL},

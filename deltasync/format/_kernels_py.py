@@ -123,6 +123,13 @@ def scan(target: Data, base: Data, width: int, limit: int, /) -> tuple[
     return len(idx), idx.astype(np.uint32).tobytes(), t[idx].tobytes(), b[idx].tobytes()
 
 
+def scan_sampled(target: Data, base: Data, width: int, limit: int, /) -> tuple[
+    int, bytes | None, bytes | None, bytes | None, bytes
+]:
+    count, idx, tv, bv = scan(target, base, width, limit)
+    return count, idx, tv, bv, _sample(base, width).astype("<u4").tobytes()
+
+
 def _rice_halves(gaps: I64, k: int) -> int:
     return int((((gaps >> k) + 1) >> 1).sum())
 
@@ -330,15 +337,45 @@ def _bins(x: npt.NDArray[np.unsignedinteger], width: int) -> npt.NDArray[np.intp
     return bins.astype(np.intp)
 
 
-def class_thresholds(base: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /) -> bytes:
+def _nbins(width: int) -> int:
+    return ((int(np.iinfo(UINT[width]).max) >> 1) >> BIN_SHIFT[width]) + 1
+
+
+def _sample(base: Data, width: int) -> npt.NDArray[np.intp]:
+    """Elements per magnitude bin among every 16th element of ``base`` (from the first)."""
+    return np.bincount(_bins(_elems(base, width)[::16], width), minlength=_nbins(width))
+
+
+def _threshold_args(width: int, values: Data, max_classes: int, overhead_bits: int) -> None:
     if width not in UINT:
         raise ValueError(f"element width must be 1, 2, 4 or 8, got {width}")
     if not 1 <= max_classes <= MAX_CLASSES or overhead_bits < 0:
         raise ValueError(f"bad class count {max_classes}")
-    if len(base) % width or len(values) % width:
+    if len(values) % width:
         raise ValueError("class_thresholds: buffers of whole elements expected")
-    nbins = ((int(np.iinfo(UINT[width]).max) >> 1) >> BIN_SHIFT[width]) + 1
-    n_bins = np.bincount(_bins(_elems(base, width)[::16], width), minlength=nbins).astype(np.float64) * 16
+
+
+def class_thresholds(base: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /) -> bytes:
+    _threshold_args(width, values, max_classes, overhead_bits)
+    if len(base) % width:
+        raise ValueError("class_thresholds: buffers of whole elements expected")
+    return _thresholds(_sample(base, width), width, values, max_classes, overhead_bits)
+
+
+def class_thresholds_sampled(sample: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /) -> bytes:
+    _threshold_args(width, values, max_classes, overhead_bits)
+    if len(sample) % width:
+        raise ValueError("class_thresholds: buffers of whole elements expected")
+    if len(sample) != 4 * _nbins(width):
+        raise ValueError("class_thresholds_sampled: a sample of u32 per bin of the width expected")
+    return _thresholds(np.frombuffer(sample, dtype="<u4"), width, values, max_classes, overhead_bits)
+
+
+def _thresholds(
+    sample: npt.NDArray[np.integer], width: int, values: Data, max_classes: int, overhead_bits: int
+) -> bytes:
+    nbins = _nbins(width)
+    n_bins = sample.astype(np.float64) * 16
     k_bins = np.bincount(_bins(_elems(values, width), width), minlength=nbins).astype(np.float64)
     present = np.flatnonzero((n_bins > 0) | (k_bins > 0))
     if len(present) < 2 or max_classes < 2:

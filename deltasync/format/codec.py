@@ -146,6 +146,9 @@ class _Kernels(Protocol):
     def scan(self, target: Data, base: Data, width: int, limit: int, /) -> tuple[
         int, bytes | None, bytes | None, bytes | None
     ]: ...
+    def scan_sampled(self, target: Data, base: Data, width: int, limit: int, /) -> tuple[
+        int, bytes | None, bytes | None, bytes | None, bytes
+    ]: ...
     def rice_encode(self, indices: Data, /) -> tuple[int, bytes]: ...
     def rice_decode(self, data: Data, count: int, k: int, n: int, /) -> bytes: ...
     def pack2(self, target_values: Data, base_values: Data, width: int, /) -> tuple[bytes, int, bytes, bytes]: ...
@@ -156,6 +159,9 @@ class _Kernels(Protocol):
         width: int, /,
     ) -> None: ...
     def class_thresholds(self, base: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /) -> bytes: ...
+    def class_thresholds_sampled(
+        self, sample: Data, width: int, values: Data, max_classes: int, overhead_bits: int, /
+    ) -> bytes: ...
     def class_encode(
         self, base: Data, width: int, thresholds: Data, indices: Data, target_values: Data, base_values: Data, /
     ) -> tuple[bytes, bytes, bytes, bytes, tuple[tuple[int, bytes, bytes | None], ...]]: ...
@@ -588,9 +594,13 @@ class PlanesZstdCodec:
         if base is None:
             return EncodedChunk(FULL, self._encode_full(target, width))
         t, b = target.view(_UINT[width]), base.view(_UINT[width])
+        sample = None  # the base's elements per magnitude bin (a sample), for class thresholds
         if n <= _MAX_SPARSE_ELEMENTS:
             limit = n if self.exhaustive else int(_SPARSE_MAX_DENSITY * n)
-            count, indices, tv, bv = _K.scan(target, base, width, limit)
+            if self.max_classes > 1:  # counted while the scan reads the base, not in a second pass
+                count, indices, tv, bv, sample = _K.scan_sampled(target, base, width, limit)
+            else:
+                count, indices, tv, bv = _K.scan(target, base, width, limit)
         else:  # positions would not fit in u32: dense or full only
             count, indices, tv, bv = int(np.count_nonzero(t != b)), None, None, None
         if count == 0:
@@ -598,7 +608,7 @@ class PlanesZstdCodec:
         density = count / n
         candidates: list[EncodedChunk] = []
         if indices is not None and tv is not None and bv is not None:
-            sparse, transform = self._encode_sparse(indices, tv, bv, width, n, base)
+            sparse, transform = self._encode_sparse(indices, tv, bv, width, n, base, sample)
             candidates.append(EncodedChunk(SPARSE, sparse))
         else:
             head = slice(0, min(n, 1 << 16))  # a sample of the changes, from the chunk's start
@@ -639,16 +649,17 @@ class PlanesZstdCodec:
         return _DENSE_HEADER.pack(transform) + body
 
     def _encode_sparse(
-        self, indices: bytes, tv: bytes, bv: bytes, width: int, n: int, base: Bytes
+        self, indices: bytes, tv: bytes, bv: bytes, width: int, n: int, base: Bytes, sample: bytes | None
     ) -> tuple[bytes, int]:
         """Payload of the changes at ``indices`` (u32) from ``bv`` to ``tv`` (their elements' bytes),
-        and the better byte-plane transform (XOR or zigzag) for a dense payload of the chunk."""
+        and the better byte-plane transform (XOR or zigzag) for a dense payload of the chunk.
+        ``sample``: what ``scan_sampled`` counted in ``base`` (None: count it here)."""
         count = len(indices) // 4
         density = count / n
         positions: list[tuple[int, int, bytes]] = []  # (coding, parameter, section)
         ordered: tuple[bytes, bytes] | None = None  # the values class after class
         if self.max_classes > 1:
-            found = self._encode_classes(indices, tv, bv, width, base)
+            found = self._encode_classes(indices, tv, bv, width, base, sample)
             if found is not None:
                 nclasses, section, ordered_tv, ordered_bv = found
                 ordered = ordered_tv, ordered_bv
@@ -696,11 +707,14 @@ class PlanesZstdCodec:
         return header + section + values, planes_transform
 
     def _encode_classes(
-        self, indices: bytes, tv: bytes, bv: bytes, width: int, base: Bytes
+        self, indices: bytes, tv: bytes, bv: bytes, width: int, base: Bytes, sample: bytes | None
     ) -> tuple[int, bytes, bytes, bytes] | None:
         """The magnitude-class position section (its class count, the section, and the target
         and base values class after class), or None when one class is best."""
-        th = _K.class_thresholds(base, width, bv, self.max_classes, _CLASS_OVERHEAD_BITS)
+        if sample is None:
+            th = _K.class_thresholds(base, width, bv, self.max_classes, _CLASS_OVERHEAD_BITS)
+        else:
+            th = _K.class_thresholds_sampled(sample, width, bv, self.max_classes, _CLASS_OVERHEAD_BITS)
         if not th:
             return None
         counts, per, ordered_tv, ordered_bv, classes = _K.class_encode(base, width, th, indices, tv, bv)

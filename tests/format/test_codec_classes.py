@@ -146,6 +146,12 @@ def test_class_kernels_agree(chunk: tuple[int, Bytes, Bytes], max_classes: int, 
     assert idx is not None and tv is not None and bv is not None
     chosen = agree("class_thresholds", base, width, bv, max_classes, OVERHEAD_BITS)
     assert isinstance(chosen, bytes)
+    # the encoder's path: the base's sample counted by the scan, the thresholds from it
+    for limit in (n, max(len(idx) // 4 - 1, 0)):
+        sampled = agree("scan_sampled", target, base, width, limit)
+        assert isinstance(sampled, tuple)
+        assert sampled[:4] == _kernels_py.scan(target, base, width, limit)
+        assert agree("class_thresholds_sampled", sampled[4], width, bv, max_classes, OVERHEAD_BITS) == chosen
     th = np.frombuffer(chosen, dtype="<u2")
     assert len(th) < max_classes and (np.diff(th.astype(np.int64)) > 0).all() and (th >= 1).all()
     rng = np.random.default_rng(seed)
@@ -251,6 +257,13 @@ def test_class_kernels_refuse_bad_arguments() -> None:
             k.class_thresholds(base, 2, two, 0, OVERHEAD_BITS)
         with pytest.raises(ValueError):
             k.class_thresholds(base, 2, b"\x00", 6, OVERHEAD_BITS)
+        sample = k.scan_sampled(base, base, 2, 32)[4]
+        assert len(sample) == 4 * 256 and sum(np.frombuffer(sample, dtype="<u4").tolist()) == 4  # elements 0, 16, 32, 48
+        for bad in (sample[:-4], sample + b"\x00" * 4, b""):
+            with pytest.raises(ValueError):
+                k.class_thresholds_sampled(bad, 2, two, 6, OVERHEAD_BITS)
+        with pytest.raises(ValueError):
+            k.class_thresholds_sampled(sample, 1, two, 6, OVERHEAD_BITS)  # 16 bins of width 1
         with pytest.raises(ValueError):
             k.class_encode(base, 2, th, np.array([5, 1], dtype=np.uint32).tobytes(), two, two)
         with pytest.raises(ValueError):
