@@ -14,14 +14,18 @@ default copy and packcast), measured in the same run:
 * ``engine``: each agent's engine pulls from the relay, no copy (an engine-first agent, item 1);
 * ``tree`` (not by default): the same from relays in front of the relay (ceil(sqrt(N)) of them,
   each with its own egress link): where no process group spans the nodes;
-* ``packcast``: node 0 fetches the version's stored bytes from the relay once and broadcasts
-  them over a gloo group; every node decodes and applies them (engines/packcast.py).
+* ``packcast``: what ``deltasync subscribe --packcast`` runs: a ``PackcastAgent`` per node
+  (engines/packcast_agent.py), each an engine-first agent with its own state directory; node
+  0 follows the relay (polling its refs every 20 ms), fetches each version's stored bytes
+  once and broadcasts them over a gloo group; every node decodes and applies them
+  (engines/packcast.py) and records its engine's version in its state.
 
 Links are modelled, as the machine has none: every read from the relay pays the relay's
 egress link (``--link-mbps``, one link shared by every agent, a token bucket in shared
 memory), and node 0's broadcast pays its own link at the same rate (a pipelined chain,
 which nccl's ring and gloo's pipelined broadcast approach, crosses each link about once).
-The agents learn of a version from the benchmark at once (no watch interval).
+The copy, engine and tree agents learn of a version from the benchmark at once (no watch
+interval); packcast's node 0 finds it by polling, as an agent does.
 
 Printed per N and path: commit -> every engine serving (median over ``--reps`` versions),
 its ratio to N = 4, and per agent and version the bytes received, bytes written to local
@@ -45,6 +49,7 @@ import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -59,6 +64,8 @@ import torch
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
 from deltasync.engines import TorchEngine
 from deltasync.engines.packcast import PackCache, PackcastNode
+from deltasync.engines.packcast_agent import PackcastAgent
+from deltasync.local import AgentConfig, Update
 from deltasync.storage import LocalStore, Store, WrappingStore
 
 PATHS = ("copy", "engine", "tree", "packcast")
@@ -104,6 +111,10 @@ class PacedNode(PackcastNode):
             if delay > 0:
                 time.sleep(delay)
         super()._broadcast(pg, piece)
+
+
+class PacedAgent(PackcastAgent):
+    node_class = PacedNode
 
 
 def io_written() -> int:
@@ -156,20 +167,38 @@ def agent(conn: Connection, links: list[tuple[Any, Any]]) -> None:
                     state["engine"] = TorchEngine(held, relay, workers=1, copy=out)
                 elif s.path in ("engine", "tree"):
                     state["engine"] = TorchEngine(held, relay, workers=1)
-                else:
+                else:  # the agent `subscribe --packcast` runs, following the relay in a thread
                     cache = PackCache(relay)
                     engine = TorchEngine(held, cache, workers=1)
                     PacedNode.rate, PacedNode.enabled = s.rate, links[0][1]
-                    state["cache"], state["engine"] = cache, engine
-                    state["node"] = PacedNode(engine, cache, rank=s.rank, world=s.nodes, master=f"127.0.0.1:{s.port}",
-                                              timeout=60.0, piece_bytes=s.piece, prefix=f"bench-{s.nodes}")
+                    served: dict[int, tuple[float, Update]] = {}
+                    cond = threading.Condition()
+
+                    def on_update(u: Update, served: dict[int, tuple[float, Update]] = served,
+                                  cond: threading.Condition = cond) -> None:
+                        with cond:
+                            served[u.version] = time.time(), u
+                            cond.notify_all()
+
+                    state_dir = Path(s.work) / f"state-{s.nodes}-{s.rank}"
+                    shutil.rmtree(state_dir, ignore_errors=True)
+                    pa = PacedAgent(engine, state_dir, AgentConfig(poll_interval=0.02, workers=1), rank=s.rank,
+                                    world=s.nodes, master=f"127.0.0.1:{s.port}", timeout=60.0, piece_bytes=s.piece,
+                                    on_update=on_update)
+                    thread = threading.Thread(target=pa.run, kwargs={"follow": True}, daemon=True)
+                    thread.start()
+                    state.update(cache=cache, engine=engine, agent=pa, thread=thread, served=served, cond=cond,
+                                 state_dir=state_dir, counters=(relay.bytes_read, cache.received_bytes, io_written(),
+                                                                time.process_time()))
                 conn.send(("ok", None))
             elif cmd == "update":
                 conn.send(("ok", update(state, int(arg))))
             elif cmd == "close":
-                node = state.get("node")
-                if node is not None:
-                    node.close()
+                running = state.get("agent")
+                if running is not None:
+                    running.stop()
+                    state["thread"].join(60)
+                    shutil.rmtree(state["state_dir"], ignore_errors=True)
                 state.clear()
                 conn.send(("ok", None))
         except BaseException as e:  # report, and stay available for the next command
@@ -180,6 +209,8 @@ def agent(conn: Connection, links: list[tuple[Any, Any]]) -> None:
 
 def update(state: dict[str, Any], version: int) -> dict[str, float]:
     s: Setup = state["setup"]
+    if s.path == "packcast":
+        return agent_served(state, version)
     engine: TorchEngine = state["engine"]
     relay: SharedLink = state["relay"]
     cache: PackCache | None = state.get("cache")
@@ -192,21 +223,39 @@ def update(state: dict[str, Any], version: int) -> dict[str, float]:
         sub = state.setdefault("sub", Subscriber(relay, workers=1))
         sub.update_dir(state["out"], version)
         record = engine.update(version)
-    elif s.path in ("engine", "tree"):
-        record = engine.update(version)
     else:
-        node: PacedNode = state["node"]
-        if s.rank == 0:
-            record = node.update(version).record
-        else:
-            node.follow(rounds=1)
-            record = node.reports[-1].record
+        record = engine.update(version)
     served = time.time()
     assert engine.version == version
     received = relay.bytes_read + (cache.received_bytes if cache is not None and s.rank else 0) - received0
     return {
         "served_at": served, "received": received, "written": io_written() - written0,
         "cpu": time.process_time() - cpu0, "rss": peak_rss_mib(),
+        "stage_s": record.stage_s if record else 0.0, "pause_s": record.pause_s if record else 0.0,
+        "bytes_written": record.bytes_written if record else 0,
+    }
+
+
+def agent_served(state: dict[str, Any], version: int) -> dict[str, float]:
+    """Packcast: wait until this node's agent reports ``version`` served; what it cost since the
+    last version (the agent runs on its own: it found the version, node 0 by polling the relay)."""
+    s: Setup = state["setup"]
+    cond: threading.Condition = state["cond"]
+    with cond:
+        if not cond.wait_for(lambda: version in state["served"], timeout=600):
+            raise TimeoutError(f"node {s.rank}: version {version} not served within 600 s")
+        at, u = state["served"][version]
+    engine: TorchEngine = state["engine"]
+    assert engine.version == version
+    relay: SharedLink = state["relay"]
+    cache: PackCache = state["cache"]
+    read0, received0, written0, cpu0 = state["counters"]
+    now = relay.bytes_read, cache.received_bytes, io_written(), time.process_time()
+    state["counters"] = now
+    record = u.swap
+    return {
+        "served_at": at, "received": now[0] - read0 + (now[1] - received0 if s.rank else 0), "written": now[2] - written0,
+        "cpu": now[3] - cpu0, "rss": peak_rss_mib(),
         "stage_s": record.stage_s if record else 0.0, "pause_s": record.pause_s if record else 0.0,
         "bytes_written": record.bytes_written if record else 0,
     }

@@ -146,12 +146,12 @@ class PackcastAgent(EngineAgent):
         try:
             got = self.node.next_round(self._stop.is_set)
         except GroupError as e:
-            return self._detach(str(e))
+            return self._detach(str(e), logging.WARNING)
         if got is None:
             raise PullStopped(self.current() or 0)  # run() ends on it
         n, header = got
         if header.get("stop"):
-            return self._detach(f"node 0 at {self.master} closed the group")
+            return self._detach(f"packcast node {self.rank}: node 0 at {self.master} closed the group", logging.INFO)
         self._pending = n, header
         version = int(header["version"])
         note: Mapping[str, Any] = header.get("note") or {}
@@ -170,8 +170,8 @@ class PackcastAgent(EngineAgent):
         self._flush()
         return version
 
-    def _detach(self, why: str) -> int | None:
-        log.warning("packcast node %d: %s; following the repository until it is back", self.rank, why)
+    def _detach(self, why: str, level: int) -> int | None:
+        log.log(level, "%s; following the repository until it is back", why)
         self.node = None
         self._pending = None
         self._last_try = time.monotonic()

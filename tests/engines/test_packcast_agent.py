@@ -201,10 +201,10 @@ class _Nodes:
 
 
 @pytest.mark.slow
-def test_three_cli_nodes_follow_every_version_and_a_killed_node_catches_up(tmp_path: Path) -> None:
+def test_three_cli_nodes_follow_every_version_a_killed_node_catches_up_node_0_comes_back(tmp_path: Path) -> None:
     repo = str(tmp_path / "repo")
     pub = _publisher(repo)
-    states = _states(6)
+    states = _states(8)
     pub.publish(states[0])
     nodes = _Nodes(tmp_path, repo, 3, extra={2: ["--shard", "1/2"]})
     try:
@@ -235,12 +235,30 @@ def test_three_cli_nodes_follow_every_version_and_a_killed_node_catches_up(tmp_p
             assert s["version"] == 6 and s["engine_version"] == 6 and s["lag_versions"] == 0, s
             assert s["version_digest"] == s["engine_version_digest"] and s["running"], s
             assert s["latest_version"] == 6 and s["target_version"] == 6, s
+        # Node 0 killed: the others follow the repository themselves ...
+        nodes.procs[0].kill()
+        nodes.procs[0].wait()
+        pub.publish(states[6])
+        nodes.wait_for([1, 2], 7)
+        # ... and join it again once it is back.
+        nodes.start(0)
+        nodes.wait_for([0], 7)
+        pub.publish(states[7])
+        nodes.wait_for([0, 1, 2], 8)
+        for r in range(3):
+            s = nodes.status(r)
+            assert s["version"] == 8 and s["engine_version"] == 8 and s["lag_versions"] == 0, s
     finally:
         codes = nodes.stop()
     assert codes == {0: 0, 1: 0, 2: 0}, codes  # SIGTERM: a clean stop on every node
     for r in range(3):
         text = nodes.output(r)
-        assert "stopped at version 6" in text, text
+        assert "stopped at version 8" in text, text
+    for r in (1, 2):
+        text = nodes.output(r)
+        assert "following the repository until it is back" in text and "joined node 0" in text, text
+        # the last version came through the group again
+        assert _received(text)[max(_received(text))] > 0, text
     assert all("Traceback" not in nodes.output(r) for r in range(3))
     # Node 2 holds half the rows of each tensor (--shard 1/2): it receives about half of what
     # node 1, which holds every tensor, receives in the same rounds.
