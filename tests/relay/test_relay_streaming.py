@@ -9,6 +9,10 @@ relay streamed while fetching. No timings: events and the relays' counters.
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -251,6 +255,61 @@ def test_a_relay_in_front_of_a_relay_streams_too(pack: tuple[LocalStore, str, by
     settle(a, b)
     assert a.metrics()["upstream_fetches"] == b.metrics()["upstream_fetches"] == 1  # once per hop
     assert gate.pieces_read(key) == 4
+
+
+def serve(upstream: str, cache: Path) -> tuple[subprocess.Popen[str], str]:
+    """``deltasync serve`` in its own process (so that it can be killed): it and its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "deltasync", "serve", "--repo", upstream, "--listen", "127.0.0.1:0",
+                             "--cache", str(cache)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    m = re.search(r" on (127\.0\.0\.1:\d+) ", line)
+    if m is None:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the relay did not start: {line!r}")
+    return proc, m.group(1)
+
+
+def test_a_relay_killed_mid_fetch_restarts_with_a_consistent_cache(tmp_path: Path, start_relay: StartRelay) -> None:
+    """SIGKILL while a pack is half in ``tmp/`` (and half sent): the restarted relay clears it,
+    indexes nothing of it, and serves the pack whole once the upstream lets it through."""
+    origin = LocalStore(tmp_path / "origin")
+    data = os.urandom((8 << 20) + 4321)  # two of the relay's 8 MiB pieces: the second is held upstream
+    key = pack_key(data)
+    origin.put(key, data)
+    gate = Gate(origin, key)
+    upper = start_relay(gate, fetch_piece_bytes=MiB)
+    cache = tmp_path / "cache"
+    proc, address = serve(upper.url, cache)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_stream(method_path("Get"), request_serializer=rpb.GetRequest.SerializeToString,
+                                        response_deserializer=rpb.GetChunk.FromString)
+            stream = call(rpb.GetRequest(key=key), timeout=60)
+            assert bytes(next(stream).data) == data[:CHUNK_BYTES]  # streamed from the relay's tmp/
+            assert gate.reached.wait(60)
+            partial = [f for f in (cache / "tmp").iterdir() if f.is_file()]
+            assert [f.stat().st_size for f in partial] == [8 << 20]
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            with pytest.raises(grpc.RpcError):  # cut off: an error, not a short object
+                b"".join(bytes(c.data) for c in stream)
+        proc, address = serve(upper.url, cache)
+        assert list((cache / "tmp").iterdir()) == []  # cleared at start
+        assert [f for f in (cache / "objects").rglob("*") if f.is_file()] == []
+        gate.opened.set()
+        assert GrpcStore(f"grpc://{address}").get(key) == data
+        wait_until(lambda: len([f for f in (cache / "objects").rglob("*") if f.is_file()]) == 1)  # renamed into place just after
+    finally:
+        gate.opened.set()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 # -- warming ---------------------------------------------------------------------------------------
