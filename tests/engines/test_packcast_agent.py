@@ -55,8 +55,9 @@ def _publisher(repo: str) -> deltasync.Publisher:
 
 # -- shard-aware nodes, library form ----------------------------------------------------------------
 
-#: What each rank holds: None, every tensor; (I, N), the I-th of N row slices of each.
-SHARDS: dict[int, tuple[int, int] | None] = {0: None, 1: (0, 4), 2: (3, 4), 3: (3, 4)}
+#: What each rank holds: None, every tensor; (I, N), the I-th of N row slices of each; a tuple
+#: of names, those tensors whole (as `--tensors` picks them).
+SHARDS: dict[int, tuple[int, int] | tuple[str, ...] | None] = {0: None, 1: (0, 4), 2: (3, 4), 3: (3, 4), 4: ("e", "s")}
 
 
 def _shard_node(rank: int, world: int, port: int, repo: str, queue: Any) -> None:
@@ -69,8 +70,11 @@ def _shard_node(rank: int, world: int, port: int, repo: str, queue: Any) -> None
         full = {n: torch.zeros_like(t) for n, t in _states()[0].items()}
         shard = SHARDS[rank]
         held: dict[str, Any] = dict(full)
-        if shard is not None:
+        if shard is not None and isinstance(shard[0], str):
+            held = {name: full[name] for name in shard}
+        elif shard is not None:
             i, n = shard
+            assert isinstance(i, int) and isinstance(n, int)
             for name, t in full.items():
                 rows = t.shape[0]
                 if rows >= n:
@@ -107,13 +111,13 @@ def test_shard_nodes_receive_only_their_share_bit_exact(tmp_path: Path) -> None:
     pub = _publisher(repo)
     for s in _states():
         pub.publish(s)
-    out = spawn_ranks(_shard_node, 4, lambda r, port, q: (r, 4, port, repo, q), timeout=150)
+    out = spawn_ranks(_shard_node, 5, lambda r, port, q: (r, 5, port, repo, q), timeout=150)
     for rank, res in out.items():
         assert res["versions"] == [1, 2, 3, 4], rank  # and every held slice checked bit-exact at each
     for v in range(VERSIONS):
         whole = out[0]["reports"][v]
         # Node 0 read the version from the repository once (its manifest, the packs it needs).
-        assert whole.upstream_bytes > 0 and whole.members == (0, 1, 2, 3) and whole.broadcast_error is None
+        assert whole.upstream_bytes > 0 and whole.members == (0, 1, 2, 3, 4) and whole.broadcast_error is None
         manifest = (Path(repo) / "manifests" / f"{v + 1:020d}.pb").stat().st_size  # every node receives it whole
         packs = whole.received_bytes - manifest
         first, last, twin = (out[r]["reports"][v] for r in (1, 2, 3))
@@ -124,6 +128,9 @@ def test_shard_nodes_receive_only_their_share_bit_exact(tmp_path: Path) -> None:
             assert 0 < rep.received_bytes - manifest < 0.5 * packs, (v, rep, whole)
             assert rep.upstream_bytes < 1000
         assert last.received_bytes == twin.received_bytes  # one class, one stream
+        # Two small tensors of four (w is 97% of the model): the chunks of those alone.
+        some = out[4]["reports"][v]
+        assert not some.repaired and 0 < some.received_bytes - manifest < 0.2 * packs, (v, some, whole)
         assert (first.received_bytes - manifest) + (last.received_bytes - manifest) < 0.75 * packs
 
 
