@@ -363,25 +363,31 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
 
         took = {"diffed": 0.0, "mapped": 0.0}
 
-        def diff() -> None:
+        def diff(targets: dict[str, torch.Tensor]) -> None:
             t0 = time.perf_counter()
             try:
                 assert held is not None
-                staging.changes, staging.refused = read_changes(source, held, target, sparse, served.get)
+                staging.changes, staging.refused = read_changes(source, held, target, sparse, served.get, targets)
             except BaseException as e:  # the update reads them itself
                 staging.error = e
             took["diffed"] = time.perf_counter() - t0
 
         def work() -> None:
             t0 = time.perf_counter()
-            # The diffs (scans without the GIL) run next to the mapping (page faults, Python).
-            differ = threading.Thread(target=diff, name="deltasync-stage-diff", daemon=True) if sparse else None
-            if differ is not None:
-                differ.start()
+            differ: threading.Thread | None = None
             try:
-                with source.tensors(target, dense, mapped=True) as (_where, stream):
-                    for n, tensor in stream:
-                        staging.tensors[n] = tensor
+                # The targets of the patches first (small, or two 100 MB tensors: mapped in a few
+                # ms); their diffs (scans without the GIL) then run next to the mapping of what
+                # reloads (page faults, Python).
+                if sparse:
+                    with source.tensors(target, sparse, mapped=True) as (_where, stream):
+                        targets = dict(stream)
+                    differ = threading.Thread(target=diff, args=(targets,), name="deltasync-stage-diff", daemon=True)
+                    differ.start()
+                if dense:
+                    with source.tensors(target, dense, mapped=True) as (_where, stream):
+                        for n, tensor in stream:
+                            staging.tensors[n] = tensor
             except BaseException as e:  # the update reads them itself
                 staging.error = e
             took["mapped"] = time.perf_counter() - t0

@@ -365,13 +365,15 @@ def plan_update(held: ManifestInfo | None, target: ManifestInfo, packed: Mapping
 
 
 def read_changes(source: Source, held: ManifestInfo, target: ManifestInfo, names: Sequence[str],
-                 served: Callable[[str], torch.Tensor | None] | None = None) -> tuple[dict[str, TensorChange], dict[str, str]]:
+                 served: Callable[[str], torch.Tensor | None] | None = None,
+                 targets: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, TensorChange], dict[str, str]]:
     """For each tensor in ``names``: read its target version (each chunk checked against its
-    manifest digest; mapped from the copy, else pulled from the repository) and diff its bits
-    against the held version's. ``served(name)``: the held version's tensor as the engine
-    holds it in memory (verified when it was loaded), or None; only the others are read in
-    the held version too (from the copy's other slot, else the repository). Returns the
-    changes, and the tensors that cannot go sparse with the reason."""
+    manifest digest; mapped from the copy, else pulled from the repository; ``targets``: those
+    read already, the same way) and diff its bits against the held version's. ``served(name)``:
+    the held version's tensor as the engine holds it in memory (verified when it was loaded),
+    or None; only the others are read in the held version too (from the copy's other slot,
+    else the repository). Returns the changes, and the tensors that cannot go sparse with the
+    reason."""
     if not names:
         return {}, {}
     changes: dict[str, TensorChange] = {}
@@ -381,11 +383,15 @@ def read_changes(source: Source, held: ManifestInfo, target: ManifestInfo, names
         got = served(name) if served is not None else None
         if got is not None:
             old[name] = got
-    with source.tensors(target, names, mapped=True) as (_where, stream):
-        new = dict(stream)
+    new = dict(targets or {})
+    unread = [n for n in names if n not in new]
+    if unread:
+        with source.tensors(target, unread, mapped=True) as (_where, stream):
+            new.update(stream)
     rest = [n for n in names if n not in old]
-    with source.tensors(held, rest) as (_where, stream):
-        old.update(stream)
+    if rest:
+        with source.tensors(held, rest) as (_where, stream):
+            old.update(stream)
 
     def one(name: str) -> TensorChange | str:
         return diff_tensor(name, old[name], new[name], tensor_chunks(target, name), changed_ranges(held, target, name))
