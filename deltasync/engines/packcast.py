@@ -186,6 +186,7 @@ class PackcastNode:
         self._rebuild = False
         self._retained_raw: dict[str, bytes] = {}  # node 0: the manifests of the round being planned
         self._holds_of: dict[int, Holds] = {}  # node 0: what each node holds, as it said when it joined
+        self._started: tuple[int, threading.Thread, list[str], tuple[int, int]] | None = None  # start_round's
         self._joins_seen = 0
         if rank == 0:
             self._store.set("next", "1")
@@ -450,18 +451,43 @@ class PackcastNode:
                 self._groups[ranks] = pg
         return pg
 
-    def _run_round(self, n: int, header: dict[str, Any], apply: Apply | None = None,
-                   counters: tuple[int, int] | None = None) -> RoundReport:
-        version, members = int(header["version"]), tuple(header["members"])
+    def start_round(self, n: int, header: dict[str, Any]) -> None:
+        """Start receiving round ``n`` (from :meth:`next_round`) before taking it: reads of its
+        objects (the target's manifest, say) wait for them from here on. :meth:`take_round`
+        finishes it, or :meth:`drop_round` lets it go."""
+        if self.rank in header["members"] and (self._started is None or self._started[0] != n):
+            self.drop_round()
+            self._started = self._begin(n, header)
+
+    def drop_round(self) -> None:
+        """Let a round started and not taken go: what arrives is forgotten."""
+        started, self._started = self._started, None
+        if started is not None:
+            started[1].join()
+            self.cache.forget()
+
+    def _begin(self, n: int, header: dict[str, Any],
+               counters: tuple[int, int] | None = None) -> tuple[int, threading.Thread, list[str], tuple[int, int]]:
         classes = [(tuple(int(r) for r in c["ranks"]), [_segment(s) for s in c["segments"]]) for c in header["classes"]]
         mine = next((segs for ranks, segs in classes if self.rank in ranks), [])
         self._round = n
-        received0, upstream0 = counters or (self.cache.received_bytes, self.cache.upstream_bytes)
+        counters = counters or (self.cache.received_bytes, self.cache.upstream_bytes)
         self.cache.expect((s[0] for s in mine), in_part={s[0] for s in mine if s[3] != s[1]})
         errors: list[str] = []
         mover = threading.Thread(target=self._move, args=(int(header["epoch"]), classes, errors),
                                  name="deltasync-packcast", daemon=True)
         mover.start()
+        return n, mover, errors, counters
+
+    def _run_round(self, n: int, header: dict[str, Any], apply: Apply | None = None,
+                   counters: tuple[int, int] | None = None) -> RoundReport:
+        version, members = int(header["version"]), tuple(header["members"])
+        started, self._started = self._started, None
+        if started is not None and started[0] != n:
+            self._started = started
+            self.drop_round()
+            started = None
+        _, mover, errors, (received0, upstream0) = started or self._begin(n, header, counters)
         take = apply or self.engine.update
         repaired = False
         try:

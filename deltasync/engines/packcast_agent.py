@@ -153,6 +153,9 @@ class PackcastAgent(EngineAgent):
         if header.get("stop"):
             return self._detach(f"packcast node {self.rank}: node 0 at {self.master} closed the group", logging.INFO)
         self._pending = n, header
+        # Receiving starts now: the manifests the agent reads before the round come from the
+        # group too (the stream starts with them), not once per node from the relay.
+        self.node.start_round(n, header)
         version = int(header["version"])
         note: Mapping[str, Any] = header.get("note") or {}
         now = time.time()
@@ -190,6 +193,9 @@ class PackcastAgent(EngineAgent):
             how = super()._move(sub, repo, previous, target)
         finally:
             self._rounds = False
+            if self._pending is not None and self.node is not None:  # failed before its round
+                self._pending = None
+                self.node.drop_round()
         report = self.last_round
         if report is not None and report.version == target:
             how += f"; packcast round {report.round}: {_size(report.received_bytes)} from the group, " \
