@@ -6,8 +6,10 @@
 
 A random-weight Qwen2 checkpoint (``tests/vllm_model.py``) is published with ``--versions``
 more versions after it, each changing ``--fraction`` of the elements of every tensor (0.1%:
-an RL step), as deltas. Then, one mode after the other, a vLLM with the deltasync backend is
-started and the command-line agent follows a pin moved through the versions one by one:
+an RL step), as deltas, and served by a relay on loopback (``deltasync serve``, in this
+process: what the agent and the vLLM workers read is counted there). Then, one mode after the
+other, a vLLM with the deltasync backend is started and the command-line agent follows the
+relay's repository while a pin is moved through the versions one by one:
 
 * **copy**: ``deltasync pull --version 1 DIR``, the server started from DIR, and
   ``deltasync subscribe --out DIR --engine vllm@URL --follow`` (the copy is brought to each
@@ -21,7 +23,8 @@ Printed per version and mode: the bytes the agent process caused to be written t
 included; Linux counts a page when it becomes dirty, so a page of the copy still dirty from
 the version before last, not yet written back, is not counted again: the copy's figure reads
 low when versions come faster than writeback), that over the version's stored bytes and over
-the model, the seconds from the pin
+the model, the bytes the relay served (to the agent, and to the workers pulling from it),
+the seconds from the pin
 to the state recording the server at the version, and the pause the agent reports. Then each
 mode's medians, and what each wrote before its first version (the copy's or snapshot's
 files). After the last version both servers must give the same greedy generation.
@@ -45,6 +48,7 @@ from safetensors.torch import load_file, save_file
 import deltasync
 from deltasync import Repository
 from deltasync.local.agent import read_status
+from deltasync.relay.server import RelayServer, build_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_server import ROOT, VllmServer, vllm_python
@@ -104,8 +108,8 @@ def served(status_dir: Path) -> int | None:
     return v if isinstance(v, int) else None
 
 
-def run_mode(mode: str, py: Path, root: Path, repo: Path, tok: Path, versions: list[int], stored: dict[int, int],
-             model_bytes: int) -> tuple[list[dict[str, float]], int, list[int]]:
+def run_mode(mode: str, py: Path, root: Path, repo: Path, relay: RelayServer, tok: Path, versions: list[int],
+             stored: dict[int, int], model_bytes: int) -> tuple[list[dict[str, float]], int, list[int]]:
     """Follow the pin through ``versions`` in one mode; per version its figures."""
     serve_dir = root / f"{mode}-serve"
     if mode == "copy":
@@ -123,7 +127,7 @@ def run_mode(mode: str, py: Path, root: Path, repo: Path, tok: Path, versions: l
     with VllmServer(py, serve_dir, tokenizer=tok, log=log, weight_transfer={"backend": "deltasync"},
                     max_model_len=512) as server:
         out = open(root / f"{mode}-agent.out", "w")  # noqa: SIM115 (closed below)
-        agent = subprocess.Popen([sys.executable, "-m", "deltasync", "subscribe", "--repo", str(repo), *map(str, agent_args),
+        agent = subprocess.Popen([sys.executable, "-m", "deltasync", "subscribe", "--repo", relay.url, *map(str, agent_args),
                                   "--engine", f"vllm@{server.url}", "--follow", "--poll-interval", "0.1"],
                                  stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV)
         try:
@@ -134,7 +138,7 @@ def run_mode(mode: str, py: Path, root: Path, repo: Path, tok: Path, versions: l
                                      f"{(root / f'{mode}-agent.out').read_text()[-2000:]}")
                 time.sleep(0.1)
             for v in versions:
-                w0 = written(agent.pid)
+                w0, r0 = written(agent.pid), relay.metrics()["served_bytes"]
                 t0 = time.time()
                 cli("pin", "--repo", repo, str(v))
                 deadline = time.monotonic() + 900
@@ -146,7 +150,7 @@ def run_mode(mode: str, py: Path, root: Path, repo: Path, tok: Path, versions: l
                 seconds = float(read_status(status_dir)["engine_updated_unix"]) - t0
                 w = written(agent.pid) - w0
                 rows.append({"version": v, "written": w, "w/stored": w / stored[v], "w/model": w / model_bytes,
-                             "seconds": seconds})
+                             "relay": relay.metrics()["served_bytes"] - r0, "seconds": seconds})
             generation = server.complete(PROMPT)
         finally:
             agent.terminate()
@@ -188,19 +192,25 @@ def main() -> None:
               f"{a.fraction:.2%} of every tensor's elements changed per version; stored per version: "
               + ", ".join(f"v{v} {stored[v] / 2**20:.2f} MiB" for v in versions))
         results = {}
-        for mode in MODES:
-            results[mode] = run_mode(mode, py, root, repo, tok, versions, stored, model_bytes)
-        print(f"{'mode':>13} {'version':>7} {'written':>12} {'w/stored':>9} {'w/model':>8} {'pin->served':>11} "
-              f"{'pause':>9}")
+        relay = build_server(str(repo), "127.0.0.1:0", warm=False).start()
+        try:
+            for mode in MODES:
+                results[mode] = run_mode(mode, py, root, repo, relay, tok, versions, stored, model_bytes)
+        finally:
+            relay.stop()
+        print(f"{'mode':>13} {'version':>7} {'written':>12} {'w/stored':>9} {'w/model':>8} {'from relay':>12} "
+              f"{'pin->served':>11} {'pause':>9}")
         for mode in MODES:
             for row in results[mode][0]:
                 print(f"{mode:>13} {int(row['version']):>7} {row['written'] / 2**20:>8.2f} MiB {row['w/stored']:>8.2f}x "
-                      f"{row['w/model']:>7.3f}x {row['seconds']:>10.2f}s {row['pause_ms']:>6.0f} ms")
+                      f"{row['w/model']:>7.3f}x {row['relay'] / 2**20:>8.2f} MiB {row['seconds']:>10.2f}s "
+                      f"{row['pause_ms']:>6.0f} ms")
         print("medians:")
         for mode in MODES:
             rows = results[mode][0]
             print(f"{mode:>13}: written {statistics.median(r['written'] for r in rows) / 2**20:.2f} MiB per version "
-                  f"({statistics.median(r['w/model'] for r in rows):.3f}x the model), pin->served "
+                  f"({statistics.median(r['w/model'] for r in rows):.3f}x the model), from the relay "
+                  f"{statistics.median(r['relay'] for r in rows) / 2**20:.2f} MiB, pin->served "
                   f"{statistics.median(r['seconds'] for r in rows):.2f}s, pause "
                   f"{statistics.median(r['pause_ms'] for r in rows):.0f} ms; the directory the server starts from: "
                   f"{results[mode][1] / 2**20:.1f} MiB on disk")
