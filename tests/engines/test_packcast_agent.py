@@ -255,6 +255,14 @@ def test_three_cli_nodes_follow_every_version_a_killed_node_catches_up_node_0_co
         for r in range(3):
             s = nodes.status(r)
             assert s["version"] == 8 and s["engine_version"] == 8 and s["lag_versions"] == 0, s
+        # A pin (back to 6) reaches every node through node 0's rounds, and so does its end.
+        deltasync.Repository(repo).pin(6)
+        nodes.wait_for([0, 1, 2], 6)
+        for r in range(3):
+            s = nodes.status(r)
+            assert s["pinned_version"] == 6 and s["target_version"] == 6 and s["lag_versions"] == 0, s
+        deltasync.Repository(repo).pin(None)
+        nodes.wait_for([0, 1, 2], 8)
     finally:
         codes = nodes.stop()
     assert codes == {0: 0, 1: 0, 2: 0}, codes  # SIGTERM: a clean stop on every node
