@@ -387,8 +387,8 @@ class PackcastNode:
 
     def next_round(self, stop: Callable[[], bool] | None = None) -> tuple[int, dict[str, Any]] | None:
         """Say this node is ready and wait for the next round node 0 starts: ``(round, header)``
-        (``header["stop"]``: node 0 closed); None once ``stop`` returns True (asked twice a
-        second while waiting). Raises GroupError when node 0's store is gone."""
+        (``header["stop"]``: node 0 closed); None once ``stop`` returns True (asked every 50 ms
+        while waiting). Raises GroupError when node 0's store is gone."""
         import torch.distributed as dist
 
         n = self._round + 1
