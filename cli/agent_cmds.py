@@ -127,6 +127,9 @@ def subscribe(
         from deltasync.engines.packcast_agent import parse_packcast
 
         node = parse_packcast(packcast)
+        # torch's c10d logs every failed attempt to reach a store with a C++ stack trace; packcast
+        # says what failed itself (one line, or a warning per round). Set it to see them.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     retry_log = RetryLog(retries, follow)
     config = AgentConfig(
         poll_interval=poll_interval, metrics_port=metrics_port, metrics_host=metrics_host,

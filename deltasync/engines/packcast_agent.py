@@ -104,7 +104,7 @@ class PackcastAgent(EngineAgent):
         try:
             self.node = self._connect(timeout)
         except GroupError as e:
-            raise UsageError(f"{e}: is node 0 running (`--packcast 0/{world}@{master}`)?") from None
+            raise UsageError(f"{e} (is node 0 running, `--packcast 0/{world}@{master}`?)") from None
 
     def _connect(self, timeout: float) -> PackcastNode:
         self._last_try = time.monotonic()
