@@ -331,19 +331,37 @@ def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path) ->
         assert [server.complete(p) for p in PROMPTS] == expected[0]
         assert server.checksums() == expected[1]
 
-        # The server restarted from the snapshot directory serves version 1 again; the agent
-        # (run again) brings it back to the latest, loading what changed since 1.
+        # The server restarted from the snapshot directory serves version 1 again: the agent
+        # run again brings it back to the latest, loading what changed since 1.
         server.stop()
         server.start()
         assert server.weight_version() == "default"
-        # (the workers pull from another URL of the same repository this time)
-        r = ok(deltasync_cli(*sub, "--worker-repo", f"file://{repo}", cwd=tmp_path))
+        r = ok(deltasync_cli(*sub, cwd=tmp_path))
         assert "engine serves version 4" in r.out, r.out
-        again = _loads(log, 4)[-1]
-        assert again["from"] == 1, again
+        assert _loads(log, 4)[-1]["from"] == 1
         assert server.weight_version() == "4"
+
+        # And under a following agent, which notices the restart by /weight_info and brings
+        # it back (the workers pull from another URL of the same repository this time).
+        started = time.time()
+        agent = subprocess.Popen([sys.executable, "-m", "deltasync", *map(str, sub), "--follow", "--poll-interval",
+                                  "0.2", "--worker-repo", f"file://{repo}"], cwd=tmp_path, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _wait_for("the follower's first look", lambda: (read_status(state).get("last_update") or {}).get(
+            "finished_unix", 0) > started)
+        assert read_status(state)["last_update"]["how"] == "engine already there"
+        loads = len(_loads(log, 4))
+        server.stop()
+        server.start()
+        _wait_for("version 4 served again", lambda: len(_loads(log, 4)) > loads and server.weight_version() == "4",
+                  timeout=600)
+        assert _loads(log, 4)[-1]["from"] == 1
         assert [server.complete(p) for p in PROMPTS] == expected[0]
         assert server.checksums() == expected[1]
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=120)
+        assert agent.returncode == 0 and "stopped at version 4" in out, out
+        agent = None
         s = json.loads(ok(deltasync_cli("status", "--state", state, "--json", cwd=tmp_path)).out)
         assert s["version"] == 4 and s["engine_version"] == 4 and s["lag_versions"] == 0
         assert stamps(snap) == snap_before
