@@ -145,6 +145,11 @@ class Update:
     """The engine's record of its swap (agents with an engine; None: it already served the version)."""
 
 
+#: Seconds between writes of the figures when only the byte counters moved (an idle agent's polls).
+COUNTERS_FLUSH_S = 30.0
+_COUNTERS = frozenset({"bytes_fetched_total", "fetched_by_kind"})
+
+
 @dataclass
 class _Figures:
     """What the agent knows; mirrored into the copy's LMDB ``stats`` record."""
@@ -207,6 +212,8 @@ class Agent:
         self._wake = threading.Event()
         self._db: StateDB | None = None
         self._last_flush = 0.0
+        self._flushed: dict[str, Any] | None = None  # the figures as last written
+        self._last_write = -float("inf")
         self._last_listing = -float("inf")
         self._fetched_at_start = 0
         self._base_total = 0
@@ -605,7 +612,8 @@ class Agent:
         self._flush(force=True)
 
     def _flush(self, *, force: bool = False) -> None:
-        """Write the figures to the copy's state (at most every half second unless ``force``)."""
+        """Write the figures to the copy's state (at most every half second unless ``force``;
+        only when they changed)."""
         now = time.monotonic()
         if not force and now - self._last_flush < 0.5:
             return
@@ -620,8 +628,17 @@ class Agent:
                 for k in sorted(kinds)
             }
             record = dict(vars(f))
+        if self._flushed is not None:
+            # An idle agent writes nothing to its disk: what changes while it polls is the
+            # bytes its reads of the refs cost, written at most every COUNTERS_FLUSH_S.
+            if record == self._flushed:
+                return
+            moved = {k for k, v in record.items() if self._flushed.get(k) != v}
+            if moved <= _COUNTERS and now - self._last_write < COUNTERS_FLUSH_S:
+                return
         with contextlib.suppress(DeltasyncError, OSError):
             self._state_db().update_stats(record)
+            self._flushed, self._last_write = record, now
 
     def metrics(self) -> list[Metric]:
         """The figures as Prometheus metrics (what ``/metrics`` serves)."""

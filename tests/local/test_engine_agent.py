@@ -675,3 +675,26 @@ def test_copy_mode_loads_a_fresh_engine_from_the_copy_in_place(tmp_path: Path) -
     swap = updates[-1].swap
     assert swap is not None and swap.extra["in_place"] and swap.chunks_changed == swap.chunks_total
     assert counting.bytes_read("packs/") == 0  # every chunk read from the copy, verified, written in place
+
+
+def test_an_idle_following_agent_writes_nothing_to_its_state(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    publish_chain(repo, 2)
+    template = make_state(0, LAYOUT)
+    engine = TorchEngine(zeros_like(template), str(repo), workers=2)
+    agent = EngineAgent(engine, tmp_path / "state", agent_config())
+    thread = threading.Thread(target=agent.run, kwargs={"follow": True}, daemon=True)
+    thread.start()
+    try:
+        _until("the engine to serve version 2", lambda: engine.version == 2)
+        data = next((tmp_path / "state" / ".deltasync").rglob("data.mdb"))
+        _until("the figures to settle", lambda: read_status(tmp_path / "state")["state"] == "idle")
+        time.sleep(0.6)  # past the half-second flush interval
+        before = data.stat().st_mtime_ns
+        for _ in range(30):  # many polls (every 0.05 s), none of which finds anything new
+            time.sleep(0.05)
+            assert data.stat().st_mtime_ns == before
+    finally:
+        agent.stop()
+        thread.join(30)
+    assert read_status(tmp_path / "state")["state"] == "stopped"
