@@ -18,6 +18,7 @@ off the modules behind it.
 from __future__ import annotations
 
 from .agent import Agent as Agent, AgentConfig as AgentConfig, Update as Update
+from .cache import CachedStore as CachedStore, LocalCache as LocalCache
 from .engine_agent import EngineAgent as EngineAgent
 from .placement import Bits as Bits, Placement as Placement, placements as placements, read_placed as read_placed
 from .slots import boot_id as boot_id, other as other, slot_dir as slot_dir

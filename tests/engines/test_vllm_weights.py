@@ -759,3 +759,50 @@ def test_a_placement_outlives_what_keeps_its_parameter_and_not_what_replaces_it(
     assert not again.still_valid()
     third = c.check("embed.weight", (8, 4), bf)
     assert isinstance(third, Placement) and third.still_valid() and len(toy.loads) == probes + 2
+
+
+def test_a_worker_cache_makes_each_version_read_only_its_delta_from_the_repository(
+    published: tuple[str, dict[int, dict[str, torch.Tensor]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    repo = str(tmp_path / "delta-repo")
+    pub = deltasync.Publisher(repo)  # tensors published in one process: versions 2 and 3 are deltas
+    states = published[1]
+    for v in (1, 2, 3):
+        assert pub.publish(states[v]) == v
+    r = deltasync.Repository(repo)
+    assert not r.manifest(3).is_snapshot and not r.manifest(2).is_snapshot
+    names = sorted(states[1])
+    cache = tmp_path / "worker-cache"
+    monkeypatch.setenv("DELTASYNC_WORKER_CACHE", str(cache))  # as a server's workers are given it
+
+    def read(version: int) -> tuple[dict[str, torch.Tensor], int]:
+        source = Source(None, repo)  # one per update, as the backend makes them
+        with source.tensors(r.manifest(version), names) as (where, stream):
+            got = dict(stream)
+        assert where == "repository" and source._store is not None
+        return got, source._store.fetched_by_kind().get("packs", 0)
+
+    got, first = read(2)
+    assert all(torch.equal(got[n], states[2][n]) for n in names)
+    snapshot_bytes = sum(p.size for p in r.manifest(1).pb.packs)
+    assert first >= snapshot_bytes  # the snapshot, read once
+    got, second = read(3)
+    assert all(torch.equal(got[n], states[3][n]) for n in names)
+    assert 0 < second <= sum(p.size for p in r.manifest(3).pb.packs)  # only version 3's delta
+    got, again = read(3)
+    assert again == 0 and all(torch.equal(got[n], states[3][n]) for n in names)
+    kept = {f"packs/{p.name}" for p in (cache / "packs").iterdir()}
+    assert kept <= {p.key for v in (1, 2, 3) for p in r.manifest(v).pb.packs}
+
+    # A damaged kept pack costs a download, never a wrong bit.
+    for piece in (cache / "packs").rglob("*"):
+        if piece.is_file():
+            piece.write_bytes(b"\0" * piece.stat().st_size)
+    got, repaired = read(3)
+    assert repaired > 0 and all(torch.equal(got[n], states[3][n]) for n in names)
+
+    monkeypatch.delenv("DELTASYNC_WORKER_CACHE")
+    source = Source(None, repo)
+    assert source.cache is None
+    with source.tensors(r.manifest(3), names) as (_, stream):
+        assert all(torch.equal(t, states[3][n]) for n, t in stream)

@@ -41,13 +41,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CheckpointError, ChecksumMismatchError, DeltasyncError, UsageError
+from ...errors import CheckpointError, ChecksumMismatchError, CorruptObjectError, DeltasyncError, UsageError
 from ...format import dtypes
 from ...format.checkpoint import FileReader
 from ...format.codec import changed_elements
 from ...format.digest import digest
 from ...format.manifest import ManifestInfo, key_of, logical_shape
-from ...local import CopyInUseError, StateDB, boot_id, copy_lock, other, placements, read_placed, slot_dir
+from ...local import (
+    CachedStore,
+    CopyInUseError,
+    LocalCache,
+    StateDB,
+    boot_id,
+    copy_lock,
+    other,
+    placements,
+    read_placed,
+    slot_dir,
+)
 from ...pull.select import TensorRequest, assemble
 from ...v1 import manifest_pb2 as pb
 
@@ -582,13 +593,31 @@ def open_copy(root: str | os.PathLike[str], info: ManifestInfo) -> Iterator[Copy
         yield CopyReader(slot_dir(path, found), info, reader, record.info(found).files if trust else None)
 
 
-class Source:
-    """Where a worker finds versions: the agent's copy first, else the repository."""
+#: A directory on the server's host where workers keep the objects they read from the
+#: repository (engine-first: no copy). See :class:`Source`.
+WORKER_CACHE_ENV = "DELTASYNC_WORKER_CACHE"
 
-    def __init__(self, copy: str | None, repo: str | None, trusted_keys: Sequence[str] = ()) -> None:
+
+class Source:
+    """Where a worker finds versions: the agent's copy first, else the repository.
+
+    ``cache`` (default: ``$DELTASYNC_WORKER_CACHE``): a directory where what is read from the
+    repository is kept (local/cache.py: manifests, and the packs of the chain from the
+    version's snapshot, pruned to that chain). Without a copy, a worker reloading a module
+    needs its whole tensors, which come from the snapshot through the chain: kept here, each
+    version then reads only its own delta from the repository (or relay), and the disk holds
+    about the chain's stored bytes, not the model. Workers of one server may share it (each
+    object is written to a temporary file and renamed)."""
+
+    def __init__(self, copy: str | None, repo: str | None, trusted_keys: Sequence[str] = (),
+                 cache: str | os.PathLike[str] | None = None) -> None:
         self.copy = copy
         self.repo_url = repo
         self.trusted_keys = tuple(trusted_keys)
+        if cache is None:
+            cache = os.environ.get(WORKER_CACHE_ENV) or None
+        self.cache = LocalCache(Path(cache)) if cache is not None else None
+        self._store: CachedStore | None = None
         self._sub: Any = None
 
     def _subscriber(self, why: str) -> Any:
@@ -596,9 +625,39 @@ class Source:
             if self.repo_url is None:
                 raise DeltasyncError(f"{why}, and no repo was given to read it from")
             from ...pull.subscriber import Subscriber
+            from ...storage import open_store
 
-            self._sub = Subscriber(self.repo_url, trusted_keys=list(self.trusted_keys) or None)
+            keys = list(self.trusted_keys) or None
+            if self.cache is None:
+                self._sub = Subscriber(self.repo_url, trusted_keys=keys)
+            else:
+                self._store = CachedStore(open_store(self.repo_url), self.cache)
+                self._sub = Subscriber(self._store, trusted_keys=keys)
+                identity = self._sub.repo.identity()
+                if self.cache.bind(identity):
+                    log.info("worker cache %s held another repository's objects: dropped", self.cache.root)
         return self._sub
+
+    def _pull(self, info: ManifestInfo, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        sub = self._subscriber(f"the copy at {self.copy} does not hold version {info.version}")
+        if self._store is None or self.cache is None:
+            pulled: dict[str, torch.Tensor] = sub.pull(info.version, tensors=list(names))
+            return pulled
+        chain = sub.repo.chain(info.version)
+        self._store.capture = {p.key for step in chain for p in step.pb.packs}
+        try:
+            try:
+                pulled = sub.pull(info.version, tensors=list(names))
+            except (CorruptObjectError, ChecksumMismatchError) as e:
+                # A damaged kept object costs a download, never a wrong bit: once, from the repository.
+                log.warning("worker cache %s: %s; reading from the repository instead", self.cache.root, e)
+                self.cache.forget_packs()
+                pulled = sub.pull(info.version, tensors=list(names))
+        finally:
+            self._store.capture = set()
+        versions = [step.version for step in chain]
+        self.cache.prune(versions, snapshots=versions)
+        return pulled
 
     def manifest(self, version: int, version_digest: str | None = None) -> ManifestInfo:
         """``version``'s manifest, from the copy when it holds it, else the repository; with
@@ -626,8 +685,7 @@ class Source:
                 if reader is not None:
                     yield "copy", ((n, reader.tensor(n, mapped=mapped)) for n in names)
                     return
-        sub = self._subscriber(f"the copy at {self.copy} does not hold version {info.version}")
-        pulled: dict[str, torch.Tensor] = sub.pull(info.version, tensors=list(names)) if names else {}
+        pulled = self._pull(info, names) if names else {}
         yield "repository", ((n, pulled[n]) for n in names)
 
 
