@@ -2,7 +2,7 @@
 
     bash scripts/install_vllm.sh      # once: the vLLM environment
     python -m benchmarks.bench_vllm_engine_first [--hidden 1024] [--layers 8] [--vocab 16384]
-                                                 [--versions 3] [--fraction 0.001]
+                                                 [--versions 3] [--fraction 0.001] [--modes copy,...]
 
 A random-weight Qwen2 checkpoint (``tests/vllm_model.py``) is published with ``--versions``
 more versions after it, each changing ``--fraction`` of the elements of every tensor (0.1%:
@@ -16,7 +16,10 @@ relay's repository while a pin is moved through the versions one by one:
   version, then the workers read what changed from it);
 * **engine-first**: ``deltasync pull --snapshot DIR`` (the snapshot: version 1), the server
   started from DIR, and ``deltasync subscribe --state S --engine vllm@URL --follow`` (no copy:
-  the workers pull what changed from the repository).
+  the workers pull what changed from the repository);
+* **engine-cached**: the same, the server started with ``DELTASYNC_WORKER_CACHE=DIR``: its
+  workers keep what they read (the chain from the snapshot), so each version reads only its
+  delta from the relay; the ``cache`` column is that directory's size after the version.
 
 Printed per version and mode: the bytes the agent process caused to be written to storage
 (``/proc/PID/io`` ``write_bytes``, between the pin and the server serving it; idle polls
@@ -53,7 +56,7 @@ from deltasync.relay.server import RelayServer, build_server
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_server import ROOT, VllmServer, vllm_python
 
-MODES = ("copy", "engine-first")
+MODES = ("copy", "engine-first", "engine-cached")
 PROMPT = "w5 w6 w7 w8"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
@@ -124,8 +127,11 @@ def run_mode(mode: str, py: Path, root: Path, repo: Path, relay: RelayServer, to
     cli("pin", "--repo", repo, "1")
     rows: list[dict[str, float]] = []
     log = root / f"{mode}.log"
-    with VllmServer(py, serve_dir, tokenizer=tok, log=log, weight_transfer={"backend": "deltasync"},
-                    max_model_len=512) as server:
+    cache_dir = root / f"{mode}-worker-cache"
+    vllm = VllmServer(py, serve_dir, tokenizer=tok, log=log, weight_transfer={"backend": "deltasync"}, max_model_len=512)
+    if mode == "engine-cached":
+        vllm.env["DELTASYNC_WORKER_CACHE"] = str(cache_dir)
+    with vllm as server:
         out = open(root / f"{mode}-agent.out", "w")  # noqa: SIM115 (closed below)
         agent = subprocess.Popen([sys.executable, "-m", "deltasync", "subscribe", "--repo", relay.url, *map(str, agent_args),
                                   "--engine", f"vllm@{server.url}", "--follow", "--poll-interval", "0.1"],
@@ -150,7 +156,8 @@ def run_mode(mode: str, py: Path, root: Path, repo: Path, relay: RelayServer, to
                 seconds = float(read_status(status_dir)["engine_updated_unix"]) - t0
                 w = written(agent.pid) - w0
                 rows.append({"version": v, "written": w, "w/stored": w / stored[v], "w/model": w / model_bytes,
-                             "relay": relay.metrics()["served_bytes"] - r0, "seconds": seconds})
+                             "relay": relay.metrics()["served_bytes"] - r0, "seconds": seconds,
+                             "cache": tree_bytes(cache_dir) if cache_dir.exists() else 0})
             generation = server.complete(PROMPT)
         finally:
             agent.terminate()
@@ -170,7 +177,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--versions", type=int, default=3, help="versions after the first")
     ap.add_argument("--fraction", type=float, default=0.001, help="fraction of every tensor's elements changed")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     a = ap.parse_args()
+    modes = tuple(m for m in a.modes.split(",") if m)
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes: choose among {', '.join(MODES)}, got {a.modes!r}")
     py, why = vllm_python()
     if py is None:
         raise SystemExit(f"bench_vllm_engine_first: {why}")
@@ -194,19 +205,19 @@ def main() -> None:
         results = {}
         relay = build_server(str(repo), "127.0.0.1:0", warm=False).start()
         try:
-            for mode in MODES:
+            for mode in modes:
                 results[mode] = run_mode(mode, py, root, repo, relay, tok, versions, stored, model_bytes)
         finally:
             relay.stop()
         print(f"{'mode':>13} {'version':>7} {'written':>12} {'w/stored':>9} {'w/model':>8} {'from relay':>12} "
-              f"{'pin->served':>11} {'pause':>9}")
-        for mode in MODES:
+              f"{'pin->served':>11} {'pause':>9} {'cache':>12}")
+        for mode in modes:
             for row in results[mode][0]:
                 print(f"{mode:>13} {int(row['version']):>7} {row['written'] / 2**20:>8.2f} MiB {row['w/stored']:>8.2f}x "
                       f"{row['w/model']:>7.3f}x {row['relay'] / 2**20:>8.2f} MiB {row['seconds']:>10.2f}s "
-                      f"{row['pause_ms']:>6.0f} ms")
+                      f"{row['pause_ms']:>6.0f} ms {row['cache'] / 2**20:>8.2f} MiB")
         print("medians:")
-        for mode in MODES:
+        for mode in modes:
             rows = results[mode][0]
             print(f"{mode:>13}: written {statistics.median(r['written'] for r in rows) / 2**20:.2f} MiB per version "
                   f"({statistics.median(r['w/model'] for r in rows):.3f}x the model), from the relay "
@@ -214,8 +225,8 @@ def main() -> None:
                   f"{statistics.median(r['seconds'] for r in rows):.2f}s, pause "
                   f"{statistics.median(r['pause_ms'] for r in rows):.0f} ms; the directory the server starts from: "
                   f"{results[mode][1] / 2**20:.1f} MiB on disk")
-        same = results[MODES[0]][2] == results[MODES[1]][2]
-        print(f"greedy generation at version {versions[-1]}: {'the same' if same else 'DIFFERENT'} in both modes")
+        same = all(results[m][2] == results[modes[0]][2] for m in modes)
+        print(f"greedy generation at version {versions[-1]}: {'the same' if same else 'DIFFERENT'} in every mode")
         if not same:
             raise SystemExit(1)
     finally:
