@@ -96,6 +96,7 @@ class EngineAgent(Agent):
         self.cache = LocalCache(self.root / STATE_DIR / "objects")
         self.store.cache = self.cache
         self._verified = False  # the engine's bits were checked against a target in this run
+        self._restore_tried = False  # a restore from the kept objects was tried (_restore_offline)
 
     # -- what the engine holds ----------------------------------------------------------------
 
@@ -121,16 +122,29 @@ class EngineAgent(Agent):
             # The repository is out of reach at the start of a run: the engine need not wait
             # for it to serve what it held. The version the state records is restored from
             # the kept objects, then the run retries the repository as usual.
-            if not self._verified:
+            if not self._verified and not self._restore_tried:
+                self._restore_tried = True  # once per agent: a restore that failed is not retried per poll
                 self._restore_offline(e)
             raise
+
+    def _check_identity(self, repo: Repository) -> None:
+        before = self._identity
+        super()._check_identity(repo)
+        if before is not None and self._identity != before:
+            # Another repository at the URL now (one deleted and created again, a relay pointed
+            # elsewhere): what the engine holds was of the old one, so its bits are checked
+            # against the new one's digests at the next move, as at a start.
+            self._verified = False
 
     def _restore_offline(self, cause: BaseException) -> None:
         """Bring the engine to the version the state records from the kept objects alone (the
         chain from its snapshot: cache.py), when they hold it and its manifest is the one the
         state recorded (same version digest and repository). Every chunk is still checked by
-        its digest; one that the kept objects lack makes this a no-op (the engine waits for
-        the repository, as before)."""
+        its digest; when the kept objects lack one, the engine is left claiming no version
+        (a load may have written some of its tensors) and waits for the repository, which
+        then brings it to its target checked chunk by chunk, as at any start. The identity
+        the objects were kept by stands as the one read: when the repository answers with
+        another, the engine is rebound and checked again (:meth:`_check_identity`)."""
         assert self.engine is not None and self.cache is not None
         db = StateDB.open(self.root, create=False)
         state = db.state() if db is not None else None
@@ -149,6 +163,7 @@ class EngineAgent(Agent):
                         state.version, e)
             return
         self._verified = True
+        self._identity = bound  # what the engine now holds is of this repository
         self.last_swap = swap
         log.warning("repository unreachable (%s): the engine serves version %d, restored from the kept objects",
                     cause, state.version)

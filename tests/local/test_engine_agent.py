@@ -232,6 +232,39 @@ def test_restart_while_the_repository_is_unreachable_serves_the_recorded_version
     assert not thread.is_alive()
 
 
+def test_restored_offline_then_another_repository_at_the_url_is_checked_not_trusted(tmp_path: Path) -> None:
+    repo, other = tmp_path / "repo", tmp_path / "other"
+    run = Run(repo, snapshot_every=10)
+    versions = [run.step() for _ in range(3)]
+    run_b = Run(other, snapshot_every=10, seed=7)  # another repository, the same version numbers
+    assert [run_b.step() for _ in range(3)] == versions
+    template = make_state(0, LAYOUT)
+    state_dir = tmp_path / "state"
+    EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
+
+    flaky = FlakyStore(LocalStore(str(repo)))
+    flaky.down.set()
+    engine = TorchEngine(zeros_like(template), flaky, workers=2)
+    agent = EngineAgent(engine, state_dir, agent_config())
+    thread = threading.Thread(target=agent.run, kwargs={"follow": True}, daemon=True)
+    thread.start()
+    expected = pulled(other, versions[-1])
+
+    def holds_other() -> bool:
+        return all(torch.equal(engine.tensors[k].view(torch.uint8), v.view(torch.uint8)) for k, v in expected.items())
+
+    try:
+        _until("the engine to serve the recorded version", lambda: engine.version == versions[-1])
+        assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
+        flaky.inner = LocalStore(str(other))  # the URL answers again, with another repository
+        flaky.down.clear()
+        _until("the engine to hold the other repository's version", holds_other)
+    finally:
+        agent.stop()
+        thread.join(30)
+    assert_same_bits(engine.tensors, expected)
+
+
 def test_restart_offline_without_the_kept_chain_waits_for_the_repository(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     run = Run(repo, snapshot_every=10)
