@@ -606,8 +606,9 @@ class Source:
     version's snapshot, pruned to that chain). Without a copy, a worker reloading a module
     needs its whole tensors, which come from the snapshot through the chain: kept here, each
     version then reads only its own delta from the repository (or relay), and the disk holds
-    about the chain's stored bytes, not the model. Workers of one server may share it (each
-    object is written to a temporary file and renamed)."""
+    the chain's stored bytes (the snapshot's once per snapshot, then about each version's
+    stored delta). Workers of one server may share it (each object is written to a temporary
+    file and renamed)."""
 
     def __init__(self, copy: str | None, repo: str | None, trusted_keys: Sequence[str] = (),
                  cache: str | os.PathLike[str] | None = None) -> None:
@@ -619,6 +620,8 @@ class Source:
         self.cache = LocalCache(Path(cache)) if cache is not None else None
         self._store: CachedStore | None = None
         self._sub: Any = None
+        self._pulling = threading.Lock()  # one pull at a time: they share the capture and the prune
+        self._chains: set[int] = set()  # versions of the chains pulled through this Source
 
     def _subscriber(self, why: str) -> Any:
         if self._sub is None:
@@ -643,20 +646,22 @@ class Source:
         if self._store is None or self.cache is None:
             pulled: dict[str, torch.Tensor] = sub.pull(info.version, tensors=list(names))
             return pulled
-        chain = sub.repo.chain(info.version)
-        self._store.capture = {p.key for step in chain for p in step.pb.packs}
-        try:
+        with self._pulling:  # staging diffs the held version while it reads the target: in turn
+            chain = sub.repo.chain(info.version)
+            self._store.capture = {p.key for step in chain for p in step.pb.packs}
             try:
-                pulled = sub.pull(info.version, tensors=list(names))
-            except (CorruptObjectError, ChecksumMismatchError) as e:
-                # A damaged kept object costs a download, never a wrong bit: once, from the repository.
-                log.warning("worker cache %s: %s; reading from the repository instead", self.cache.root, e)
-                self.cache.forget_packs()
-                pulled = sub.pull(info.version, tensors=list(names))
-        finally:
-            self._store.capture = set()
-        versions = [step.version for step in chain]
-        self.cache.prune(versions, snapshots=versions)
+                try:
+                    pulled = sub.pull(info.version, tensors=list(names))
+                except (CorruptObjectError, ChecksumMismatchError) as e:
+                    # A damaged kept object costs a download, never a wrong bit: once, from the repository.
+                    log.warning("worker cache %s: %s; reading from the repository instead", self.cache.root, e)
+                    self.cache.forget_packs()
+                    pulled = sub.pull(info.version, tensors=list(names))
+            finally:
+                self._store.capture = set()
+            # Kept: the chains of every version this update read (the held one's and the target's).
+            self._chains.update(step.version for step in chain)
+            self.cache.prune(self._chains, snapshots=self._chains)
         return pulled
 
     def manifest(self, version: int, version_digest: str | None = None) -> ManifestInfo:
