@@ -16,6 +16,7 @@ import pytest
 import torch
 import zstandard
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
+from test_relay import wait_until
 
 from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, StoreError, UsageError
 from deltasync.format.codec import DEFAULT_CODEC
@@ -133,6 +134,8 @@ def test_overwrite_of_a_cached_object_is_served_fresh(writer: tuple[GrpcStore, R
     key, old, newer = "manifests/00000000000000000001.pb", _manifest(1), _manifest(1, metadata={"o": "newer"})
     store.put(key, old)
     assert store.get(key) == old  # now cached by the relay
+    # A read ends once the object is verified, before the relay has indexed it: wait for that.
+    wait_until(lambda: relay.metrics()["fetching"] == 0)
     assert relay.metrics()["cached_objects"] == 1
     store.put(key, newer)
     assert store.get(key) == newer
