@@ -45,9 +45,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
 import deltasync
 from deltasync import Repository
 from deltasync.local.agent import read_status
@@ -55,6 +52,8 @@ from deltasync.relay.server import RelayServer, build_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_server import ROOT, VllmServer, vllm_python
+
+from benchmarks.bench_vllm import perturb
 
 MODES = ("copy", "engine-first", "engine-cached")
 PROMPT = "w5 w6 w7 w8"
@@ -65,21 +64,6 @@ def build_model(py: Path, out: Path, tokenizer: Path, *, hidden: int, layers: in
     subprocess.run([str(py), str(ROOT / "tests" / "vllm_model.py"), str(out), str(tokenizer), "--hidden", str(hidden),
                     "--layers", str(layers), "--vocab", str(vocab)], check=True, timeout=1200, capture_output=True)
     return out
-
-
-def perturb(src: Path, dst: Path, *, fraction: float, seed: int) -> Path:
-    """``src`` with ``fraction`` of every tensor's elements moved by a visible amount."""
-    shutil.copytree(src, dst)
-    g = torch.Generator().manual_seed(seed)
-    for f in sorted(src.glob("*.safetensors")):
-        state = load_file(str(f))
-        for t in state.values():
-            flat = t.view(-1)
-            n = max(1, int(flat.numel() * fraction))
-            idx = torch.randint(0, flat.numel(), (n,), generator=g)
-            flat[idx] = (flat[idx].float() * (1 + 0.05 * torch.randn(n, generator=g))).to(t.dtype)
-        save_file(state, str(dst / f.name), metadata={"format": "pt"})
-    return dst
 
 
 def cli(*args: str | Path) -> str:
@@ -193,7 +177,7 @@ def main() -> None:
         pub = deltasync.Publisher(str(repo))
         assert pub.publish_dir(dirs[0]) == 1
         for i in range(a.versions):
-            dirs.append(perturb(dirs[-1], root / f"v{i + 2}", fraction=a.fraction, seed=i + 2))
+            dirs.append(perturb(dirs[-1], root / f"v{i + 2}", fraction=a.fraction, seed=i + 2, only=None))
             pub.publish_dir(dirs[-1], base_dir=dirs[-2])
         r = Repository(str(repo))
         versions = list(range(2, a.versions + 2))

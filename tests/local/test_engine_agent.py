@@ -143,13 +143,20 @@ def test_follows_versions_snapshots_and_a_pin_bit_exact(tmp_path: Path) -> None:
     assert_same_bits(engine.tensors, pulled(repo, versions[-1]))
 
 
-def test_restart_with_a_fresh_engine_reads_the_kept_chain_not_the_network(tmp_path: Path) -> None:
+def held_by_a_stopped_agent(tmp_path: Path, n: int) -> tuple[Path, Run, list[int], State, Path]:
+    """A repository of ``n`` versions, and the state directory of an engine-first agent that
+    brought an engine to the last one and stopped (its process gone: a restart starts empty)."""
     repo = tmp_path / "repo"
     run = Run(repo, snapshot_every=10)
-    versions = [run.step() for _ in range(3)]
+    versions = [run.step() for _ in range(n)]
     template = make_state(0, LAYOUT)
     state_dir = tmp_path / "state"
     EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
+    return repo, run, versions, template, state_dir
+
+
+def test_restart_with_a_fresh_engine_reads_the_kept_chain_not_the_network(tmp_path: Path) -> None:
+    repo, run, versions, template, state_dir = held_by_a_stopped_agent(tmp_path, 3)
 
     counting = CountingStore(LocalStore(str(repo)))
     engine = TorchEngine(zeros_like(template), counting, workers=2)  # a restarted process: empty weights
@@ -201,12 +208,7 @@ def _until(what: str, check: Any, timeout: float = 60.0) -> None:
 def test_restart_while_the_repository_is_unreachable_serves_the_recorded_version_from_kept_objects(
     tmp_path: Path,
 ) -> None:
-    repo = tmp_path / "repo"
-    run = Run(repo, snapshot_every=10)
-    versions = [run.step() for _ in range(3)]
-    template = make_state(0, LAYOUT)
-    state_dir = tmp_path / "state"
-    EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
+    repo, run, versions, template, state_dir = held_by_a_stopped_agent(tmp_path, 3)
 
     flaky = FlakyStore(LocalStore(str(repo)))
     flaky.down.set()
@@ -233,14 +235,10 @@ def test_restart_while_the_repository_is_unreachable_serves_the_recorded_version
 
 
 def test_restored_offline_then_another_repository_at_the_url_is_checked_not_trusted(tmp_path: Path) -> None:
-    repo, other = tmp_path / "repo", tmp_path / "other"
-    run = Run(repo, snapshot_every=10)
-    versions = [run.step() for _ in range(3)]
+    repo, _, versions, template, state_dir = held_by_a_stopped_agent(tmp_path, 3)
+    other = tmp_path / "other"
     run_b = Run(other, snapshot_every=10, seed=7)  # another repository, the same version numbers
     assert [run_b.step() for _ in range(3)] == versions
-    template = make_state(0, LAYOUT)
-    state_dir = tmp_path / "state"
-    EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
 
     flaky = FlakyStore(LocalStore(str(repo)))
     flaky.down.set()
@@ -266,12 +264,7 @@ def test_restored_offline_then_another_repository_at_the_url_is_checked_not_trus
 
 
 def test_restart_offline_without_the_kept_chain_waits_for_the_repository(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    run = Run(repo, snapshot_every=10)
-    versions = [run.step() for _ in range(2)]
-    template = make_state(0, LAYOUT)
-    state_dir = tmp_path / "state"
-    EngineAgent(TorchEngine(zeros_like(template), str(repo), workers=2), state_dir, agent_config()).run()
+    repo, _, versions, template, state_dir = held_by_a_stopped_agent(tmp_path, 2)
     for pack in (state_dir / ".deltasync" / "objects" / "packs").rglob("*"):  # the kept packs are lost
         if pack.is_file():
             pack.unlink()
