@@ -445,7 +445,10 @@ class _Flight:
         self._loop = loop
 
     def _notify(self) -> None:  # (the download's thread)
-        self._loop.call_soon_threadsafe(self.wake)
+        # A relay stopped mid-download has closed its loop: no reader is left to wake, and the
+        # download must still close its file and clear its temporary one.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.wake)
 
     def wake(self) -> None:
         old, self._changed = self._changed, asyncio.Event()

@@ -418,3 +418,24 @@ def test_pull_through_a_streaming_chain_is_bit_exact(
     settle(a, b)
     assert a.metrics()["upstream_fetches"] == b.metrics()["upstream_fetches"] > 0
     assert a.metrics()["fetch_errors"] == b.metrics()["fetch_errors"] == 0
+
+
+def test_a_download_outliving_its_relays_loop_still_lands_and_closes_its_file(tmp_path: Path) -> None:
+    """A relay stopped mid-download closes its event loop; the download thread's progress
+    notes then have no one to wake, and must not stop it from closing its file descriptor,
+    landing the object and leaving nothing in tmp/."""
+    import asyncio
+
+    from deltasync.relay.server import _Flight
+
+    origin = LocalStore(str(tmp_path / "origin"))
+    data = os.urandom(3 * 1024 + 5)
+    origin.put("blobs/x", data)
+    loop = asyncio.new_event_loop()
+    flight = _Flight("blobs/x", loop)
+    loop.close()  # the relay is gone
+    cache = ObjectCache(tmp_path / "cache", piece_bytes=1024)
+    entry = cache.fetch("blobs/x", origin, landing=flight.landing)
+    assert entry.size == len(data) and Path(entry.path).read_bytes() == data
+    assert flight.landing._fd == -1  # closed
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
