@@ -678,9 +678,12 @@ class _RelayService:
                         fd = landing.open()
                     except FileNotFoundError:  # landed, then evicted before we opened it
                         self.cache.release(key)
+                        await asyncio.sleep(0)  # the finished flight leaves _inflight first
                         continue
                     except BaseException:
                         self.cache.release(key)
+                        if landing.error is not None:  # it failed between the wait and the open
+                            raise _FetchFailed(landing.error) from None
                         raise
                     assert landing.size is not None
                     streaming = landing.entry is None
@@ -701,7 +704,8 @@ class _RelayService:
             except BaseException:
                 self.cache.release(key)
                 raise
-        raise CorruptObjectError(key, "the relay cache keeps losing this object")
+        # Not damage and not a bad request: the cache is churning (evicting faster than it is read).
+        raise OSError(f"the relay cache keeps losing {key} between finding and opening it; try again")
 
     def _fetch(self, key: str, *, warm: bool = False) -> _Flight:
         """Single flight: concurrent requests for one key share one upstream fetch, which
