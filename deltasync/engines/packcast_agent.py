@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DeltasyncError, GroupError, UsageError
+from ..errors import DeltasyncError, GroupError, StoreError, UsageError
 from ..format.signing import PublicKeyLike
 from ..local import Agent, AgentConfig, EngineAgent, PullStopped, Update
 from ..storage import WrappingStore
@@ -142,7 +142,14 @@ class PackcastAgent(EngineAgent):
         if self.node is None:
             return super()._observe()  # the repository itself, until node 0 is back
         if time.monotonic() - self._identity_read_at >= self.config.relist_interval:
-            self._check_identity(self._repository())
+            try:
+                self._check_identity(self._repository())
+            except (StoreError, OSError) as e:
+                # The relay out of reach does not keep a node from node 0's rounds: their
+                # manifests come from the group and are checked on arrival; the identity is
+                # read again at the next listing.
+                self._identity_read_at = time.monotonic()
+                log.warning("packcast node %d: repository identity not read (%s); taking node 0's rounds", self.rank, e)
         try:
             got = self.node.next_round(self._stop.is_set)
         except GroupError as e:
