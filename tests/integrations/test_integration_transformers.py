@@ -140,7 +140,8 @@ args = TrainingArguments(output_dir={out!r}, max_steps=3, per_device_train_batch
 Trainer(model=model, args=args, train_dataset=Sums(32), callbacks=[cb]).train()
 if torch.distributed.get_rank() == 0:
     torch.save({{k: v.detach() for k, v in model.state_dict().items()}}, {final!r})
-print("rank", torch.distributed.get_rank(), "published", [int(r) for r in cb.results])
+# One write of one line per rank (the two ranks share the pipe: print's separate writes interleave)
+print(f"rank {{torch.distributed.get_rank()}} published {{[int(r) for r in cb.results]}}", flush=True)
 """
 
 
