@@ -190,8 +190,8 @@ sd = model.state_dict()
 full = {{k: v.full_tensor().detach() for k, v in sd.items()}}
 if dist.get_rank() == 0:
     torch.save(full, {final!r})
-print("rank", dist.get_rank(), "kinds", sorted({{type(v).__name__ for v in sd.values()}}),
-      "published", [int(r) for r in cb.results])
+kinds = sorted({{type(v).__name__ for v in sd.values()}})
+print(f"rank {{dist.get_rank()}} kinds {{kinds}} published {{[int(r) for r in cb.results]}}", flush=True)  # one write
 """
 
 

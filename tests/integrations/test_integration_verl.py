@@ -284,7 +284,8 @@ for step in range(1, 4):
     metrics = asyncio.run(engine.send_weights(iter(list(state.items())), global_steps=step))
 if rank == 0:
     torch.save(state, {final!r})
-print("rank", rank, type(engine._publisher).__name__, "version", int(metrics["checkpoint_engine/version"]))
+kind, version = type(engine._publisher).__name__, int(metrics["checkpoint_engine/version"])
+print(f"rank {{rank}} {{kind}} version {{version}}", flush=True)  # one write: the ranks share the pipe
 """
 
 
