@@ -83,7 +83,7 @@ def first_byte(root: Path, rate: float, object_mib: float, depth: int, mode: str
 
     from deltasync.format.digest import digest
     from deltasync.storage import LocalStore, ThrottledStore
-    from deltasync.storage._wire import method_path
+    from deltasync.storage.wire import method_path
     from deltasync.v1 import relay_pb2 as rpb
 
     data = np.random.default_rng(depth).bytes(int(object_mib * 2**20))

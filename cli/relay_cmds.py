@@ -57,7 +57,7 @@ def serve(
     import logging
 
     from deltasync.relay import build_server, parse_size, run_until_signalled
-    from deltasync.storage._wire import read_token, read_write_token
+    from deltasync.storage.wire import read_token, read_write_token
 
     logging.getLogger("deltasync").removeHandler(WARNINGS)  # the relay logs every line its own way
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")

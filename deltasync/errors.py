@@ -96,6 +96,11 @@ class ObjectTooLargeError(CorruptObjectError):
         self.limit = limit
 
 
+class ObjectRangeError(CorruptObjectError):
+    """A byte range runs past the end of the object: the request is wrong, or the object is
+    shorter than whoever named the range expected (a relay answers OUT_OF_RANGE)."""
+
+
 class ChecksumMismatchError(DeltasyncError):
     """Decoded bits do not match the digest recorded in the manifest."""
 

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-from deltasync.errors import CorruptObjectError, ObjectTooLargeError, StoreError, UsageError
+from deltasync.errors import ObjectRangeError, ObjectTooLargeError, StoreError, UsageError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
@@ -51,7 +51,7 @@ def read_held(key: str, data: bytes, byte_range: tuple[int, int] | None) -> byte
         return data
     offset, length = byte_range
     if offset + length > len(data):
-        raise CorruptObjectError(key, f"range {offset}+{length} past end of {len(data)}-byte object")
+        raise ObjectRangeError(key, f"range {offset}+{length} past end of {len(data)}-byte object")
     return data[offset : offset + length]
 
 

@@ -11,7 +11,7 @@ serving with ``--accept-writes``, the store writes: each object is streamed to o
 visible), starting at the relay the key hashes to, so a publisher's concurrent pack uploads
 (``upload_concurrency``) spread over every relay named, and failing over like reads.
 
-The wire definition it shares with the server is :mod:`deltasync.relay.wire`.
+The wire definition it shares with the server is :mod:`deltasync.storage.wire`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from deltasync.v1 import relay_pb2 as pb
 
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
-from ._wire import (
+from .wire import (
     CA_ENV as CA_ENV,
     CHUNK_BYTES,
     CLIENT_STREAM,
@@ -54,6 +54,7 @@ from ._wire import (
     method_path,
     read_token,
     read_write_token,
+    status_error,
 )
 
 T = TypeVar("T")
@@ -402,13 +403,13 @@ class GrpcStore(Store):
 
 
 def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> DeltasyncError:
-    """A relay's definitive answer as the deltasync error a local store would raise."""
+    """A relay's definitive answer as the deltasync error a local store would raise (the codes:
+    :data:`~deltasync.storage.wire.STATUS_CODES`)."""
     code = e.code()
     details = " ".join(str(e.details() or "").split())
-    if code == grpc.StatusCode.NOT_FOUND:
-        return ObjectNotFoundError(key or details)
-    if code == grpc.StatusCode.ALREADY_EXISTS:
-        return ObjectExistsError(key or details)
+    error = status_error(code.name) if code is not None else None
+    if error is not None and issubclass(error, (ObjectNotFoundError, ObjectExistsError)):
+        return error(key or details)
     if action in ("write", "delete"):
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return StoreError(
@@ -417,11 +418,11 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
             )
         if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
             return StoreError(f"relay {address} refused to {action} {key}: {details or code.name.lower()}")
-        if code == grpc.StatusCode.DATA_LOSS:
+        if error is CorruptObjectError:
             return CorruptObjectError(key or "object", f"relay {address} refused the upload: {details}")
-    if code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DATA_LOSS):
-        return CorruptObjectError(key or "object", details or code.name.lower())
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    if error is not None and issubclass(error, CorruptObjectError):
+        return error(key or "object", details or code.name.lower())
+    if error is UsageError:
         return UsageError(details or f"relay {address} rejected the request to {action} {key}")
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return StoreError(

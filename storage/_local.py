@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from deltasync.errors import CorruptObjectError, ObjectExistsError, ObjectNotFoundError, StoreError
+from deltasync.errors import ObjectExistsError, ObjectNotFoundError, ObjectRangeError, StoreError
 
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
@@ -108,12 +108,12 @@ class LocalStore(Store):
                 offset, length = byte_range
                 # Checked before reading: a hostile length must not become a huge buffer.
                 if offset + length > size:
-                    raise CorruptObjectError(key, f"range {offset}+{length} past end of {size}-byte object")
+                    raise ObjectRangeError(key, f"range {offset}+{length} past end of {size}-byte object")
                 data = os.pread(fd, length, offset)
         except OSError as e:
             raise StoreError(f"cannot read {self._path(key)}: {e.strerror}") from None
         if len(data) != length:
-            raise CorruptObjectError(key, f"range {offset}+{length} past end of object (got {len(data)} bytes)")
+            raise ObjectRangeError(key, f"range {offset}+{length} past end of object (got {len(data)} bytes)")
         return data
 
     def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:

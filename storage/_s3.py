@@ -35,10 +35,10 @@ from botocore.exceptions import (
 )
 
 from deltasync.errors import (
-    CorruptObjectError,
     DeltasyncError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectRangeError,
     StoreError,
     UsageError,
 )
@@ -224,7 +224,7 @@ class S3Store(Store):
             if length == 0:  # an empty HTTP range cannot be expressed; check bounds with HEAD
                 size = self._size(key)
                 if offset > size:
-                    raise CorruptObjectError(key, f"range {offset}+0 past end of {size}-byte object")
+                    raise ObjectRangeError(key, f"range {offset}+0 past end of {size}-byte object")
                 return b""
             request["Range"] = f"bytes={offset}-{offset + length - 1}"
         limit = read_limit() if byte_range is None else None
@@ -262,7 +262,7 @@ class S3Store(Store):
         if "ContentRange" not in response:  # the endpoint ignored Range and sent the whole object
             data = data[offset : offset + length]
         if len(data) != length:
-            raise CorruptObjectError(key, f"range {offset}+{length} past end of object (got {len(data)} bytes)")
+            raise ObjectRangeError(key, f"range {offset}+{length} past end of object (got {len(data)} bytes)")
         return data
 
     def _size(self, key: str) -> int:
@@ -438,7 +438,7 @@ class S3Store(Store):
             if code in _CONFLICT and "IfNoneMatch" in kwargs:
                 raise _Conflict from None
             if code == "InvalidRange":
-                raise CorruptObjectError(key, f"{kwargs.get('Range', 'range')} is past the end of the object") from None
+                raise ObjectRangeError(key, f"{kwargs.get('Range', 'range')} is past the end of the object") from None
             raise self._error(e, action, key) from None
         except BotoCoreError as e:
             raise self._error(e, action, key) from None

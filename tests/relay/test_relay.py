@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-import deltasync.relay.server as relay_module
+import deltasync.relay.feed as relay_feed
 import deltasync.storage._grpc as grpc_store
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
 from deltasync.errors import CorruptObjectError, ObjectNotFoundError, StoreError, UsageError
@@ -485,7 +485,7 @@ def test_watch_pushes_each_new_version_and_keepalives_are_not_versions(
 
 
 def test_feed_stops_polling_without_watchers(tmp_path: Path, start_relay: StartRelay, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(relay_module, "_IDLE_STOP", 0.2)
+    monkeypatch.setattr(relay_feed, "_IDLE_STOP", 0.2)
     url = str(tmp_path / "origin")
     pub = publisher(url)
     state = make_state(0)

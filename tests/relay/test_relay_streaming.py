@@ -31,7 +31,7 @@ from deltasync.relay.cache import ObjectCache
 from deltasync.relay.server import RelayServer
 from deltasync.storage import LocalStore, Store, WrappingStore
 from deltasync.storage._grpc import GrpcStore
-from deltasync.storage._wire import CHUNK_BYTES, method_path
+from deltasync.storage.wire import CHUNK_BYTES, method_path
 from deltasync.v1 import relay_pb2 as rpb
 
 __all__ = ["published", "start_relay"]  # the fixtures, imported from test_relay
@@ -426,13 +426,13 @@ def test_a_download_outliving_its_relays_loop_still_lands_and_closes_its_file(tm
     landing the object and leaving nothing in tmp/."""
     import asyncio
 
-    from deltasync.relay.server import _Flight
+    from deltasync.relay.fetch import Flight
 
     origin = LocalStore(str(tmp_path / "origin"))
     data = os.urandom(3 * 1024 + 5)
     origin.put("blobs/x", data)
     loop = asyncio.new_event_loop()
-    flight = _Flight("blobs/x", loop)
+    flight = Flight("blobs/x", loop)
     loop.close()  # the relay is gone
     cache = ObjectCache(tmp_path / "cache", piece_bytes=1024)
     entry = cache.fetch("blobs/x", origin, landing=flight.landing)

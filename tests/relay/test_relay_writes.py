@@ -25,8 +25,8 @@ from deltasync.format.manifest import seal
 from deltasync.relay.server import RelayServer, build_server
 from deltasync.storage import LocalStore, MemoryStore, Store, WrappingStore, open_store
 from deltasync.storage._grpc import GrpcStore
-from deltasync.storage._wire import CHUNK_BYTES, method_path
 from deltasync.storage.testing import StoreConformance, WriteThrough, race_if_absent
+from deltasync.storage.wire import CHUNK_BYTES, method_path
 from deltasync.v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
 
 if TYPE_CHECKING:
@@ -102,10 +102,10 @@ class TestWritableRelay(StoreConformance):
     def _writes_under_root(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """The suite writes keys of its own; a relay writes only the layout's names
         (tests/security/test_small_refusals.py), so here it also lets this suite's root through."""
-        from deltasync.relay import server
+        from deltasync.relay import auth
         from deltasync.repo.repository import is_layout_key as layout
 
-        monkeypatch.setattr(server, "is_layout_key", lambda key: key.startswith(self.root) or layout(key))
+        monkeypatch.setattr(auth, "is_layout_key", lambda key: key.startswith(self.root) or layout(key))
 
     @pytest.fixture
     def store(self, tmp_path: Path, start_relay: StartRelay) -> Iterator[Store]:
@@ -405,7 +405,7 @@ def test_large_uploads_spool_to_a_file_that_never_outlives_them(
         writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
     """An upload over SPOOL_BYTES goes to a file in the relay's cache tmp/ as it arrives (not
     into memory); the file is gone once the upload is stored, refused or cut off."""
-    from deltasync.relay.server import SPOOL_BYTES
+    from deltasync.relay.uploads import SPOOL_BYTES
 
     store, relay, origin = writer
     assert relay.cache_dir is not None

@@ -43,7 +43,7 @@ from deltasync.relay.server import RelayServer, build_server
 from deltasync.repo.repository import BLOB_PART_BYTES, LATEST, MARKER, PIN, Repository, squash_key
 from deltasync.storage import LocalStore
 from deltasync.storage._grpc import GrpcStore
-from deltasync.storage._wire import method_path
+from deltasync.storage.wire import method_path
 from deltasync.v1 import manifest_pb2 as pb, relay_pb2 as rpb
 
 MiB = 1 << 20

@@ -1,6 +1,7 @@
-"""The relay's wire definition, shared by the server (:mod:`deltasync.relay.server`) and its
+"""The relay's wire definition, shared by the server (:mod:`deltasync.relay`) and its
 clients (the ``grpc://`` store, :mod:`deltasync.storage`): service and method names, message
-sizes, and where a client's bearer token comes from.
+sizes, the status codes that carry errors (:data:`STATUS_CODES`), and where a client's bearer
+token comes from.
 
 The service binds by hand with generic handlers instead of generated ``*_pb2_grpc`` code,
 which would pin grpcio at runtime to the version of grpcio-tools that generated it. Nothing
@@ -13,8 +14,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import (
+    CorruptObjectError,
+    DeltasyncError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectRangeError,
+    UsageError,
+)
 from ..v1 import relay_pb2 as pb
+from ._base import MAX_OFFSET as MAX_OFFSET  # the largest offset or length a Get may name
 
 SERVICE = "deltasync.v1.Relay"
 CHUNK_BYTES = 1 << 20  # bytes per GetChunk: big packs stream under flow control
@@ -38,6 +47,35 @@ WRITE_METHODS = frozenset({"Put", "Delete"})
 
 def method_path(name: str) -> str:
     return f"/{SERVICE}/{name}"
+
+
+#: The errors a relay answers with and the gRPC status codes (by name: nothing here imports
+#: grpcio) that carry them, most specific first. The relay ends a call with the code of the
+#: first row whose error the failure is; the client raises that row's error back. The last row
+#: is the relay's upstream failing: the client tries another relay, then gives up with a
+#: StoreError. Codes outside the table are the relay's own refusals (a token, a cap, a quota).
+STATUS_CODES: tuple[tuple[type[DeltasyncError], str], ...] = (
+    (ObjectNotFoundError, "NOT_FOUND"),
+    (ObjectExistsError, "ALREADY_EXISTS"),
+    (ObjectRangeError, "OUT_OF_RANGE"),  # a range past the object's end: an answer, not damage
+    (CorruptObjectError, "DATA_LOSS"),  # damaged, wrong size, over its kind's cap (ObjectTooLargeError)
+    (UsageError, "INVALID_ARGUMENT"),
+    (DeltasyncError, "UNAVAILABLE"),
+)
+
+
+def status_code(error: BaseException) -> str | None:
+    """The name of the status code that carries ``error``; None for an error outside the table
+    (a bug, a cache file that cannot be read: the relay decides)."""
+    return next((code for cls, code in STATUS_CODES if isinstance(error, cls)), None)
+
+
+def status_error(code: str) -> type[DeltasyncError] | None:
+    """The error a status code (by name) carries; None for a code outside the table.
+
+    Relays before the table sent every corrupt object as OUT_OF_RANGE: a client reads it as an
+    :class:`~deltasync.errors.ObjectRangeError`, which is a ``CorruptObjectError`` too."""
+    return next((cls for cls, name in STATUS_CODES if name == code), None)
 
 
 TOKEN_ENV = "DELTASYNC_RELAY_TOKEN"

@@ -1,0 +1,99 @@
+"""How a relay serves: :class:`RelayConfig`, checked when built, and :func:`parse_size` for the
+command line's sizes. Nothing here imports grpcio."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+
+
+@dataclass(kw_only=True)
+class RelayConfig:
+    """How a relay serves. Built by :func:`build_server`."""
+
+    listen: str
+    """``HOST:PORT`` to serve on; port 0 picks a free port (see ``RelayServer.port``)."""
+    cache_dir: Path | None = None
+    """Cache directory, kept across restarts. None: a temporary one, removed at stop."""
+    cache_max_bytes: int | None = None
+    """Evict least recently used objects beyond this many bytes. None: no limit."""
+    poll_interval: float = 0.5
+    """Seconds between checks of the upstream for a new version."""
+    rescan_interval: float = 10.0
+    """Seconds between full listings of the upstream's manifests (the ref is only a hint)."""
+    keepalive_interval: float = 10.0
+    """Seconds of silence after which a watcher gets a keepalive event."""
+    upstream_grace: float = 10.0
+    """Seconds the upstream may stay unreachable before watchers are sent elsewhere."""
+    fetch_piece_bytes: int = 8 << 20
+    """Objects larger than this are fetched from the upstream in ranges of this size."""
+    workers: int = 32
+    """Threads for upstream reads, cache file reads and index writes."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain) to serve TLS with; needs ``tls_key``. None: plaintext."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
+    token: str | None = None
+    """Bearer token every client must send (``authorization: Bearer …``). None: no check."""
+    accept_writes: bool = False
+    """Serve Put and Delete (publishing through the relay); needs ``write_token``."""
+    write_token: str | None = None
+    """Bearer token a client must send to write (it also reads); distinct from ``token``."""
+    max_object_bytes: int = 256 << 20
+    """Largest object a client may upload (a pack is 64 MiB by default)."""
+    max_uploads: int = 8
+    """Uploads received at once (each is held in memory until written); more wait their turn."""
+    write_quota: int | None = None
+    """Most bytes the upstream repository may hold (counted when the relay starts, then through
+    its own writes); uploads past it are refused."""
+    stream: bool = True
+    """Serve an object while it is still being fetched from the upstream. False: only once it
+    is whole in the cache (the path before streaming, kept to measure against)."""
+    warm: bool = True
+    """Fetch each new version's manifest, packs and blobs into the cache as soon as the
+    version feed (which follows the upstream while anyone watches) learns of it."""
+    warm_concurrency: int = 4
+    """Objects warmed at once."""
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise UsageError(f"invalid listen address {self.listen!r} (expected HOST:PORT)")
+        for name in ("poll_interval", "rescan_interval", "keepalive_interval", "upstream_grace"):
+            if not getattr(self, name) > 0:
+                raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cache_max_bytes is not None and self.cache_max_bytes < 0:
+            raise UsageError(f"cache_max_bytes must not be negative, got {self.cache_max_bytes}")
+        if self.fetch_piece_bytes < 1 or self.workers < 2:
+            raise UsageError("fetch_piece_bytes must be positive and workers at least 2")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise UsageError("TLS needs both a certificate and its key")
+        if self.token is not None and not self.token.strip():
+            raise UsageError("the bearer token is empty")
+        if self.accept_writes and not (self.write_token and self.write_token.strip()):
+            raise UsageError("a relay accepting writes needs a write token (--write-token-file)")
+        if self.write_token is not None and not self.accept_writes:
+            raise UsageError("a write token is given but the relay does not accept writes (--accept-writes)")
+        if self.write_token is not None and self.write_token == self.token:
+            raise UsageError("the write token must differ from the read token")
+        if self.max_object_bytes < 1 or self.max_uploads < 1:
+            raise UsageError("max_object_bytes and max_uploads must be positive")
+        if self.warm_concurrency < 1:
+            raise UsageError(f"warm_concurrency must be positive, got {self.warm_concurrency}")
+        if self.write_quota is not None and (self.write_quota < 0 or not self.accept_writes):
+            raise UsageError("a write quota must not be negative, and needs --accept-writes")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"500G"``, ``"1.5TiB"``, ``"1048576"`` → bytes (binary multiples)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"invalid size {text!r} (e.g. 500G, 1.5T, 1048576)")
+    power = " kmgtp".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * 1024**power)

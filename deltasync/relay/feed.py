@@ -1,0 +1,245 @@
+"""What a relay knows of its upstream's versions: :class:`VersionFeed`, one per relay and shared
+by every watcher, follows the upstream while anyone watches (polling ``refs/latest`` and listing
+the manifests, or following an upstream relay's Watch stream); :class:`Warmer` fetches each
+version it learns of into the cache before anyone asks."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError
+from ..format.manifest import BLOB_PART_SIZE, manifest_key, parse_manifest
+from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint
+from ..storage import GrpcStore, Store, VersionWatch, check_key
+from ..v1 import manifest_pb2 as manifest_pb
+from .cache import ObjectCache
+from .config import RelayConfig
+from .fetch import Fetches, InThread
+
+log = logging.getLogger("deltasync.relay")
+
+_RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
+_IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
+_WARM_BACKLOG = 8  # newest versions of one feed update that are warmed (older ones: on demand)
+
+
+class VersionFeed:
+    """The relay's view of the upstream's committed versions, shared by every watcher."""
+
+    def __init__(
+        self,
+        upstream: Store,
+        in_thread: InThread,
+        watchers: Callable[[], int],
+        config: RelayConfig,
+        on_new: Callable[[list[int], bool], None] | None = None,
+    ) -> None:
+        self.upstream = upstream
+        self.in_thread = in_thread
+        self.watchers = watchers
+        self.config = config
+        self.on_new = on_new  # (versions, fresh): new versions, and whether the feed just (re)started
+        self._fresh = True
+        self.latest = 0
+        self.recent: list[int] = []  # newest committed versions, ascending
+        self.succeeded = False  # the upstream answered at least once
+        self.error: str | None = None
+        self.failing_since = 0.0
+        self.changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watch: VersionWatch | None = None
+        self._closed = False
+        self._next_scan = 0.0  # poller thread state
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        if self._task is None and not self._closed:
+            self._fresh = True
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run())
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    def after(self, version: int) -> list[int]:
+        return self.recent[bisect.bisect_right(self.recent, version) :]
+
+    def unavailable(self) -> str | None:
+        """Why watchers should move to another relay: the upstream has not answered yet, or
+        has not for ``upstream_grace`` seconds. None while all is well."""
+        if self.error is None:
+            return None
+        if not self.succeeded or time.monotonic() - self.failing_since >= self.config.upstream_grace:
+            return self.error
+        return None
+
+    def wake(self) -> None:
+        old, self.changed = self.changed, asyncio.Event()
+        old.set()
+
+    def publish(self, versions: list[int]) -> None:
+        new = sorted({v for v in versions if v > self.latest})
+        if new:
+            self.recent.extend(new)
+            del self.recent[:-_RECENT]
+            self.latest = new[-1]
+            self.wake()
+            fresh, self._fresh = self._fresh, False
+            if self.on_new is not None:
+                self.on_new(new, fresh)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._watch is not None:
+            self._watch.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        repo = Repository(self.upstream)
+        follow = isinstance(self.upstream, GrpcStore)
+        idle_since = time.monotonic()
+        while not self._closed:
+            if self.watchers():
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > _IDLE_STOP:
+                # Nobody is watching: stop polling. The next watcher restarts the feed and
+                # hears nothing until it has fresh news.
+                self._task, self.succeeded, self.error = None, False, None
+                return
+            try:
+                self.publish(await self.in_thread(self._poll, repo))
+                self._ok()
+                if follow:  # push from the upstream relay until its stream fails
+                    await self.in_thread(self._follow)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._failed(e)
+            await asyncio.sleep(self.config.poll_interval)
+
+    def _ok(self) -> None:
+        if self.error is not None:
+            log.info("upstream %s answers again", self.upstream.url)
+        self.error = None
+        if not self.succeeded:
+            self.succeeded = True
+            self.wake()
+
+    def _failed(self, e: Exception) -> None:
+        message = str(e) if isinstance(e, DeltasyncError) else f"{type(e).__name__}: {e}"
+        if self.error is None:
+            self.failing_since = time.monotonic()
+        if message != self.error:
+            log.warning("cannot follow upstream %s: %s", self.upstream.url, message)
+        self.error = message
+        self.wake()  # watchers re-check whether to give up on this relay
+
+    def _poll(self, repo: Repository) -> list[int]:
+        """(Thread) Versions newer than the newest known: read the ref each time, list the
+        manifests when it moved and every ``rescan_interval``."""
+        try:
+            # Either form of the ref (plain or signed); only a hint to list sooner: the relay
+            # holds no keys, its subscribers check signed refs themselves.
+            hint: int | None = ref_hint(self.upstream.get(LATEST, max_bytes=MAX_REF_BYTES))
+        except (ObjectNotFoundError, ObjectTooLargeError):  # no hint, or none readable
+            hint = None
+        now = time.monotonic()
+        if (hint is None or hint <= self.latest) and now < self._next_scan:
+            return []
+        self._next_scan = now + self.config.rescan_interval
+        return [v for v in repo.versions() if v > self.latest]
+
+    def _follow(self) -> None:
+        """(Thread) Relay the upstream relay's Watch stream until it fails or the feed closes."""
+        assert isinstance(self.upstream, GrpcStore) and self._loop is not None
+        watch = self.upstream.watch(self.latest)
+        self._watch = watch
+        if self._closed:
+            watch.close()
+        for version in watch:
+            self._loop.call_soon_threadsafe(self.publish, [version])
+
+
+class Warmer:
+    """(Loop) Fetches the versions the feed learns of into the cache (``warm``), manifest then
+    packs and blobs, ``warm_concurrency`` objects at a time."""
+
+    def __init__(self, fetches: Fetches, upstream_url: str, config: RelayConfig, counters: dict[str, int]) -> None:
+        self.fetches = fetches
+        self.cache: ObjectCache = fetches.cache
+        self.in_thread = fetches.in_thread
+        self.upstream_url = upstream_url
+        self.config = config
+        self.counters = counters
+        self.stopping = False
+        self._slots: asyncio.Semaphore | None = None  # made on the loop, in start()
+        self._warming: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._slots = asyncio.Semaphore(self.config.warm_concurrency)
+
+    async def close(self) -> None:
+        for task in list(self._warming):
+            task.cancel()
+        await asyncio.gather(*self._warming, return_exceptions=True)
+
+    def warm_new(self, versions: list[int], fresh: bool) -> None:
+        """(Loop) The feed learned of ``versions``: fetch them into the cache before anyone asks
+        (when the feed has just started, only the newest: older ones are fetched on demand)."""
+        if not self.config.warm or self.stopping or not versions:
+            return
+        for version in versions[-1:] if fresh else versions[-_WARM_BACKLOG:]:
+            task = asyncio.get_running_loop().create_task(self._warm(version))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, version: int) -> None:
+        key = manifest_key(version)
+        try:
+            await self._warm_object(key)
+            keys, total = await self.in_thread(self._version_objects, key, version)
+            limit = self.cache.max_bytes
+            if limit is not None and total > limit // 2:
+                # Warming it would evict what agents behind it still read: leave it to demand.
+                self.counters["warm_skipped"] += 1
+                log.info("not warming version %d: %s bytes to fetch, over half the cache limit", version, f"{total:,}")
+                return
+            await asyncio.gather(*(self._warm_object(k) for k in keys))
+            self.counters["warmed_versions"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.counters["warm_errors"] += 1
+            log.warning("cannot warm version %d from %s: %s", version, self.upstream_url, e)
+
+    async def _warm_object(self, key: str) -> None:
+        assert self._slots is not None
+        async with self._slots:
+            if self.stopping or self.cache.lookup(key, touch=False) is not None:
+                return
+            await asyncio.shield(self.fetches.fetch(key, warm=True).task)
+
+    def _version_objects(self, key: str, version: int) -> tuple[list[str], int]:
+        """(Thread) The packs and blobs the cached manifest ``key`` names that the cache lacks,
+        and their bytes (blobs counted at their bound)."""
+        entry = self.cache.lookup(key, touch=False)
+        if entry is None:
+            raise CorruptObjectError(key, "evicted before it could be read")
+        info = parse_manifest(entry.path.read_bytes(), expect_version=version)
+        sizes = {p.key: p.size for p in info.pb.packs}
+        for f in info.pb.files:
+            if f.kind == manifest_pb.File.BLOB:
+                sizes.update(dict.fromkeys((blob_key(d) for d in f.blob_parts), BLOB_PART_SIZE))
+        missing = sorted(k for k in sizes if self.cache.lookup(k, touch=False) is None)
+        for k in missing:
+            check_key(k)
+        return missing, sum(sizes[k] for k in missing)

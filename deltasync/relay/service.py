@@ -1,0 +1,318 @@
+"""The relay's gRPC service: Get, Stat, List, Watch, Put and Delete, bound by hand to the
+methods of the wire definition (:mod:`deltasync.storage.wire`). Each call is answered here and
+its work done by the relay's parts: fetches (:mod:`.fetch`), the version feed and warming
+(:mod:`.feed`), uploads (:mod:`.uploads`). A failure ends the call with the status code the
+wire's table gives its error (:data:`~deltasync.storage.wire.STATUS_CODES`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from ..errors import CorruptObjectError, ObjectRangeError
+from ..storage import Store, check_key
+from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, status_code
+from ..v1 import relay_pb2 as pb
+from .auth import HANDLER_FACTORIES, check_served, check_writable
+from .cache import SERVED_KEYS, SERVED_PREFIXES, ObjectCache, cacheable, served
+from .config import RelayConfig
+from .feed import VersionFeed, Warmer
+from .fetch import Fetches, FetchFailed, Source
+from .uploads import Refused, Uploads
+
+log = logging.getLogger("deltasync.relay")
+
+T = TypeVar("T")
+
+_FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
+
+
+class RelayService:
+    """The six RPCs. Lives on the relay event loop; blocking work goes to ``executor``."""
+
+    def __init__(
+        self, upstream: Store, upstream_url: str, cache: ObjectCache, executor: ThreadPoolExecutor, config: RelayConfig
+    ) -> None:
+        self.upstream = upstream
+        self.upstream_url = upstream_url
+        self.cache = cache
+        self.executor = executor
+        self.config = config
+        self.stopping = False
+        self._flusher: asyncio.Task[None] | None = None
+        self.counters = {
+            "requests": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0, "watchers": 0,
+            "uploads": 0, "uploaded_bytes": 0, "uploads_refused": 0, "deletes": 0,
+            "streamed": 0, "fetch_errors": 0,
+            "warmed_versions": 0, "warm_fetches": 0, "warm_skipped": 0, "warm_errors": 0,
+        }
+        self.fetches = Fetches(upstream, cache, config, self.in_thread, self.counters)
+        self.warmer = Warmer(self.fetches, upstream_url, config, self.counters)
+        self.feed = VersionFeed(upstream, self.in_thread, lambda: self.counters["watchers"], config, self.warmer.warm_new)
+        self.uploads = Uploads(upstream, cache, config, self.in_thread)
+
+    def handler(self) -> Any:
+        behaviors: dict[str, Callable[..., Any]] = {
+            "Get": self.get, "Stat": self.stat, "List": self.list, "Watch": self.watch,
+            "Put": self.put, "Delete": self.delete,
+        }
+        handlers: dict[str, Any] = {}
+        for name, (request, response, kind) in METHODS.items():
+            factory = HANDLER_FACTORIES[kind]
+            handlers[name] = factory(
+                behaviors[name], request_deserializer=request.FromString, response_serializer=response.SerializeToString
+            )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def start(self) -> None:
+        self.uploads.start()
+        self.warmer.start()
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_periodically())
+
+    def begin_stop(self) -> None:
+        self.stopping = self.warmer.stopping = True
+        self.feed.wake()
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        await self.feed.close()
+        await self.warmer.close()
+
+    def metrics(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out.update(
+            upstream_fetches=self.cache.fetches,
+            upstream_bytes=self.cache.fetched_bytes,
+            evictions=self.cache.evictions,
+            cached_objects=len(self.cache),
+            cached_bytes=self.cache.total_bytes,
+            fetching=len(self.fetches.inflight),
+            following_upstream=int(self.feed.running),
+        )
+        return out
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def _flush_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(_FLUSH_EVERY)
+            try:
+                await self.in_thread(self.cache.flush)
+            except Exception as e:  # a full disk must not stop the relay serving
+                log.warning("cannot write the cache index: %s", e)
+
+    async def _abort(self, context: Any, e: BaseException, key: str | None, *, fetch: bool = False,
+                     sent: int = 0) -> NoReturn:
+        """End the call with the status code that tells the client what happened: the wire
+        table's for ``e``. With ``fetch``, ``e`` is why the upstream fetch of the object a Get
+        waits for failed (``sent`` bytes of it already sent): never the reader's fault, so a
+        range or an argument the relay's own fetch got wrong is damage (DATA_LOSS) or the
+        upstream failing (UNAVAILABLE), and the client retries, here or at another relay,
+        resuming where it stopped."""
+        after = f" after {sent:,} bytes were sent" if sent else ""
+        name = status_code(e)
+        if fetch and name in ("OUT_OF_RANGE", "INVALID_ARGUMENT"):
+            name = "DATA_LOSS" if isinstance(e, ObjectRangeError) else "UNAVAILABLE"
+        if name == "NOT_FOUND":
+            message = f"object not found: {key}"
+        elif name == "ALREADY_EXISTS":
+            message = f"object already exists: {key}"
+        elif isinstance(e, CorruptObjectError):
+            message = f"{e.detail} (fetching {key} from the upstream{after})" if fetch else e.detail
+        elif name == "INVALID_ARGUMENT":
+            message = str(e)
+        elif name is not None:
+            log.warning("upstream %s: %s", self.upstream_url, e)
+            message = f"relay upstream {self.upstream_url}: {e}{after}"
+        elif isinstance(e, OSError):
+            log.error("cache %s: %s", self.cache.root, e)
+            name, message = "UNAVAILABLE", f"relay cache error: {e.strerror or e}"
+        elif fetch:
+            log.error("relay error fetching %s: %s: %s", key, type(e).__name__, e)
+            name, message = "UNAVAILABLE", f"relay error fetching {key}: {type(e).__name__}: {e}"
+        else:
+            log.exception("relay error serving %s", key)
+            name, message = "INTERNAL", f"relay error: {type(e).__name__}: {e}"
+        await context.abort(grpc.StatusCode[name], message)
+        raise AssertionError("unreachable: abort raises")
+
+    # -- Get, Stat, List -------------------------------------------------------------------------
+
+    async def get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
+        self.counters["requests"] += 1
+        key = request.key
+        byte_range = (request.offset, request.length) if request.has_range else None
+        source: Source | None = None
+        try:
+            check_served(key)
+            if byte_range is not None and (byte_range[0] > MAX_OFFSET or byte_range[1] > MAX_OFFSET):
+                raise ObjectRangeError(key, f"range {byte_range[0]}+{byte_range[1]} is past the end of any object")
+            if cacheable(key):
+                source = await self.fetches.open_cached(key)
+                offset, length = byte_range if byte_range is not None else (0, source.size)
+                if offset + length > source.size:
+                    raise ObjectRangeError(key, f"range {offset}+{length} past end of {source.size}-byte object")
+        except FetchFailed as e:
+            await self._abort(context, e.cause, key, fetch=True)
+        except Exception as e:
+            if source is not None:
+                source.close(self.cache)
+            await self._abort(context, e, key)
+        if source is None:
+            # Refs and the marker: never cached, never held whole (a hostile upstream's 2 GiB
+            # refs/latest passes through in 1 MiB pieces).
+            try:
+                async for chunk in self.fetches.from_upstream(key, byte_range):
+                    self.counters["served_bytes"] += len(chunk.data)
+                    yield chunk
+            except Exception as e:
+                await self._abort(context, e, key)
+            return
+        try:
+            position, end = offset, offset + length
+            while True:
+                n = min(CHUNK_BYTES, end - position)
+                if source.flight is not None:  # still arriving: wait until these bytes are in
+                    landing = await source.flight.covering(position + n)
+                    if landing.error is not None:
+                        await self._abort(context, landing.error, key, fetch=True, sent=position - offset)
+                    if landing.verified:
+                        source.flight = None
+                piece = await self.in_thread(os.pread, source.fd, n, position) if n else b""
+                if len(piece) != n:  # the file was damaged under us: refetch next time
+                    if source.entry is not None:
+                        self.cache.forget(key, source.entry)
+                    await context.abort(grpc.StatusCode.DATA_LOSS, f"relay cache file of {key} is truncated")
+                self.counters["served_bytes"] += n
+                yield pb.GetChunk(data=piece, total_bytes=length if position == offset else 0)
+                position += n
+                if position >= end:
+                    break
+        finally:
+            source.close(self.cache)
+
+    async def stat(self, request: pb.StatRequest, context: Any) -> pb.StatResponse:
+        self.counters["requests"] += 1
+        key = request.key
+        try:
+            check_served(key)
+            known = self.fetches.known_size(key) if cacheable(key) else None
+            size = known if known is not None else await self.in_thread(self.upstream.size, key)
+        except Exception as e:
+            await self._abort(context, e, key)
+        return pb.StatResponse(size=size)
+
+    async def list(self, request: pb.ListRequest, context: Any) -> AsyncIterator[pb.ListResponse]:
+        self.counters["requests"] += 1
+        prefix = request.prefix
+        try:
+            if prefix:
+                check_key(prefix.rstrip("/"))
+            keys = await self.in_thread(_layout_keys, self.upstream, prefix)
+        except Exception as e:
+            await self._abort(context, e, prefix or None)
+        for start in range(0, len(keys), LIST_BATCH):
+            yield pb.ListResponse(keys=keys[start : start + LIST_BATCH])
+
+    # -- Put, Delete ---------------------------------------------------------------------------
+
+    async def put(self, requests: AsyncIterator[pb.PutChunk], context: Any) -> pb.PutResponse:
+        self.counters["requests"] += 1
+        if not self.config.accept_writes:  # the interceptor refuses first; kept for library use
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        assert self.uploads.turn is not None
+        key = ""
+        async with self.uploads.turn:  # bounds memory and spool: max_uploads objects received at once
+            try:
+                first = await anext(aiter(requests), None)
+                if first is None:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
+                key, size = first.key, first.total_bytes
+                await self.uploads.take(first, requests)
+            except Refused as e:
+                self.counters["uploads_refused"] += 1
+                log.warning("refused upload of %s: %s", key or "?", e.message)
+                await context.abort(e.code, e.message)
+            except Exception as e:
+                await self._abort(context, e, key or None)
+        self.counters["uploads"] += 1
+        self.counters["uploaded_bytes"] += size
+        return pb.PutResponse()
+
+    async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
+        self.counters["requests"] += 1
+        if not self.config.accept_writes:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        key = request.key
+        try:
+            check_writable(key)
+            await self.in_thread(self.uploads.delete, key)
+        except Exception as e:
+            await self._abort(context, e, key)
+        self.counters["deletes"] += 1
+        return pb.DeleteResponse()
+
+    # -- Watch ---------------------------------------------------------------------------------
+
+    async def watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.VersionEvent]:
+        self.counters["requests"] += 1
+        self.counters["watchers"] += 1
+        feed = self.feed
+        feed.start()
+        last = request.after_version
+        caught_up = False  # the first event carries only the newest version
+        sent_at = time.monotonic()
+        try:
+            while True:
+                changed = feed.changed  # taken before looking, so no change slips between
+                if self.stopping:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "relay is shutting down")
+                reason = feed.unavailable()
+                if reason is not None:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"relay cannot reach its upstream {self.upstream_url}: {reason}"
+                    )
+                new = feed.after(last) if feed.succeeded else []
+                if new and not caught_up:
+                    new = new[-1:]
+                caught_up = caught_up or feed.succeeded
+                for version in new:
+                    yield pb.VersionEvent(version=version, latest=feed.latest)
+                    last = version
+                    sent_at = time.monotonic()
+                wait = self.config.keepalive_interval - (time.monotonic() - sent_at)
+                if wait <= 0:
+                    yield pb.VersionEvent(version=0, latest=feed.latest)
+                    sent_at = time.monotonic()
+                    continue
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), wait)
+        finally:
+            self.counters["watchers"] -= 1
+
+
+def _layout_keys(upstream: Store, prefix: str) -> list[str]:
+    """(Thread) Keys under ``prefix`` within the repository layout only: the upstream is
+    listed under the layout's prefixes, so nothing else of it is shown (or walked)."""
+    keys: list[str] = []
+    for top in sorted((*SERVED_PREFIXES, *SERVED_KEYS)):
+        if top.startswith(prefix):
+            listed = upstream.list(top)
+        elif top.endswith("/") and prefix.startswith(top):
+            listed = upstream.list(prefix)
+        else:
+            continue
+        keys.extend(k for k in listed if served(k) and k.startswith(prefix))
+    return sorted(keys)

@@ -1,0 +1,287 @@
+"""Writes through a relay (``accept_writes``): an upload is taken in 1 MiB pieces, into memory
+up to :data:`SPOOL_BYTES` and into a :class:`Spool` file beyond, checked whole (its size, the
+digest its header announced, :func:`content_problem`, :func:`missing_references`), and only
+then written with the upstream store's own atomic put; :class:`Quota` keeps the repository
+under ``write_quota``. At most ``max_uploads`` are received at once (:attr:`Uploads.turn`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import re
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import zstandard
+
+from ..errors import CorruptObjectError, ObjectNotFoundError, UsageError
+from ..format.digest import digest
+from ..format.manifest import BLOB_PART_SIZE, parse_manifest, version_from_key
+from ..repo.repository import blob_key, squash_from_key
+from ..storage import LocalStore, Store, check_key
+from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
+from .auth import check_writable
+from .cache import ObjectCache, cacheable, size_limit
+from .config import RelayConfig
+from .fetch import InThread
+
+_PACK_KEY = re.compile(r"^packs/([0-9a-f]{32})\.pack$")
+_BLOB_KEY = re.compile(r"^blobs/([0-9a-f]{32})$")
+_MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
+
+
+#: Uploads larger than this are spooled to a file as they arrive rather than held in memory.
+SPOOL_BYTES = 4 << 20
+UPLOAD_WINDOW_BYTES = 64 << 10
+"""Bytes a client may send on a stream the relay is not reading yet (an upload waiting for a slot)."""
+
+
+class Spool:
+    """(Threads) One upload written to a new file under ``directory`` as its pieces arrive,
+    then mapped read-only (:meth:`view`) for the checks and the upstream put; :meth:`close`
+    removes it. The directory is the cache's ``tmp/``, cleared when a relay starts, so a
+    relay killed mid-upload leaves nothing behind for long."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"upload-{uuid.uuid4().hex}"
+        self._file = open(self.path, "x+b")  # noqa: SIM115 - closed by close(); readable, for mmap
+        self._map: mmap.mmap | None = None
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+
+    def view(self) -> memoryview:
+        self._file.flush()
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        return memoryview(self._map)
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held elsewhere: the mapping goes with it
+                self._map.close()
+        self._file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class Refused(Exception):
+    """An upload the relay will not write, with the status code that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def content_problem(key: str, data: bytes | bytearray | memoryview) -> str | None:
+    """Why ``data`` cannot be the object named ``key``, for content-addressed keys (a pack's
+    name is the xxh3-128 of its bytes; a blob's that of the zstd frame's content) and for
+    manifests and squashes (what every reader refuses: no or a wrong whole-manifest digest, a
+    bad layout; :func:`~deltasync.format.manifest.parse_manifest`); None if it can."""
+    if _MANIFEST_KEY.match(key):
+        try:
+            squash = squash_from_key(key)  # a squash to version C is a manifest of version C
+            parse_manifest(bytes(data), expect_version=squash[1] if squash is not None else version_from_key(key))
+        except CorruptObjectError as e:
+            return e.detail
+        return None
+    m = _PACK_KEY.match(key)
+    if m is not None:
+        return None if digest(data).hex() == m.group(1) else "its bytes do not match the digest in its name"
+    m = _BLOB_KEY.match(key)
+    if m is None:
+        return None
+    try:
+        size = zstandard.frame_content_size(data)
+        if size < 0 or size > BLOB_PART_SIZE:
+            return f"not a blob part (a zstd frame of at most {BLOB_PART_SIZE:,} bytes)"
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=BLOB_PART_SIZE)
+    except zstandard.ZstdError as e:
+        return f"not a zstd frame ({e})"
+    return None if digest(raw).hex() == m.group(1) else "its content does not match the digest in its name"
+
+
+def missing_references(upstream: Store, key: str, data: bytes | bytearray | memoryview) -> list[str]:
+    """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
+    lacks, so a broken or hostile publisher cannot commit a version that cannot be pulled."""
+    if not _MANIFEST_KEY.match(key):
+        return []
+    try:
+        manifest = manifest_pb.Manifest.FromString(bytes(data))  # small: capped by size_limit on arrival
+    except Exception:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} is not a manifest") from None
+    keys = sorted({p.key for p in manifest.packs}
+                  | {blob_key(part) for f in manifest.files if f.kind == manifest_pb.File.BLOB for part in f.blob_parts})
+    missing = []
+    for k in keys:
+        try:
+            check_key(k)
+        except UsageError:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} names an invalid key {k!r}") from None
+        if not upstream.exists(k):
+            missing.append(k)
+    return missing
+
+
+class Quota:
+    """Bytes the upstream repository holds, kept under a limit: counted once at start (a walk
+    of a local directory, temporary files included; else one listing with sizes, which S3
+    answers 1,000 keys a request), then tracked through this relay's puts and deletes. Writes
+    are serialised with the accounting, so racing uploads cannot both pass the last free
+    bytes. Other writers to the same repository are not seen until the relay restarts."""
+
+    def __init__(self, upstream: Store, limit: int) -> None:
+        self.upstream = upstream
+        self.limit = limit
+        self.used = _tree_bytes(upstream.root) if isinstance(upstream, LocalStore) else upstream.total_bytes()
+        self._lock = threading.Lock()
+
+    def _refusal(self, key: str, size: int) -> Refused:
+        return Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"write quota exceeded: {key} ({size:,} bytes) would bring the repository to "
+            f"{self.used + size:,} of {self.limit:,} bytes (serve --write-quota)",
+        )
+
+    def check(self, key: str, size: int) -> None:
+        if self.used + size > self.limit:
+            raise self._refusal(key, size)
+
+    def put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        with self._lock:
+            try:
+                old = self.upstream.size(key)
+            except ObjectNotFoundError:
+                old = 0
+            if not (if_absent and old) and self.used - old + len(data) > self.limit:
+                raise self._refusal(key, len(data))
+            self.upstream.put(key, data, if_absent=if_absent)
+            self.used += len(data) - old
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            try:
+                old = self.upstream.size(key)
+            except ObjectNotFoundError:
+                return
+            self.upstream.delete(key)
+            self.used = max(0, self.used - old)
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+class Uploads:
+    """(Loop) The relay's writes to its upstream; blocking work goes to ``in_thread``."""
+
+    def __init__(self, upstream: Store, cache: ObjectCache, config: RelayConfig, in_thread: InThread) -> None:
+        self.upstream = upstream
+        self.cache = cache
+        self.config = config
+        self.in_thread = in_thread
+        self.quota = Quota(upstream, config.write_quota) if config.write_quota is not None else None
+        self.turn: asyncio.Semaphore | None = None  # made on the loop, in start()
+
+    def start(self) -> None:
+        self.turn = asyncio.Semaphore(self.config.max_uploads)
+
+    async def take(self, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk]) -> None:
+        """Check an upload's header (``first``), take its pieces, check and store it. Refused
+        (or the store's error) when it cannot be written. Call holding :attr:`turn`."""
+        key, size = first.key, first.total_bytes
+        check_writable(key)
+        kind_cap = size_limit(key)  # what a valid object of this kind can be (manifests: 64 MiB)
+        cap = self.config.max_object_bytes if kind_cap is None else min(kind_cap, self.config.max_object_bytes)
+        if size > cap:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{key} is {size:,} bytes, over the relay's object size cap of {cap:,} bytes "
+                "(serve --max-object-bytes)",
+            )
+        if self.quota is not None:
+            self.quota.check(key, size)  # before receiving: a refused upload costs no memory
+        # Created and removed on the event loop itself (a file open and an unlink): an
+        # executor job can be cancelled before it runs when the client cancels the
+        # upload, which would leave the spool file behind.
+        spool = Spool(self.cache.root / "tmp") if size > SPOOL_BYTES else None
+        try:
+            await self._receive(key, size, first, requests, spool)
+        finally:
+            if spool is not None:
+                spool.close()
+
+    async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk],
+                       spool: Spool | None) -> None:
+        """Take an upload's pieces (into memory, or into ``spool``), then check and store it."""
+        data = bytearray(first.data) if spool is None else None
+        if spool is not None:
+            await self.in_thread(spool.write, first.data)
+        received = len(first.data)
+        async for piece in requests:
+            if received + len(piece.data) > size:
+                raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} sent more than its {size:,} bytes")
+            received += len(piece.data)
+            if data is not None:
+                data += piece.data
+            else:
+                assert spool is not None
+                await self.in_thread(spool.write, piece.data)
+        if received != size:
+            raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
+        if data is not None:  # the bytearray itself: a copy would double the memory an upload holds
+            await self.in_thread(self._store_upload, key, data, first.if_absent, bytes(first.digest))
+        else:
+            assert spool is not None
+            await self.in_thread(self._store_spooled, key, spool, first.if_absent, bytes(first.digest))
+
+    def _store_spooled(self, key: str, spool: Spool, if_absent: bool, announced: bytes) -> None:
+        view = spool.view()
+        try:
+            self._store_upload(key, view, if_absent, announced)
+        finally:
+            with contextlib.suppress(BufferError):
+                view.release()
+
+    def _store_upload(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool, announced: bytes) -> None:
+        """(Thread) Check a complete upload, then write it upstream in one atomic put."""
+        if announced and digest(data) != announced:
+            raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} does not match the digest its header announced")
+        problem = content_problem(key, data)
+        if problem is not None:
+            raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} refused: {problem}")
+        missing = missing_references(self.upstream, key, data)
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{key} names objects the repository lacks ({missing[0]}{more}): upload them before the manifest",
+            )
+        if self.quota is None:
+            self.upstream.put(key, data, if_absent=if_absent)
+        else:
+            self.quota.put(key, data, if_absent)
+        self._forget_cached(key)  # an overwrite (or a re-upload after a delete) is served fresh
+
+    def _forget_cached(self, key: str) -> None:
+        entry = self.cache.lookup(key, touch=False) if cacheable(key) else None
+        if entry is not None:
+            self.cache.forget(key, entry)
+
+    def delete(self, key: str) -> None:
+        """(Thread) Delete ``key`` upstream (through the quota's accounting) and from the cache."""
+        if self.quota is None:
+            self.upstream.delete(key)
+        else:
+            self.quota.delete(key)
+        self._forget_cached(key)
