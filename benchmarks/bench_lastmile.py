@@ -227,7 +227,7 @@ def project(r: dict[str, float], args: argparse.Namespace) -> None:
     full = model * 8 / (args.wan_gbps * 1e9) + model * args.agents * 8 / (args.lan_gbps * 1e9)
     print(f"| {'commit -> every agent verified (sum)':<42} | {total:>8.1f} | stages in sequence: an upper bound")
     # The relay serves each piece of a pack as it lands and warms a version when it hears of
-    # it (relay/server.py; bench_relay measures it): its two links overlap, one piece apart.
+    # it (relay/fetch.py; bench_relay measures it): its two links overlap, one piece apart.
     wan, lan = stages[2][1], stages[3][1]
     piece = 8 << 20
     relay = max(wan, lan) + piece * 8 / (args.wan_gbps * 1e9)
