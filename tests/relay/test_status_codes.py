@@ -46,8 +46,8 @@ def test_each_code_carries_one_error_and_each_error_one_code() -> None:
         (OSError("disk"), None),
         (RuntimeError("bug"), None),
     ]
-    for error, code in examples:
-        assert status_code(error) == code, error
+    for error, expected in examples:
+        assert status_code(error) == expected, error
     assert status_error("RESOURCE_EXHAUSTED") is None  # the relay's own refusals are outside the table
 
 
