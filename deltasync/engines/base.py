@@ -32,6 +32,20 @@ from ..errors import (
 
 
 @dataclass(frozen=True)
+class LiveCheck:
+    """What an engine's live weights hold against a version's chunk digests (``Engine.verify``)."""
+
+    version: int
+    chunks_checked: int
+    drifted: list[tuple[str, int]]
+    """(tensor name, chunk index) of each chunk whose bits are not the version's."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.drifted
+
+
+@dataclass(frozen=True)
 class SwapRecord:
     """One swap, as the engine measured it."""
 

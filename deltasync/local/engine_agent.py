@@ -111,6 +111,12 @@ class EngineAgent(Agent):
         state = db.state() if db is not None else None
         return state.version if state is not None else None
 
+    def restage(self) -> None:
+        """Have the run's loop check the engine's bits against its target chunk by chunk again
+        and rewrite those that differ (as at a start): the repair of a live check's drift."""
+        self._verified = False
+        self._wake.set()
+
     def _needs_update(self, target: int) -> bool:
         assert self.engine is not None
         return not self._verified or not self.engine.holds(target)
