@@ -23,6 +23,7 @@ from deltasync.cli._common import (
     trusted_key_option,
     workers_option,
 )
+from deltasync.cli.fleet_cmds import FleetHooks, report_options, start_hooks
 from deltasync.errors import UsageError
 
 
@@ -82,6 +83,7 @@ from deltasync.errors import UsageError
 @click.option("--ref-grace", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
               help="With --trusted-key: keep following a signed ref this long past its expiry, with a warning "
                    "(a quiet publisher late with `deltasync refresh-refs`); beyond it the ref is refused.")
+@report_options
 @workers_option
 @quiet_option
 def subscribe(
@@ -91,6 +93,8 @@ def subscribe(
     trusted_keys: tuple[Path, ...], ref_grace: float, workers: int, quiet: bool, state_dir: Path | None,
     worker_repo: str | None,
     patterns: tuple[str, ...], shard: str | None, packcast: str | None, packcast_timeout: float,
+    node_name: str | None, cluster: str, report_to: str | None, report_token_file: Path | None, report_interval: float,
+    verify_every: float | None,
 ) -> None:
     """Bring a directory (and/or an engine) to the version to serve (the pinned one, else the latest); with
     --follow, keep it there.
@@ -117,6 +121,8 @@ def subscribe(
                              "(--out DIR) instead of --state")
     else:
         out = local_dir(directory, out, "subscribe")
+    if verify_every is not None and state_dir is None:
+        raise UsageError("--verify-every checks an engine-first agent's live weights: give --state DIR and --engine")
     if patterns and not (engine_spec or "").startswith("torch"):
         raise UsageError("--tensors applies to torch:MODULE:FACTORY engines")
     shard_of = _parse_shard(shard) if shard is not None else None
@@ -162,7 +168,10 @@ def subscribe(
             engine_spec, options["model"] = "torch", _held_tensors(engine_spec, patterns, shard_of)
         engine = build_engine(engine_spec, **options)
 
+    hooks = FleetHooks()
+
     def report(u: Update) -> None:
+        hooks.wake()
         retry_log.failures = 0
         if state_dir is None:
             click.echo(f"version {u.version} ({u.how}, {mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
@@ -176,6 +185,10 @@ def subscribe(
         sys.stdout.flush()
 
     def ready(a: Agent) -> None:
+        started = start_hooks(a, state_dir or a.root, repo=repo, node=node_name, cluster=cluster, report_to=report_to,
+                              report_token_file=report_token_file, report_interval=report_interval,
+                              verify_every=verify_every)
+        hooks.reporter, hooks.checker, hooks.control = started.reporter, started.checker, started.control
         if a.metrics_port is not None:
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{a.metrics_port}/metrics")
         if follow:
@@ -220,6 +233,7 @@ def subscribe(
         with retry_log.installed():
             version = agent.run(follow=follow)
     finally:
+        hooks.close()
         for s, handler in before.items():
             signal.signal(s, handler)
     what = out if state_dir is None else "the engine"

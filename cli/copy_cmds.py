@@ -178,6 +178,11 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
 @cli.command()
 @dir_argument
 @out_option("The local copy (or DIR).")
+@click.option("--state", "state_dir", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
+              help="Check the live weights of the engine of the agent running on this state directory (subscribe "
+                   "--state DIR --engine ...) against the version's chunk digests; drifted chunks are rewritten "
+                   "unless --no-repair.")
+@click.option("--no-repair", is_flag=True, help="With --state: report drift only.")
 @click.option("--repair", is_flag=True, help="Fetch only the drifted chunks (from the nearest snapshot) and fix them in place.")
 @click.option("--repo", default=None, metavar="URL", callback=repo_url,
               help=f"Repository: {REPO_FORMS} [default: the repository the copy was pulled from].")
@@ -187,12 +192,19 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
 @json_option
 def check(
     directory: Path | None, out: Path | None, repair: bool, repo: str | None, move_aside: bool,
-    trusted_keys: tuple[Path, ...], workers: int, as_json: bool,
+    trusted_keys: tuple[Path, ...], workers: int, as_json: bool, state_dir: Path | None, no_repair: bool,
 ) -> None:
     """Compare a local copy with the manifest of its version, chunk by chunk, and list files in it that are not the
-    version's (exit status 1 on drift or such files without --repair / --move-aside)."""
+    version's (exit status 1 on drift or such files without --repair / --move-aside). With --state DIR: the live
+    weights of a running engine-first agent's engine (exit status 1 on drift not repaired, or no check)."""
+    from deltasync.errors import UsageError
     from deltasync.local.check import check_copy
 
+    if state_dir is not None:
+        if directory is not None or out is not None or repo is not None:
+            raise UsageError("check --state DIR asks the running agent; give no copy or --repo with it")
+        _check_live(state_dir, repair=not no_repair, as_json=as_json)
+        return
     directory = local_dir(directory, out, "check")
     report = check_copy(directory, repo=repo, repair=repair, workers=workers, trusted_keys=trusted_keys,
                         move_aside=move_aside and repair)
@@ -253,3 +265,29 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
         click.echo(f"moved {directory} {was}to version {u.version} "
                    f"({u.how}, {mib(u.fetched_bytes)} fetched, {u.seconds:.2f}s)")
 
+
+
+def _check_live(state_dir: Path, *, repair: bool, as_json: bool) -> None:
+    from deltasync.local.live import ask_check
+
+    result = ask_check(state_dir, repair=repair)
+    ok = result.get("result") in ("ok", "repaired")
+    if as_json:
+        emit_json({**result, "ok": ok})
+    else:
+        what = f"version {result.get('version', '-')}: {result.get('chunks_checked', 0)} chunks of the live weights"
+        outcome = result.get("result")
+        if outcome == "ok":
+            click.echo(f"{what}: ok")
+        elif outcome in ("drift", "repaired"):
+            for name in result.get("drifted", []):
+                click.echo(f"drifted: {name}")
+            if outcome == "repaired":
+                click.echo(f"{what}: {result.get('drifted_chunks')} drifted, repaired "
+                           f"({result.get('chunks_rewritten', '?')} chunks rewritten)")
+            else:
+                click.echo(f"{what}: {result.get('drifted_chunks')} drifted" + ("" if repair else " (not repaired)"))
+        else:
+            click.echo(f"no live check: {result.get('error', 'unknown error')}")
+    if not ok:
+        sys.exit(1)

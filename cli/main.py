@@ -13,7 +13,7 @@ import sys
 import click
 
 # Each command module registers its commands on the group ``cli`` when imported.
-from deltasync.cli import agent_cmds, copy_cmds, publish_cmds, relay_cmds, repo_cmds, rl_cmds  # noqa: F401
+from deltasync.cli import agent_cmds, copy_cmds, fleet_cmds, publish_cmds, relay_cmds, repo_cmds, rl_cmds  # noqa: F401
 from deltasync.cli._common import WARNINGS, ca_hint, cli
 from deltasync.errors import DeltasyncError
 

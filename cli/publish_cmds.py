@@ -25,6 +25,7 @@ from deltasync.cli._common import (
     show_progress,
     workers_option,
 )
+from deltasync.cli.fleet_cmds import fleet_url_of, version_digest_of, wait_for_fleet, wait_options
 from deltasync.errors import DeltasyncError, UsageError
 
 
@@ -73,6 +74,7 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--follow-symlinks", is_flag=True,
               help="Publish files reached through symbolic links out of CHECKPOINT or into other directories (a Hugging "
                    "Face cache snapshot) [default: such a link is an error naming it].")
+@wait_options
 @workers_option
 @quiet_option
 @json_option
@@ -81,7 +83,7 @@ def publish(
     version: int | None, snapshot_every: int, max_delta_fraction: float, chunk_mib: float,
     zstd_level: int, context_classes: int, meta: tuple[str, ...], signing_key: Path | None,
     squash_strides: tuple[int, ...], allow_empty: bool, follow_symlinks: bool, workers: int, quiet: bool,
-    as_json: bool,
+    as_json: bool, wait: bool, quorum: float, wait_timeout: float, fleet_url: str | None,
 ) -> None:
     """Publish a checkpoint directory (safetensors, single or sharded) as a new version.
 
@@ -96,6 +98,7 @@ def publish(
         progress=show_progress(quiet), squash_strides=squash_strides, skip_unchanged=not allow_empty,
         follow_symlinks=follow_symlinks,
     )
+    report_url = fleet_url_of(repo, fleet_url) if wait else None
     start = time.monotonic()
     pub = Publisher(repo, config, signing_key=signing_key)
     cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
@@ -138,6 +141,10 @@ def publish(
             f"`deltasync cache --clear` removes them; --base DIR or --no-cache keep none, --cache DIR or "
             f"$DELTASYNC_CACHE put them elsewhere.", err=as_json,
         )
+    if report_url is not None:
+        published = r.version
+        wait_for_fleet(report_url, lambda: published, digest=version_digest_of(repo), quorum=quorum,
+                       timeout=wait_timeout, what=f"version {published}")
 
 
 def _tree_bytes(root: Path) -> int:
@@ -216,8 +223,14 @@ def keygen(prefix: str) -> None:
                    "unsigned pins.")
 @click.option("--ref-ttl", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="With --signing-key: how long the signed pin stays valid [default: 7 days].")
-def pin(repo: str, version: int | None, clear: bool, signing_key: Path | None, ref_ttl: float | None) -> None:
-    """Pin the version following subscribers serve, forward or back (e.g. after an evaluation gate fails); no VERSION: show it."""
+@wait_options
+def pin(
+    repo: str, version: int | None, clear: bool, signing_key: Path | None, ref_ttl: float | None, wait: bool,
+    quorum: float, wait_timeout: float, fleet_url: str | None,
+) -> None:
+    """Pin the version following subscribers serve, forward or back (e.g. after an evaluation gate fails); no VERSION: show it.
+
+    With --wait, the command returns once the reporting engines serve it (fleet-wide confirmation)."""
     from deltasync import Repository
     from deltasync.repo.repository import DEFAULT_REF_TTL
 
@@ -225,12 +238,22 @@ def pin(repo: str, version: int | None, clear: bool, signing_key: Path | None, r
     r.ensure_exists()
     if clear and version is not None:
         raise UsageError("give a VERSION to pin or --clear, not both")
+    if wait and not clear and version is None:
+        raise UsageError("--wait waits for a pin or --clear to land: give a VERSION or --clear")
+    report_url = fleet_url_of(repo, fleet_url) if wait else None
     if clear:
         r.pin(None)
-        click.echo(f"pin cleared: subscribers follow the latest (version {r.latest()})")
+        latest = r.latest()
+        click.echo(f"pin cleared: subscribers follow the latest (version {latest})")
+        if report_url is not None:
+            wait_for_fleet(report_url, lambda: Repository(repo).latest(), digest=version_digest_of(repo),
+                           quorum=quorum, timeout=wait_timeout, what="pin cleared")
     elif version is not None:
         r.pin(version)
         click.echo(f"pinned version {version}: following subscribers move to it")
+        if report_url is not None:
+            wait_for_fleet(report_url, lambda: version, digest=version_digest_of(repo), quorum=quorum,
+                           timeout=wait_timeout, what=f"pin {version}")
     else:
         pinned = r.pinned()
         latest = r.latest()

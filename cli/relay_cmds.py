@@ -48,15 +48,33 @@ from deltasync.errors import UsageError
 @click.option("--write-quota", default=None, metavar="SIZE",
               help="Most bytes the upstream repository may hold (counted at start, then through this relay's writes); "
                    "uploads past it are refused [default: none].")
+@click.option("--report-token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Take fleet reports from agents and relays below carrying one of the tokens in this file (one "
+                   "per line: TOKEN for any cluster, or CLUSTER TOKEN for that cluster's nodes only) [default: "
+                   "take no reports].")
+@click.option("--cluster", default="", metavar="NAME",
+              help="The cluster of nodes reporting here without naming one [default: the --listen address].")
+@click.option("--upstream-report-token-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="The report token of the upstream relay, to forward the fleet table to it [default: the first "
+                   "any-cluster token of --report-token-file].")
+@click.option("--report-interval", type=click.FloatRange(0.1, 600), default=2.0, show_default=True,
+              metavar="SECONDS", help="Seconds between forwards of the fleet table to an upstream relay.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics (the fleet's nodes by state, lag per cluster) at "
+                   "http://HOST:PORT/metrics (0: any free port).")
+@click.option("--metrics-host", default="", metavar="HOST", help="Address for --metrics-port [default: every interface].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
     warm: bool, stream: bool, tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
     write_token_file: Path | None, max_object_bytes: str, max_uploads: int, write_quota: str | None,
+    report_token_file: Path | None, cluster: str, upstream_report_token_file: Path | None, report_interval: float,
+    metrics_port: int | None, metrics_host: str,
 ) -> None:
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
     import logging
 
     from deltasync.relay import build_server, parse_size, run_until_signalled
+    from deltasync.relay.fleet import read_report_tokens
     from deltasync.storage.wire import read_token, read_write_token
 
     logging.getLogger("deltasync").removeHandler(WARNINGS)  # the relay logs every line its own way
@@ -72,12 +90,28 @@ def serve(
         write_token=read_write_token(None, write_token_file) if accept_writes else None,
         max_object_bytes=parse_size(max_object_bytes), max_uploads=max_uploads,
         write_quota=parse_size(write_quota) if write_quota is not None else None,
+        report_tokens=read_report_tokens(report_token_file) if report_token_file is not None else None,
+        cluster=cluster, report_interval=report_interval,
+        upstream_report_token=read_token(None, upstream_report_token_file) if upstream_report_token_file else None,
     )
+    metrics = None
 
     def ready() -> None:
+        nonlocal metrics
         writes = ", accepting writes" if accept_writes else ""
-        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{writes}); SIGTERM stops")
+        reports = ", taking fleet reports" if report_token_file is not None else ""
+        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{writes}{reports}); "
+                   "SIGTERM stops")
+        if metrics_port is not None:
+            from deltasync.metrics import MetricsServer
 
-    run_until_signalled(server, on_ready=ready)
+            metrics = MetricsServer(server.fleet.metrics, port=metrics_port, host=metrics_host)
+            click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{metrics.port}/metrics")
+
+    try:
+        run_until_signalled(server, on_ready=ready)
+    finally:
+        if metrics is not None:
+            metrics.close()
     click.echo("relay stopped")
 

@@ -183,7 +183,7 @@ def served_by(agent: Any) -> Callable[[], int | None]:
     if isinstance(agent, EngineAgent) or agent.engine is None:
         return agent.current  # type: ignore[no-any-return]
     engine = agent.engine
-    return lambda: engine.version  # type: ignore[no-any-return]
+    return lambda: engine.version
 
 
 __all__ = ["ReportConfig", "Reporter", "default_node", "report_of", "served_by"]

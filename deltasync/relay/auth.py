@@ -16,6 +16,7 @@ from ..repo.repository import LAYOUT_NAMES, is_layout_key
 from ..storage import check_key
 from ..storage.wire import CLIENT_STREAM, METHODS, SERVER_STREAM, UNARY, WRITE_METHODS
 from .cache import SERVED_KEYS, SERVED_PREFIXES, served
+from .fleet import FLEET_METHODS
 
 #: grpc's handler for each kind of call (the service binds its methods with them, and the
 #: interceptor its refusals).
@@ -76,7 +77,7 @@ class RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return await continuation(details)
         else:
             code, message = grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
-        kind = METHODS[name][2] if name in METHODS else UNARY
+        kind = METHODS[name][2] if name in METHODS else FLEET_METHODS.get(name, UNARY)
 
         async def deny(request: Any, context: Any) -> Any:
             await context.abort(code, message)

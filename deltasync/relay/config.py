@@ -57,6 +57,15 @@ class RelayConfig:
     version feed (which follows the upstream while anyone watches) learns of it."""
     warm_concurrency: int = 4
     """Objects warmed at once."""
+    report_tokens: list[tuple[str, str | None]] | None = None
+    """Tokens agents and relays below report with, each for any cluster (None) or one
+    (``--report-token-file``, :func:`deltasync.relay.fleet.parse_report_tokens`). None: no reports taken."""
+    cluster: str = ""
+    """The cluster of the nodes that report here without naming one ("": this relay's address)."""
+    report_interval: float = 2.0
+    """Seconds between forwards of the fleet table to an upstream relay."""
+    upstream_report_token: str | None = None
+    """The report token of the upstream relay (None: the first of ``report_tokens`` for any cluster)."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -83,6 +92,8 @@ class RelayConfig:
             raise UsageError("max_object_bytes and max_uploads must be positive")
         if self.warm_concurrency < 1:
             raise UsageError(f"warm_concurrency must be positive, got {self.warm_concurrency}")
+        if not 0.1 <= self.report_interval <= 600:
+            raise UsageError(f"report_interval must be in 0.1..600 seconds, got {self.report_interval}")
         if self.write_quota is not None and (self.write_quota < 0 or not self.accept_writes):
             raise UsageError("a write quota must not be negative, and needs --accept-writes")
 

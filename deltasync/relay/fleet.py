@@ -27,8 +27,9 @@ from typing import Any
 
 import grpc
 
-from ..errors import DeltasyncError, UsageError
+from ..errors import DeltasyncError, ObjectNotFoundError, UsageError
 from ..metrics import Metric
+from ..storage import GrpcStore, Store
 from ..v1 import fleet_pb2 as fpb
 from .fleet_client import BATCH, MAX_REPORT_BYTES, REPORT_HEADER, FleetClient, report_path
 
@@ -47,10 +48,10 @@ def classify(r: fpb.NodeReport, *, age: float, latest: int | None, pinned: int |
     """The state of a node from its report, ``age`` seconds old, against the repository's
     latest and pinned versions (None: unknown / none): ``silent`` (no report for three of its
     intervals), ``drift`` (its last live check found bits that are not its version),
-    ``failing`` (its agent's current error), ``pinned`` / ``current`` (it serves the pin / the
+    (or its agent said it stopped), ``failing`` (its agent's current error), ``pinned`` / ``current`` (it serves the pin / the
     latest), else ``behind``. A node that serves nothing yet is ``behind``, never current."""
     interval = min(max(r.interval, _MIN_INTERVAL), _MAX_INTERVAL)
-    if age > SILENT_AFTER * interval:
+    if age > SILENT_AFTER * interval or r.agent_state == "stopped":
         return "silent"
     if r.check == "drift":
         return "drift"
@@ -91,7 +92,7 @@ def read_report_tokens(path: str | Path) -> list[tuple[str, str | None]]:
 
 @dataclass
 class _Entry:
-    __slots__ = ("data", "heard", "cluster")
+    __slots__ = ("cluster", "data", "heard")
     data: bytes  # the serialized report
     heard: float  # time.monotonic() when this relay (or the one below it) heard it
     cluster: str
@@ -330,6 +331,45 @@ class Forwarder:
             if not self._failing:
                 log.warning("cannot forward fleet reports to %s: %s", self.client.url, e)
             self._failing = True
+
+
+#: Kinds of the Fleet calls, for a relay's token check to refuse them in their own shape.
+FLEET_METHODS = {"Report": "unary", "View": "server_stream"}
+
+
+def repository_targets(store: Store) -> Callable[[], tuple[int | None, int | None]]:
+    """(latest, pinned) of the repository in ``store``, from its refs as hints (a relay holds no
+    keys; agents check what they follow, this only labels the view)."""
+
+    def read() -> tuple[int | None, int | None]:
+        from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, ref_hint
+
+        try:
+            latest = ref_hint(store.get(LATEST, max_bytes=MAX_REF_BYTES))
+        except ObjectNotFoundError:
+            latest = None
+        return latest, Repository(store).pinned()
+
+    return read
+
+
+def fleet_service(upstream: Store, config: Any) -> FleetService:
+    """The Fleet service of a relay with ``config`` (a ``RelayConfig``)."""
+    return FleetService(tokens=config.report_tokens, cluster=config.cluster or config.listen, name=config.listen,
+                        targets=repository_targets(upstream))
+
+
+def start_forwarding(service: FleetService, upstream: Store, config: Any) -> Forwarder | None:
+    """Forward the table to the upstream relay, when the upstream is one (else None)."""
+    if not isinstance(upstream, GrpcStore):
+        return None
+    token = config.upstream_report_token
+    if token is None:
+        token = next((t for t, c in config.report_tokens or [] if c is None), None)
+    if token is None:
+        return None
+    # The upstream's read token is the one this relay reads it with ($DELTASYNC_RELAY_TOKEN(_FILE)).
+    return Forwarder(service.table, upstream.url, report_token=token, interval=config.report_interval).start()
 
 
 __all__ = ["BAD_STATES", "STATES", "FleetService", "FleetTable", "Forwarder", "classify", "fleet_metrics",

@@ -21,7 +21,7 @@ import grpc
 
 from ..errors import StoreError, UsageError
 from ..storage._grpc import CHANNEL_OPTIONS, describe, parse_grpc_url
-from ..storage._wire import CA_ENV, read_token
+from ..storage.wire import CA_ENV, read_token
 from ..v1 import fleet_pb2 as fpb
 
 FLEET_SERVICE = "deltasync.v1.Fleet"
@@ -132,7 +132,8 @@ class FleetClient:
             def send(channel: Any, request: fpb.ReportBatch = request) -> fpb.ReportAck:
                 call = channel.unary_unary(report_path("Report"), request_serializer=fpb.ReportBatch.SerializeToString,
                                            response_deserializer=fpb.ReportAck.FromString)
-                return call(request, timeout=self.timeout, metadata=self._metadata)
+                ack: fpb.ReportAck = call(request, timeout=self.timeout, metadata=self._metadata)
+                return ack
 
             taken += int(self._call("fleet report", send).accepted)
         return taken

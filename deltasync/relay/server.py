@@ -31,6 +31,7 @@ from ..storage.wire import CHUNK_BYTES
 from .auth import RequireToken
 from .cache import ObjectCache
 from .config import RelayConfig as RelayConfig, parse_size as parse_size  # deltasync.relay.server.* keeps working
+from .fleet import Forwarder, fleet_service, start_forwarding
 from .service import RelayService
 from .uploads import UPLOAD_WINDOW_BYTES
 
@@ -82,6 +83,9 @@ class RelayServer:
         self._service: RelayService | None = None
         self._server: Any = None
         self._executor: ThreadPoolExecutor | None = None
+        self.fleet = fleet_service(self.upstream, config)
+        """The fleet reports this relay keeps (:mod:`deltasync.relay.fleet`)."""
+        self._forwarder: Forwarder | None = None
 
     @property
     def address(self) -> str:
@@ -115,6 +119,8 @@ class RelayServer:
         except BaseException:
             self._close_resources()
             raise
+        self.fleet.bind(self.address, self.config.cluster)
+        self._forwarder = start_forwarding(self.fleet, self.upstream, self.config)
         log.debug("serving %s on %s (cache %s)", self.upstream_url, self.address, self.cache_dir)
         return self
 
@@ -124,7 +130,7 @@ class RelayServer:
         needs_check = config.token or config.write_token
         interceptors = [RequireToken(config.token, config.write_token)] if needs_check else []
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        server.add_generic_rpc_handlers((service.handler(),))
+        server.add_generic_rpc_handlers((service.handler(), self.fleet.handlers()))
         try:
             if self.config.tls_cert is not None and self.config.tls_key is not None:
                 creds = grpc.ssl_server_credentials(
@@ -148,6 +154,9 @@ class RelayServer:
         if self._server is None:
             return
         server, self._server = self._server, None
+        if self._forwarder is not None:
+            self._forwarder.stop()
+            self._forwarder = None
         service = self._service
         assert service is not None
         _on_loop(self._stop(server, service, grace))
