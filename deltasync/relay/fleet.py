@@ -201,6 +201,11 @@ class FleetService:
         self._target_cache: tuple[float, tuple[int | None, int | None]] = (-1e9, (None, None))
         self._target_lock = threading.Lock()
 
+    def bind(self, address: str, cluster: str = "") -> None:
+        """Name this relay by the address it serves on (and its cluster, unless configured)."""
+        self.name = address
+        self.cluster = cluster or address
+
     def handlers(self) -> Any:
         """A generic handler for the relay's gRPC server."""
         return grpc.method_handlers_generic_handler("deltasync.v1.Fleet", {
