@@ -89,15 +89,13 @@ def repo(tmp_path: Path) -> Path:
 def test_reports_need_a_report_token_scoped_to_their_cluster(repo: Path) -> None:
     tokens = [(TOKEN, None), (CLUSTER_TOKEN, "east")]
     with build_server(str(repo), "127.0.0.1:0", report_tokens=tokens, cluster="here") as relay:
-        with FleetClient(relay.url) as none:
-            with pytest.raises(UsageError, match="unauthenticated"):
-                none.report([report("a", 1)])
-        with FleetClient(relay.url, report_token="wrong") as wrong:
-            with pytest.raises(UsageError, match="unauthenticated"):
-                wrong.report([report("a", 1)])
+        with FleetClient(relay.url) as none, pytest.raises(UsageError, match="unauthenticated"):
+            none.report([report("a", 1)])
+        with FleetClient(relay.url, report_token="wrong") as wrong, pytest.raises(UsageError, match="unauthenticated"):
+            wrong.report([report("a", 1)])
         with FleetClient(relay.url, report_token=CLUSTER_TOKEN) as east:
             assert east.report([report("e1", 1, cluster="east")]) == 1
-            with pytest.raises(UsageError, match="permission_denied.*'east' only"):
+            with pytest.raises(UsageError, match=r"permission_denied.*'east' only"):
                 east.report([report("w1", 1, cluster="west")])
         with FleetClient(relay.url, report_token=TOKEN) as agent:
             assert agent.report([report("a", 1)]) == 1  # no cluster: the relay's
@@ -107,26 +105,25 @@ def test_reports_need_a_report_token_scoped_to_their_cluster(repo: Path) -> None
         assert view.latest == 1 and view.pinned is None
         assert {(r.node, r.cluster, r.via) for r in view.nodes} == {
             ("a", "here", relay.address), ("e1", "east", relay.address)}
-    with build_server(str(repo), "127.0.0.1:0") as closed, FleetClient(closed.url, report_token=TOKEN) as c:
-        with pytest.raises(UsageError, match="takes no fleet reports"):
-            c.report([report("a", 1)])
+    with (build_server(str(repo), "127.0.0.1:0") as closed, FleetClient(closed.url, report_token=TOKEN) as c,
+          pytest.raises(UsageError, match="takes no fleet reports")):
+        c.report([report("a", 1)])
 
 
 def test_relays_forward_their_table_to_the_root(repo: Path) -> None:
     tokens = [(TOKEN, None)]
-    with build_server(str(repo), "127.0.0.1:0", report_tokens=tokens, cluster="root") as root:
-        with build_server(root.url, "127.0.0.1:0", report_tokens=tokens, cluster="east",
-                          report_interval=0.2) as east:
-            with FleetClient(east.url, report_token=TOKEN) as agent:
-                agent.report([report("e1", 1), report("e2", 1)])
-            with FleetClient(root.url) as viewer:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    nodes = {(r.node, r.cluster) for r in viewer.view().nodes}
-                    if nodes == {("e1", "east"), ("e2", "east")}:
-                        break
-                    time.sleep(0.05)
-                assert nodes == {("e1", "east"), ("e2", "east")}
+    with (build_server(str(repo), "127.0.0.1:0", report_tokens=tokens, cluster="root") as root,
+          build_server(root.url, "127.0.0.1:0", report_tokens=tokens, cluster="east", report_interval=0.2) as east):
+        with FleetClient(east.url, report_token=TOKEN) as agent:
+            agent.report([report("e1", 1), report("e2", 1)])
+        with FleetClient(root.url) as viewer:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                nodes = {(r.node, r.cluster) for r in viewer.view().nodes}
+                if nodes == {("e1", "east"), ("e2", "east")}:
+                    break
+                time.sleep(0.05)
+            assert nodes == {("e1", "east"), ("e2", "east")}
 
 
 # -- real agents ------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_check_state_finds_drift_fleet_shows_it_and_the_repair_rewrites_one_chun
         while True:
             fleet = _cli("fleet", "--repo", running.relay.url, "--json")
             nodes = json.loads(fleet.stdout)["nodes"]
-            if nodes and nodes[0]["state"] == "drift" or time.monotonic() > deadline:
+            if (nodes and nodes[0]["state"] == "drift") or time.monotonic() > deadline:
                 break
         assert fleet.returncode == 1 and nodes[0]["state"] == "drift" and nodes[0]["drifted_chunks"] == 1, nodes
 
