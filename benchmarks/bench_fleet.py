@@ -33,12 +33,12 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from deltasync.v1 import fleet_pb2 as fpb
+
 TOKEN = "bench-report-token"
 
 
-def _report(node: str, cluster: str, version: int, error: bool = False) -> object:
-    from deltasync.v1 import fleet_pb2 as fpb
-
+def _report(node: str, cluster: str, version: int, error: bool = False) -> fpb.NodeReport:
     return fpb.NodeReport(
         node=node, cluster=cluster, engine="torch", version=version, version_digest=os.urandom(16),
         repository_id=os.urandom(16), check="ok", check_unix=time.time(), lag_seconds=0.0,
@@ -61,7 +61,7 @@ def memory(nodes: int, repo: str) -> None:
         del empty
         with FleetClient(relay.url, report_token=TOKEN) as client:
             t0 = time.perf_counter()
-            client.report(reports)  # type: ignore[arg-type]
+            client.report(reports)
             sent = time.perf_counter() - t0
         held = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
@@ -70,7 +70,7 @@ def memory(nodes: int, repo: str) -> None:
         with FleetClient(relay.url) as client:
             view = client.view()
         viewed = time.perf_counter() - t0
-    size = sum(len(r.SerializeToString()) for r in reports) / nodes  # type: ignore[attr-defined]
+    size = sum(len(r.SerializeToString()) for r in reports) / nodes
     mib = (held - base) / 2**20
     print(f"memory: {nodes} nodes ({size:.0f} B per serialized report): relay heap for the table "
           f"{mib:.2f} MiB = {mib / 16:.3f}x the 16 MiB target ({(held - base) / nodes:.0f} B per node); "
@@ -78,11 +78,11 @@ def memory(nodes: int, repo: str) -> None:
 
 
 def freshness(clusters: int, per_cluster: int, agents: int, workdir: Path) -> None:
+    import torch
+
     from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
     from deltasync.relay import build_server
     from deltasync.relay.fleet_client import FleetClient
-
-    import torch
 
     repo = workdir / "repo"
     pub = Publisher(str(repo), PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=1 << 16), workers=1, progress=False))
@@ -104,7 +104,7 @@ def freshness(clusters: int, per_cluster: int, agents: int, workdir: Path) -> No
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
             light = [(c, f"c{c}-n{i}") for c in range(clusters) for i in range(agents, per_cluster)]
             for c, node in light:
-                clients[c].report([_report(node, "", 1)])  # type: ignore[list-item]
+                clients[c].report([_report(node, "", 1)])
             total = clusters * per_cluster
             with FleetClient(root.url) as viewer:
                 _wait_all(viewer, total, 1, timeout=120)
@@ -114,7 +114,7 @@ def freshness(clusters: int, per_cluster: int, agents: int, workdir: Path) -> No
 
                 def take(c: int, node: str) -> None:
                     time.sleep(random.uniform(0, 0.5))
-                    clients[c].report([_report(node, "", 2)])  # type: ignore[list-item]
+                    clients[c].report([_report(node, "", 2)])
                     took.append(time.monotonic())
 
                 threads = [threading.Thread(target=take, args=cn) for cn in light]
@@ -173,9 +173,9 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
-        from deltasync import Publisher
-
         import torch
+
+        from deltasync import Publisher
 
         Publisher(str(work / "mem-repo")).publish({"w": torch.zeros(16)})
         memory(args.nodes, str(work / "mem-repo"))
