@@ -666,6 +666,10 @@ class Agent:
         ]
         for kind, n in sorted((status.get("fetched_by_kind") or {}).items()):
             out.append(Metric("deltasync_bytes_fetched_by_kind_total", c, "Bytes downloaded, by kind", n, {"kind": kind}))
+        check = status.get("live_check") or {}  # local/live.py: the engine's live weights against their digests
+        out.append(Metric("deltasync_live_check_drifted_chunks", g, "Chunks the last live check found drifted",
+                          check.get("drifted_chunks")))
+        out.append(Metric("deltasync_live_check_timestamp_seconds", g, "When the last live check ran", check.get("unix")))
         return out
 
     def _start_metrics(self) -> MetricsServer | None:

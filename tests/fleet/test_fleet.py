@@ -217,3 +217,18 @@ def test_agents_report_and_pin_wait_names_the_node_held_back(
     view = _wait_states(url, {"n0": (2, "current"), "n1": (2, "current"), "n2": (2, "silent")})
     text = _cli("fleet", "--repo", url)
     assert text.returncode == 0 and "cluster c0" in text.stdout and "n2" in text.stdout
+
+
+def test_relay_metrics_count_nodes_by_state_and_lag_per_cluster(repo: Path) -> None:
+    from deltasync.metrics import render
+
+    with build_server(str(repo), "127.0.0.1:0", report_tokens=[(TOKEN, None)]) as relay:
+        with FleetClient(relay.url, report_token=TOKEN) as agent:
+            agent.report([report("a", 1, cluster="east"), report("b", 0, cluster="east", lag_seconds=4.5),
+                          report("c", 1, cluster="west", check="drift")])
+        text = render(relay.fleet.metrics())
+    assert 'deltasync_fleet_nodes{state="current"} 1.0' in text
+    assert 'deltasync_fleet_nodes{state="behind"} 1.0' in text
+    assert 'deltasync_fleet_nodes{state="drift"} 1.0' in text
+    assert 'deltasync_fleet_lag_seconds{cluster="east"} 4.5' in text
+    assert 'deltasync_fleet_cluster_nodes{cluster="west",state="drift"} 1.0' in text
