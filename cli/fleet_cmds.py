@@ -16,12 +16,12 @@ from deltasync.cli._common import cli, emit_json, json_option
 from deltasync.errors import UsageError
 
 if TYPE_CHECKING:
-    from deltasync.relay.fleet_client import FleetView
+    from deltasync.storage._fleet import FleetView
     from deltasync.v1.fleet_pb2 import NodeReport
 
 
 def _client(url: str, timeout: float = 10.0) -> Any:
-    from deltasync.relay.fleet_client import FleetClient
+    from deltasync.storage._fleet import FleetClient
 
     if not url.lower().startswith(("grpc://", "grpcs://")):
         raise UsageError(f"the fleet view comes from a relay (grpc://HOST:PORT), not {url!r}: "
@@ -236,7 +236,7 @@ def start_hooks(agent: Any, state_dir: Path, *, repo: str, node: str | None, clu
     engine-first agent, the live checker and its control socket."""
     from deltasync.local.engine_agent import EngineAgent
     from deltasync.local.report import ReportConfig, Reporter, default_node, served_by
-    from deltasync.relay.fleet_client import read_report_token
+    from deltasync.storage._fleet import read_report_token
 
     hooks = FleetHooks()
     try:

@@ -30,8 +30,8 @@ import grpc
 from ..errors import DeltasyncError, ObjectNotFoundError, UsageError
 from ..metrics import Metric
 from ..storage import GrpcStore, Store
+from ..storage._fleet import BATCH, MAX_REPORT_BYTES, REPORT_HEADER, FleetClient, report_path
 from ..v1 import fleet_pb2 as fpb
-from .fleet_client import BATCH, MAX_REPORT_BYTES, REPORT_HEADER, FleetClient, report_path
 
 log = logging.getLogger("deltasync.relay")
 

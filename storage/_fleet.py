@@ -19,10 +19,11 @@ from urllib.parse import urlparse
 
 import grpc
 
-from ..errors import StoreError, UsageError
-from ..storage._grpc import CHANNEL_OPTIONS, describe, parse_grpc_url
-from ..storage.wire import CA_ENV, read_token
-from ..v1 import fleet_pb2 as fpb
+from deltasync.errors import StoreError, UsageError
+from deltasync.v1 import fleet_pb2 as fpb
+
+from ._grpc import CHANNEL_OPTIONS, describe, parse_grpc_url
+from .wire import CA_ENV, read_token
 
 FLEET_SERVICE = "deltasync.v1.Fleet"
 REPORT_HEADER = "x-deltasync-report-token"
