@@ -232,3 +232,19 @@ def test_relay_metrics_count_nodes_by_state_and_lag_per_cluster(repo: Path) -> N
     assert 'deltasync_fleet_nodes{state="drift"} 1.0' in text
     assert 'deltasync_fleet_lag_seconds{cluster="east"} 4.5' in text
     assert 'deltasync_fleet_cluster_nodes{cluster="west",state="drift"} 1.0' in text
+
+
+def test_a_relay_with_a_read_token_refuses_views_and_reports_without_it(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DELTASYNC_RELAY_TOKEN", raising=False)
+    monkeypatch.delenv("DELTASYNC_RELAY_TOKEN_FILE", raising=False)
+    with build_server(str(repo), "127.0.0.1:0", token="read-secret", report_tokens=[(TOKEN, None)]) as relay:
+        with FleetClient(relay.url, report_token=TOKEN) as outsider:
+            with pytest.raises(UsageError, match="unauthenticated"):
+                outsider.view()
+            with pytest.raises(UsageError, match="unauthenticated"):
+                outsider.report([report("a", 1)])
+        with FleetClient(relay.url, report_token=TOKEN, token="read-secret") as agent:
+            assert agent.report([report("a", 1)]) == 1
+            assert [r.node for r in agent.view().nodes] == ["a"]
