@@ -17,7 +17,6 @@ from deltasync.errors import UsageError
 
 if TYPE_CHECKING:
     from deltasync.storage._fleet import FleetView
-    from deltasync.v1.fleet_pb2 import NodeReport
 
 
 def _client(url: str, timeout: float = 10.0) -> Any:
@@ -29,21 +28,9 @@ def _client(url: str, timeout: float = 10.0) -> Any:
     return FleetClient(url, timeout=timeout)
 
 
-def node_row(r: NodeReport, latest: int | None, pinned: int | None) -> dict[str, Any]:
-    from deltasync.relay.fleet import classify
-
-    return {
-        "node": r.node, "cluster": r.cluster, "version": r.version or None,
-        "state": classify(r, age=r.age, latest=latest, pinned=pinned), "engine": r.engine,
-        "version_digest": r.version_digest.hex() or None, "repository_id": r.repository_id.hex() or None,
-        "target_version": r.target_version or None, "lag_seconds": round(r.lag_seconds, 3),
-        "age_seconds": round(r.age, 3), "check": r.check or None, "check_unix": r.check_unix or None,
-        "drifted_chunks": r.drifted_chunks, "last_error": r.last_error or None, "bytes_fetched": r.bytes_fetched,
-        "agent_state": r.agent_state or None, "via": r.via or None,
-    }
-
-
 def view_rows(view: FleetView) -> list[dict[str, Any]]:
+    from deltasync.relay.fleet import node_row
+
     return [node_row(r, view.latest, view.pinned) for r in view.nodes]
 
 
@@ -114,6 +101,8 @@ def confirm(view: FleetView, version: int, digest: bytes | None) -> Confirmation
     """Which reporting nodes serve ``version`` (its version digest, when the report carries
     one, must be ``digest``): silent, failing and drifted nodes do not confirm."""
     out = Confirmation(version, [], [])
+    from deltasync.relay.fleet import node_row
+
     for r in view.nodes:
         row = node_row(r, view.latest, view.pinned)
         name = f"{r.cluster}/{r.node}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -63,12 +64,15 @@ from deltasync.errors import UsageError
               help="Serve Prometheus metrics (the fleet's nodes by state, lag per cluster) at "
                    "http://HOST:PORT/metrics (0: any free port).")
 @click.option("--metrics-host", default="", metavar="HOST", help="Address for --metrics-port [default: every interface].")
+@click.option("--http", "http_listen", default=None, metavar="HOST:PORT",
+              help="Serve the fleet page at http://HOST:PORT/fleet (each cluster's nodes, versions and states; lag "
+                   "over the last hour; read-only, no external assets) [default: none].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
     warm: bool, stream: bool, tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
     write_token_file: Path | None, max_object_bytes: str, max_uploads: int, write_quota: str | None,
     report_token_file: Path | None, cluster: str, upstream_report_token_file: Path | None, report_interval: float,
-    metrics_port: int | None, metrics_host: str,
+    metrics_port: int | None, metrics_host: str, http_listen: str | None,
 ) -> None:
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
     import logging
@@ -95,9 +99,10 @@ def serve(
         upstream_report_token=read_token(None, upstream_report_token_file) if upstream_report_token_file else None,
     )
     metrics = None
+    page = None
 
     def ready() -> None:
-        nonlocal metrics
+        nonlocal metrics, page
         writes = ", accepting writes" if accept_writes else ""
         reports = ", taking fleet reports" if report_token_file is not None else ""
         click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{writes}{reports}); "
@@ -107,11 +112,19 @@ def serve(
 
             metrics = MetricsServer(server.fleet.metrics, port=metrics_port, host=metrics_host)
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{metrics.port}/metrics")
+        if http_listen is not None:
+            from deltasync.relay.page import FleetPage
+
+            page = FleetPage(server.fleet, http_listen, token=server.config.token)
+            click.echo(f"fleet page on {page.url}")
+        sys.stdout.flush()
 
     try:
         run_until_signalled(server, on_ready=ready)
     finally:
         if metrics is not None:
             metrics.close()
+        if page is not None:
+            page.close()
     click.echo("relay stopped")
 

@@ -65,6 +65,19 @@ def classify(r: fpb.NodeReport, *, age: float, latest: int | None, pinned: int |
     return "current" if target is not None and r.version == target else "behind"
 
 
+def node_row(r: fpb.NodeReport, latest: int | None, pinned: int | None) -> dict[str, Any]:
+    """One node of a view as plain values (``fleet --json``, the fleet page), its state computed."""
+    return {
+        "node": r.node, "cluster": r.cluster, "version": r.version or None,
+        "state": classify(r, age=r.age, latest=latest, pinned=pinned), "engine": r.engine,
+        "version_digest": r.version_digest.hex() or None, "repository_id": r.repository_id.hex() or None,
+        "target_version": r.target_version or None, "lag_seconds": round(r.lag_seconds, 3),
+        "age_seconds": round(r.age, 3), "check": r.check or None, "check_unix": r.check_unix or None,
+        "drifted_chunks": r.drifted_chunks, "last_error": r.last_error or None, "bytes_fetched": r.bytes_fetched,
+        "agent_state": r.agent_state or None, "via": r.via or None,
+    }
+
+
 def parse_report_tokens(text: str, source: str = "report tokens") -> list[tuple[str, str | None]]:
     """``TOKEN`` or ``CLUSTER TOKEN`` per line (``#`` comments) -> [(token, cluster or None)]."""
     out: list[tuple[str, str | None]] = []
@@ -377,5 +390,5 @@ def start_forwarding(service: FleetService, upstream: Store, config: Any) -> For
     return Forwarder(service.table, upstream.url, report_token=token, interval=config.report_interval).start()
 
 
-__all__ = ["BAD_STATES", "STATES", "FleetService", "FleetTable", "Forwarder", "classify", "fleet_metrics",
+__all__ = ["BAD_STATES", "STATES", "FleetService", "FleetTable", "Forwarder", "classify", "fleet_metrics", "node_row",
            "parse_report_tokens", "read_report_tokens", "report_path"]
