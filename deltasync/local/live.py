@@ -84,6 +84,8 @@ class LiveChecker:
         with self._lock:
             result = self._check(repair)
         self.last = result
+        if result.get("unsupported"):
+            return result  # nothing was checked: the state keeps the last real check
         with contextlib.suppress(DeltasyncError, OSError):
             db = StateDB.open(self.agent.root, create=False)
             if db is not None:
@@ -96,7 +98,8 @@ class LiveChecker:
         verify = getattr(engine, "verify", None)
         if engine is None or not callable(verify):
             kind = engine.kind if engine is not None else "no"
-            return {"result": "error", "unix": now, "error": f"the {kind} engine cannot check its live weights"}
+            return {"result": "error", "unix": now, "unsupported": True,
+                    "error": f"the {kind} engine cannot check its live weights"}
         version = self.agent.current()
         if version is None:
             return {"result": "error", "unix": now, "error": "the engine holds no version yet"}

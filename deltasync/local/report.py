@@ -86,9 +86,7 @@ def report_of(status: dict[str, Any], config: ReportConfig, served: int | None) 
     elif has_engine and get("engine_last_error") and float(get("engine_last_error_unix") or 0) > float(
             get("engine_updated_unix") or 0):
         error, error_unix = str(get("engine_last_error")), float(get("engine_last_error_unix") or 0)
-    check = get("live_check") or {}
-    if check.get("result") == "error":  # the check could not run: not a finding about the bits
-        error = error or f"live check: {check.get('error', '')}"
+    check = get("live_check") or {}  # a check that could not run says nothing about the bits: not sent
     return fpb.NodeReport(
         node=config.node, cluster=config.cluster, engine=str(get("engine_kind") or "copy"),
         version=int(version), version_digest=bytes.fromhex(digest_hex) if digest_hex else b"",
