@@ -92,7 +92,7 @@ SCRIPT = textwrap.dedent('''
         return page.wait_for_function(
             """([nodes, version]) => nodes.every(n => {
                    const row = document.querySelector(`tr[data-node="${n}"]`);
-                   return row && row.dataset.version === version; })""",
+                   return row && row.dataset.version === version && row.dataset.state === "current"; })""",
             arg=[nodes, str(version)], timeout=30000)
 
     with sync_playwright() as p:
@@ -138,10 +138,10 @@ def test_page_in_a_headless_browser_shows_every_node_and_updates(relay: tuple[st
             assert proc.stdout is not None and proc.stdin is not None
             first = proc.stdout.readline()
             assert first.strip() == "shown 1", proc.stderr.read() if proc.stderr else ""
-            client.report([_report(c, n, 2) for c, n in NODES])
             Publisher(str(Path(tmp_path) / "repo"),
                       PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=4096), workers=1, progress=False)).publish(
                 {"w": torch.ones(1024)})
+            client.report([_report(c, n, 2) for c, n in NODES])
             proc.stdin.write("go\n")
             proc.stdin.flush()
             out, err = proc.communicate(timeout=90)
