@@ -165,6 +165,11 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
         if s.get("engine_last_error"):
             rows.append(("engine error", f"{ago(s.get('engine_last_error_unix'))}: update to version "
                                          f"{opt(s.get('engine_last_error_version'))}: {s['engine_last_error']}"))
+    check = s.get("live_check")
+    if check:  # check --state / --verify-every (local/live.py)
+        found = f", {check.get('drifted_chunks', 0)} chunk(s) drifted" if check.get("drifted_chunks") else ""
+        what = check.get("error") or f"{check.get('chunks_checked', 0)} chunks of version {opt(check.get('version'))}"
+        rows.append(("live check", f"{check.get('result')} {ago(check.get('unix'))}: {what}{found}"))
     wip = s.get("wip")
     if wip:
         done = f"{wip['chunks_done']}/{wip['chunks_total']} chunks"

@@ -122,6 +122,8 @@ def test_check_state_finds_drift_fleet_shows_it_and_the_repair_rewrites_one_chun
         assert len(running.engine.swaps) == swaps + 1 and running.engine.swaps[-1].chunks_changed == 1
         assert_bits(running.model, expected(running.repo))
         assert read_status(running.state_dir)["live_check"]["result"] == "repaired"
+        shown = _cli("status", "--state", str(running.state_dir))
+        assert "live check   repaired" in shown.stdout and "1 chunk(s) drifted" in shown.stdout, shown.stdout
         deadline = time.monotonic() + 10
         while True:
             fleet = _cli("fleet", "--repo", running.relay.url, "--json")
