@@ -155,3 +155,67 @@ def test_background_check_repairs_drift(running: Running) -> None:
         assert_bits(running.model, expected(running.repo))
     finally:
         checker.stop()
+
+
+FACTORY = '''
+import os
+
+import torch
+
+
+def build():
+    # The engine's tensor maps a file shared with the test: a write to the file is a change
+    # of the live weights behind the agent's back.
+    path = os.environ["DELTASYNC_TEST_SHARED"]
+    return {"w": torch.from_file(path, shared=True, size=256 * 256, dtype=torch.bfloat16).view(256, 256)}
+'''
+
+
+def test_a_subscribe_process_answers_check_state_and_reports_to_fleet(tmp_path: Path) -> None:
+    """The whole path in real processes: `subscribe --state --engine torch:...` reports to its
+    relay and answers `check --state`; a byte of its engine's tensor changed from outside is
+    found and rewritten, and the tensor is the version's bits again."""
+    repo = tmp_path / "repo"
+    g = torch.Generator().manual_seed(3)
+    weights = (torch.randn((256, 256), generator=g) * 0.02).to(torch.bfloat16)
+    Publisher(str(repo), PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=CHUNK), workers=2, progress=False)).publish(
+        {"w": weights})
+    shared = tmp_path / "weights.bin"
+    shared.write_bytes(bytes(256 * 256 * 2))
+    (tmp_path / "shared_factory.py").write_text(FACTORY)
+    env = {**os.environ, "DELTASYNC_REPORT_TOKEN": TOKEN, "DELTASYNC_TEST_SHARED": str(shared),
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    state_dir = tmp_path / "state"
+    with build_server(str(repo), "127.0.0.1:0", report_tokens=[(TOKEN, None)], cluster="lab") as relay:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "deltasync", "subscribe", "--repo", relay.url, "--state", str(state_dir),
+             "--engine", "torch:shared_factory:build", "--follow", "--poll-interval", "0.1", "--node", "proc0",
+             "--report-interval", "0.3", "--quiet"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        try:
+            deadline = time.monotonic() + 90
+            nodes: list[dict[str, object]] = []
+            while time.monotonic() < deadline and not (nodes and nodes[0]["state"] == "current"):
+                time.sleep(0.3)
+                fleet = _cli("fleet", "--repo", relay.url, "--json")
+                nodes = json.loads(fleet.stdout)["nodes"] if fleet.stdout else []
+            assert nodes and nodes[0]["node"] == "proc0" and nodes[0]["engine"] == "torch", nodes
+            assert shared.read_bytes() == weights.view(-1).view(torch.uint8).numpy().tobytes()
+
+            with shared.open("r+b") as f:  # one byte of element 12345 (chunk 1 of 8)
+                f.seek(12345 * 2)
+                byte = f.read(1)
+                f.seek(12345 * 2)
+                f.write(bytes([byte[0] ^ 0x01]))
+            fixed = subprocess.run([sys.executable, "-m", "deltasync", "check", "--state", str(state_dir), "--json"],
+                                   capture_output=True, text=True, timeout=120, env=env)
+            assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+            result = json.loads(fixed.stdout)
+            assert result["result"] == "repaired" and result["drifted"] == ["w#1"], result
+            assert result["chunks_rewritten"] == 1
+            assert shared.read_bytes() == weights.view(-1).view(torch.uint8).numpy().tobytes()
+        finally:
+            agent.terminate()
+            _out, err = agent.communicate(timeout=30)
+        assert agent.returncode == 0, err
+    assert not (state_dir / ".deltasync" / "control").exists()  # the socket's pointer is gone with the agent
