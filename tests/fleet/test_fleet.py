@@ -248,3 +248,25 @@ def test_a_relay_with_a_read_token_refuses_views_and_reports_without_it(
         with FleetClient(relay.url, report_token=TOKEN, token="read-secret") as agent:
             assert agent.report([report("a", 1)]) == 1
             assert [r.node for r in agent.view().nodes] == ["a"]
+
+
+def test_a_report_names_what_the_engine_holds_not_the_target() -> None:
+    from deltasync.local.report import ReportConfig, report_of
+
+    config = ReportConfig(to="grpc://127.0.0.1:1", node="n", interval=1.0)
+    status = {"engine_kind": "torch", "engine_version": 4, "engine_version_digest": "ab" * 16, "target_version": 5,
+              "state": "backoff", "last_error": "engine refused version 5", "last_error_unix": 10.0,
+              "engine_last_error": "engine refused version 5", "engine_last_error_unix": 10.0,
+              "engine_updated_unix": 5.0, "lag_seconds": 3.0, "bytes_fetched_total": 7}
+    r = report_of(status, config, served=4)
+    assert (r.version, r.version_digest.hex(), r.target_version) == (4, "ab" * 16, 5)
+    assert classify(r, age=0.0, latest=5, pinned=None) == "failing"
+    # An engine that holds nothing known yet (a restarted agent before its first check) serves
+    # nothing, whatever its state last recorded; the recorded digest is not sent with it.
+    idle = {**status, "state": "idle", "engine_updated_unix": 20.0}
+    r = report_of(idle, config, served=None)
+    assert r.version == 0 and r.version_digest == b"" and not r.last_error
+    assert classify(r, age=0.0, latest=4, pinned=None) == "behind"
+    # Recovered: an engine error older than its last update is no current error.
+    r = report_of(idle, config, served=4)
+    assert classify(r, age=0.0, latest=4, pinned=None) == "current"
