@@ -29,8 +29,12 @@ here), so gc uses two phases: each run records the unreferenced objects it sees,
 time it first saw them, in ``gc/pending.json``; a later run deletes only those recorded at
 least ``grace_seconds`` earlier and still unreferenced. An orphan therefore needs two runs
 to go, even with a grace of 0. Objects that only versions deleted in this very run
-referenced were committed, not in flight, and go at once. The grace must be longer than
-the slowest publish (and than clock skew between the hosts running gc).
+referenced are no exception: they become unreferenced at that moment, so they are recorded
+with that time and wait out the grace like any orphan (a later run deletes them). A publish
+that started before gc deleted those versions may reuse them (content-addressed objects are
+uploaded once: a publisher skips what exists), and deleting them at once could land after
+that publisher's checks (issue 33). The grace must be longer than the slowest publish (and
+than clock skew between the hosts running gc).
 
 **Publishes in flight: leases.** A publish writes a lease (``leases/<id>.json``, repo/leases.py)
 before its first upload, renews it while it runs and deletes it after its commit or abandon.
@@ -49,11 +53,13 @@ that notices: right before its commit it checks that every object its version na
 exists, stores the missing ones again and checks again, a bounded number of times
 (``publish/commit.py``, "Objects deleted before the commit"), else it fails with nothing
 committed. gc, for its part, re-lists the manifests before each batch of
-``_DELETE_BATCH`` deletions and keeps what a version committed meanwhile names. What is
-left is an instant: gc deleting an object after the publisher's check and before its
-manifest write (and after gc's last re-list); the publisher checks once more after the
-commit and fails naming the object, and ``verify`` reports it. A grace longer than the
-slowest publish (the default, an hour) avoids all of this.
+``_DELETE_BATCH`` deletions and keeps what a version committed meanwhile names, and it
+deletes only objects that an earlier run already saw unreferenced. What is left is an
+instant, and only for a publish slower than the grace: gc deleting an object after the
+publisher's check and before its manifest write (and after gc's last re-list); the
+publisher checks once more after the commit and fails naming the object, and ``verify``
+reports it. A grace longer than the slowest publish (the default, an hour) avoids all of
+this.
 
 **Temp files.** A local store writes each object to a temp file (``.<name>.<uuid>.tmp-deltasync``
 beside it) and renames it; a publisher killed in between leaves the temp file, which
@@ -198,15 +204,16 @@ class _Collector:
             self._require(v)
         doomed = sorted(set(versions) - self.required, reverse=True)  # newest first: see module docstring
 
-        # Objects of the doomed versions, read before their manifests go.
-        freed_sizes: dict[str, int | None] = {}
+        # Objects of the doomed versions, read before their manifests go: they start a grace
+        # period now (module docstring, "Orphans").
+        freed: set[str] = set()
         for v in doomed:
             try:
                 info = self.repo.manifest(v)
             except CorruptObjectError as e:
                 report.notes.append(f"{e}; its objects are collected as orphans")
                 continue
-            freed_sizes.update(_references(info))
+            freed.update(_references(info))
 
         # Phase 1: squashes touching a doomed version, then manifests. Squashes are listed
         # first: a squash is written after its versions, so both are among those refreshed.
@@ -218,7 +225,7 @@ class _Collector:
         for a, c in doomed_squashes:
             refs = self._squash_references(a, c)
             if refs is not None:
-                freed_sizes.update(refs)
+                freed.update(refs)
         for a, c in doomed_squashes:
             report.bytes_freed += self._object_bytes(squash_key(a, c))
             if not report.dry_run:
@@ -259,8 +266,10 @@ class _Collector:
         for key in listed:
             if key in referenced:
                 continue
-            if key in freed_sizes:
-                to_delete[key] = freed_sizes[key]
+            if key in freed:
+                # Unreferenced from this run on: a publish that started before this run's
+                # deletes may reuse it (it exists), so it waits out the grace like an orphan.
+                new_pending[key] = now
                 continue
             first_seen = pending.get(key)
             if first_seen is not None and now - first_seen >= grace:
@@ -372,23 +381,7 @@ class _Collector:
         return key, actual
 
     def _load_pending(self) -> dict[str, float]:
-        """Objects earlier runs saw unreferenced, with when first seen. Damage resets the clock."""
-        try:
-            raw = json.loads(self.store.get(PENDING, max_bytes=MAX_PENDING_BYTES))
-            objects = raw["objects"]
-            if raw.get("format") != 1 or not isinstance(objects, dict):
-                raise ValueError
-        except ObjectNotFoundError:
-            return {}
-        except (ValueError, KeyError, TypeError, RecursionError, CorruptObjectError):  # too large included
-            self.report.notes.append(f"{PENDING} was unreadable; unreferenced objects start a new grace period")
-            return {}
-        return {
-            k: float(t)
-            for k, t in objects.items()
-            if isinstance(k, str) and (_OBJECT_KEY.fullmatch(k) or _is_temp_path(k))
-            and isinstance(t, int | float) and math.isfinite(t)
-        }
+        return _read_pending(self.store, self.report.notes)
 
     def _temp_files(self, pending: dict[str, float], now: float, grace: float) -> dict[str, float]:
         """Remove temp files of interrupted writes (local stores) seen by an earlier run at
@@ -416,6 +409,32 @@ class _Collector:
             return
         body = {"format": 1, "objects": dict(sorted(pending.items()))}
         self.store.put(PENDING, json.dumps(body, indent=0).encode())
+
+
+def recorded_unreferenced(store: Store) -> set[str]:
+    """Objects gc's record (``gc/pending.json``) holds: unreferenced, waiting out the grace.
+    An unreadable record holds none."""
+    return set(_read_pending(store, []))
+
+
+def _read_pending(store: Store, notes: list[str]) -> dict[str, float]:
+    """Objects earlier runs saw unreferenced, with when first seen. Damage resets the clock."""
+    try:
+        raw = json.loads(store.get(PENDING, max_bytes=MAX_PENDING_BYTES))
+        objects = raw["objects"]
+        if raw.get("format") != 1 or not isinstance(objects, dict):
+            raise ValueError
+    except ObjectNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError, RecursionError, CorruptObjectError):  # too large included
+        notes.append(f"{PENDING} was unreadable; unreferenced objects start a new grace period")
+        return {}
+    return {
+        k: float(t)
+        for k, t in objects.items()
+        if isinstance(k, str) and (_OBJECT_KEY.fullmatch(k) or _is_temp_path(k))
+        and isinstance(t, int | float) and math.isfinite(t)
+    }
 
 
 def local_store(store: Store) -> LocalStore | None:

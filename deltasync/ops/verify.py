@@ -13,7 +13,10 @@ from ..pull.pipeline import blob_parts
 from ..pull.subscriber import Subscriber
 from ..repo.repository import MAX_REF_BYTES, REF_KEYS, Repository, parse_ref
 from ..v1 import manifest_pb2 as pb
-from .retention import temp_files as temp_files  # listed here too: verify reports them, gc removes them
+from .retention import (
+    recorded_unreferenced,
+    temp_files as temp_files,  # listed here too: verify reports them, gc removes them
+)
 
 
 @dataclass
@@ -103,7 +106,10 @@ def verify_repository(
                 f"{len(leftovers)} temp file(s) of interrupted writes ({sum(t.size for t in leftovers)} bytes, "
                 f"e.g. {leftovers[0].path}; left by a killed publisher): gc removes them after its grace period"
             )
-        orphans = [k for k in repo.store.list("packs/") if k not in referenced]
+        # Packs gc recorded wait out its grace (versions it deleted, or a publish in flight):
+        # gc's own business, not damage.
+        waiting = recorded_unreferenced(repo.store)
+        orphans = [k for k in repo.store.list("packs/") if k not in referenced and k not in waiting]
         if orphans:
             report.notes.append(
                 f"{len(orphans)} pack(s) referenced by no version (left by an interrupted publish)"

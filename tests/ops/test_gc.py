@@ -139,19 +139,23 @@ def check_retention(url: str, states: list[State], keep_last: int, keep_every: i
     assert sorted(report.versions_deleted) == deleted
     assert repo.versions() == kept
     assert repo.latest() == VERSIONS
-    # Objects of deleted versions go at once (they were committed, not in flight); nothing is
-    # left unreferenced, nothing referenced is gone.
-    remaining = object_keys(repo.store)
-    assert remaining == referenced_keys(url)
-    assert set(report.packs_deleted) == before - remaining
-    assert report.pending == [] and report.notes == []
+    # Objects of deleted versions become unreferenced now: they wait out the grace (a publish
+    # may be reusing them), so the first run deletes none and records them all.
+    freed = before - referenced_keys(url)
+    assert object_keys(repo.store) == before
+    assert report.packs_deleted == [] and sorted(report.pending) == sorted(freed) and report.notes == []
     assert (report.bytes_freed > 0) == bool(deleted)
     assert verify_repository(url).notes == []
     for v in kept:
         assert_state(Subscriber(url).pull(v), states[v - 1])
-    # A second run has nothing left to do.
+    # The second run (grace 0) deletes them; nothing referenced is gone.
     again = collect(url, keep_last=keep_last, keep_every=keep_every, grace_seconds=0)
-    assert again.versions_deleted == [] and again.packs_deleted == [] and again.bytes_freed == 0
+    remaining = object_keys(repo.store)
+    assert remaining == referenced_keys(url)
+    assert again.versions_deleted == [] and set(again.packs_deleted) == freed and again.pending == []
+    assert verify_repository(url).notes == []
+    third = collect(url, keep_last=keep_last, keep_every=keep_every, grace_seconds=0)
+    assert third.packs_deleted == [] and third.bytes_freed == 0
 
 
 def test_retention_on_s3(s3_url: str) -> None:
@@ -197,7 +201,9 @@ def test_blobs_of_deleted_versions_go_and_shared_blobs_stay(local_repo_url: str,
     blobs_before = set(store.list("blobs/"))
     assert len(blobs_before) == 5  # one shared config, four trainer states
     report = collect(local_repo_url, keep_last=1, grace_seconds=0)
-    assert report.versions_kept == [4]
+    assert report.versions_kept == [4] and report.blobs_deleted == []
+    assert len([k for k in report.pending if k.startswith("blobs/")]) == 3  # they wait out the grace
+    report = collect(local_repo_url, keep_last=1, grace_seconds=0)
     assert len(report.blobs_deleted) == 3
     assert set(store.list("blobs/")) == blobs_before - set(report.blobs_deleted)
     assert set(store.list("blobs/")) == referenced_keys(local_repo_url) & blobs_before
@@ -337,13 +343,16 @@ def test_version_committed_while_gc_runs_is_kept(repo_url: str, during: str, mon
                 published.append(pub.publish(states[VERSIONS]))  # a delta on 10, committed mid-gc
         original(self, key)
 
+    if during == "packs/":
+        first = collect(repo_url, keep_last=1, grace_seconds=0)  # packs of 1-9 recorded, not deleted
+        assert first.packs_deleted == [] and first.pending
     monkeypatch.setattr(store_type, "delete", publish_during_gc)
     report = collect(repo_url, keep_last=1, grace_seconds=0)
     monkeypatch.undo()
     assert published == [11]
     # Committed before the objects were listed: seen and kept. After: not a candidate at all.
     assert report.versions_kept == ([10, 11] if during == "manifests/" else [10])
-    assert report.pending == []
+    assert (report.pending == []) == (during == "packs/")
     assert Repository(repo_url).versions() == [10, 11]
     assert_state(Subscriber(repo_url).pull(11), states[VERSIONS])
     assert verify_repository(repo_url).notes == []
@@ -451,12 +460,13 @@ def test_pull_of_a_version_deleted_mid_pull_fails_cleanly(local_repo_url: str, t
         data = original(self, key, byte_range, max_bytes=max_bytes)
         if key.startswith("packs/") and not ran:
             ran.append(collect(local_repo_url, keep_last=1, grace_seconds=0))
+            ran.append(collect(local_repo_url, keep_last=1, grace_seconds=0))  # the freed packs go
         return data
 
     monkeypatch.setattr(store_type, "get", get_then_gc)
     with pytest.raises(DeltasyncError, match="pack is missing"):
         Subscriber(local_repo_url, workers=1).pull_to_dir(out, 5)
-    assert ran and 5 in ran[0].versions_deleted
+    assert ran and 5 in ran[0].versions_deleted and ran[1].packs_deleted
     assert (out / "model.safetensors").read_bytes() == held
     state = read_local_state(out)
     assert state is not None and state.version == 1
