@@ -167,8 +167,8 @@ def collect(
 
     ``keep_last`` (>= 1) newest versions, every version whose id is a multiple of
     ``keep_every`` and the latest are kept, with the chains they need. Unreferenced objects
-    not freed by this run are deleted only once an earlier run recorded them at least
-    ``grace_seconds`` ago. ``clock`` gives the wall-clock time (seconds since the epoch).
+    (those of the versions this run deletes included) are deleted only once an earlier run
+    recorded them unreferenced at least ``grace_seconds`` ago. ``clock`` gives the wall-clock time (seconds since the epoch).
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise UsageError(f"keep_last must be an integer >= 1, got {keep_last!r}")
