@@ -45,7 +45,11 @@ one, derived from the stored bytes of its oldest manifest so that racing publish
 same; versions committed before then name none and are read as before (bound by their
 signature and the refs' manifest digests only), and a signing publisher's first version that
 names the identity is a snapshot (publish/commit.py ``signing_policy``), so that no chain
-mixes them.
+mixes them. A repository whose marker was lost (deleted by hand, a partial copy) gets it
+back from its next publisher with the identity its manifests name (the oldest and the
+newest; derived as above when they name none); when they name two, the publish is refused
+with one line and nothing is written: a new identity is never written over versions that
+name another, which would make every reader refuse them.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zstandard
+from google.protobuf.message import DecodeError
 
 from ..errors import (
     CorruptObjectError,
@@ -385,18 +390,34 @@ class Repository:
 
     def create(self) -> None:
         """Mark the store as a repository with a new identity (idempotent); a repository of
-        older deltasync, without one, gets one here (see the module doc)."""
-        marker = {"format": REPO_FORMAT, "id": secrets.token_bytes(IDENTITY_BYTES).hex()}
+        older deltasync, without one, gets one here, and one whose marker was lost gets back
+        the identity its manifests name (see the module doc)."""
+        marker: dict[str, Any] = {"format": REPO_FORMAT}
         try:
-            self.store.put(MARKER, json.dumps(marker).encode(), if_absent=True)
-        except ObjectExistsError:
-            if self._read_marker() is not None:
+            found = self._read_marker()
+        except RepositoryNotFoundError:
+            versions = self.versions()
+            # Never a new identity over versions naming one: they would all be refused as
+            # another repository's (issue 33). A repository without versions gets a new one.
+            marker["id"] = (_identity_from_manifests(self, versions) if versions
+                            else secrets.token_bytes(IDENTITY_BYTES).hex())
+            try:
+                self.store.put(MARKER, json.dumps(marker).encode(), if_absent=True)
+            except ObjectExistsError:
+                pass  # another publisher wrote it meanwhile: read below
+            else:
+                if versions:
+                    log.warning("repository %s had lost %s: its identity %s is restored from its manifests",
+                                self.url, MARKER, marker["id"])
+        else:
+            if found is not None:
+                with self._lock:
+                    self._identity, self._assumed = (found,), False
                 return
             versions = self.versions()
-            if versions:
-                # Racing publishers upgrading the same repository write the same identity.
-                oldest = self.store.get(manifest_key(versions[0]), max_bytes=MAX_MANIFEST_BYTES)
-                marker["id"] = digest(b"deltasync repository identity\0" + oldest).hex()
+            # Racing publishers upgrading the same repository write the same identity.
+            marker["id"] = (_derived_identity(self, versions[0]) if versions
+                            else secrets.token_bytes(IDENTITY_BYTES).hex())
             self.store.put(MARKER, json.dumps(marker).encode())
             log.info("repository %s had no identity (created by older deltasync): it is %s from now on", self.url,
                      marker["id"])
@@ -868,6 +889,39 @@ class Repository:
         if digest(data) != d:
             raise CorruptObjectError(key, "blob content does not match its digest")
         return data
+
+
+def _derived_identity(repo: Repository, oldest: int) -> str:
+    """The identity a repository created before identities gets: derived from its oldest
+    manifest's stored bytes, so that publishers upgrading it at once agree."""
+    raw = repo.store.get(manifest_key(oldest), max_bytes=MAX_MANIFEST_BYTES)
+    return digest(b"deltasync repository identity\0" + raw).hex()
+
+
+def _identity_from_manifests(repo: Repository, versions: list[int]) -> str:
+    """The identity of a repository whose marker is lost, as its oldest and newest manifests
+    name it; derived as for a repository of older deltasync when they name none. Manifests
+    naming two identities are refused: which one is the repository's is for a person to say."""
+    named: dict[int, bytes] = {}
+    for v in sorted({versions[0], versions[-1]}, reverse=True):
+        try:
+            named[v] = pb.Manifest.FromString(repo.store.get(manifest_key(v), max_bytes=MAX_MANIFEST_BYTES)).repository_id
+        except (DecodeError, ObjectTooLargeError, CorruptObjectError):
+            raise CorruptObjectError(MARKER, f"{MARKER} is missing and version {v}'s manifest, which would name the "
+                                     "repository's identity, cannot be read: restore the marker by hand") from None
+    ids = {i for i in named.values() if i}
+    if len(ids) > 1:
+        described = ", ".join(f"version {v}: {i.hex()}" for v, i in sorted(named.items()) if i)
+        raise RepositoryIdentityError(repo.url, f"{MARKER} is missing and the manifests name more than one identity "
+                                      f"({described}); refusing to guess: restore {MARKER} "
+                                      '({"format": 1, "id": "<32 hex>"}) by hand')
+    if ids:
+        (identity,) = ids
+        if len(identity) == IDENTITY_BYTES:
+            return identity.hex()
+        raise CorruptObjectError(MARKER, f"{MARKER} is missing and the manifests name an identity that is not "
+                                 f"{IDENTITY_BYTES} bytes: restore the marker by hand")
+    return _derived_identity(repo, versions[0])
 
 
 def _named(identity: bytes) -> str:
