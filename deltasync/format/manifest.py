@@ -17,6 +17,7 @@ one without it is damaged or forged (cutting the field off must not turn the che
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -131,8 +132,41 @@ def seal(manifest: v1pb.Manifest) -> bytes:
 
 #: How field 18 (manifest_digest, 16 bytes) is encoded: tag, length, digest.
 _DIGEST_FIELD = b"\x92\x01\x10"
-#: How field 19 (repository_id, 16 bytes) is encoded before its value.
-_REPOSITORY_FIELD = b"\x9a\x01\x10"
+
+
+def _after_digest(m: v1pb.Manifest) -> bytes:
+    """The bytes a deterministic serialization of ``m`` puts after ``manifest_digest``: the
+    fields numbered above it that this reader knows (repository_id and the history fields),
+    serialized alone, which encodes them exactly as they follow it in the whole message."""
+    return serialize(v1pb.Manifest(repository_id=m.repository_id, history_parent=m.history_parent,
+                                   history_parent_digest=m.history_parent_digest, history_digest=m.history_digest))
+
+
+_HISTORY_PERSON = b"deltasync-hist1"
+
+
+def history_digest(parent_history: bytes, version: int, version_digest: bytes, repository_id: bytes) -> bytes:
+    """A version's history digest: BLAKE2b-128 over the history digest of the version committed
+    before it (empty: none, or one without), its id, version digest and repository identity.
+    Cumulative, so equal history digests mean equal histories back to where they began; and
+    cryptographic, not xxh3, because gc's records of deleted versions (repo/history.py) are
+    not signed: a follower recomputes each link, and a store writer must not be able to make
+    one up that lands on a signed value."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_HISTORY_PERSON)
+    for part in (parent_history, version.to_bytes(8, "little"), version_digest, repository_id):
+        h.update(len(part).to_bytes(1, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def seal_history(manifest: v1pb.Manifest, parent: int | None, parent_history: bytes) -> None:
+    """Set ``manifest``'s history fields: it follows version ``parent`` (None: the first),
+    whose history digest is ``parent_history``. After ``version_digest`` and
+    ``repository_id``, before signing."""
+    manifest.history_parent = parent or 0
+    manifest.history_parent_digest = parent_history if parent is not None else b""
+    manifest.history_digest = history_digest(manifest.history_parent_digest, manifest.version,
+                                             manifest.version_digest, manifest.repository_id)
 
 
 def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
@@ -145,8 +179,8 @@ def _check_whole(m: v1pb.Manifest, data: bytes) -> None:
         raise _fail("bad whole-manifest digest length")
     view = memoryview(data)
     # Fields numbered above it come after it in a deterministic serialization: of those this
-    # reader knows, only repository_id (19, 16 bytes).
-    after = _REPOSITORY_FIELD + m.repository_id if m.repository_id else b""
+    # reader knows, repository_id (19) and the history fields (20-22).
+    after = _after_digest(m)
     tail = len(_DIGEST_FIELD) + DIGEST_SIZE + len(after)
     if len(view) >= tail and view[len(view) - tail:] == _DIGEST_FIELD + whole + after:
         # What it covers is every stored byte but its own: hashed as stored, no re-serialization.
@@ -215,6 +249,7 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
         raise _fail(f"bad nearest snapshot {m.snapshot}")
     if len(m.signature) not in (0, 64) or len(m.signing_key_id) not in (0, 8):  # ed25519; see signing.py
         raise _fail("bad signature or signing key id length")
+    _validate_history(m)
     c = m.codec
     codec = codec_from_spec(c.name, c.codec_version, c.zstd_level, c.chunk_bytes, c.full_zstd_level)
     if len(m.tensors) > MAX_TENSORS or len(m.files) > MAX_FILES or len(m.packs) > MAX_PACKS:
@@ -269,6 +304,22 @@ def _validate(m: v1pb.Manifest, expect_version: int | None) -> ManifestInfo:
     if version_digest(info.chunk_digests()) != m.version_digest:
         raise _fail("version digest does not match its chunk digests")
     return info
+
+
+def _validate_history(m: v1pb.Manifest) -> None:
+    """The history fields are absent (a version from before them) or consistent: a parent
+    older than the version, digests of the right size, and the version's history digest
+    recomputed from the others (a follower compares digests it did not compute)."""
+    if not m.history_digest:
+        if m.history_parent or m.history_parent_digest:
+            raise _fail("history fields without a history digest")
+        return
+    if len(m.history_digest) != DIGEST_SIZE or len(m.history_parent_digest) not in (0, DIGEST_SIZE):
+        raise _fail("bad history digest length")
+    if m.history_parent >= m.version or (not m.history_parent and m.history_parent_digest):
+        raise _fail(f"history parent {m.history_parent} is not an older version")
+    if history_digest(m.history_parent_digest, m.version, m.version_digest, m.repository_id) != m.history_digest:
+        raise _fail("history digest does not match its fields")
 
 
 def _validate_layout(m: v1pb.Manifest, files: dict[str, v1pb.File]) -> None:

@@ -95,6 +95,7 @@ from ..format.manifest import (
     manifest_key,
     parse_manifest,
     seal,
+    seal_history,
     serialize,
     version_from_key,
 )
@@ -787,6 +788,7 @@ class Repository:
         VersionConflictError and nothing of theirs becomes visible.
         """
         manifest.repository_id = self.identity() or b""
+        self._seal_history(manifest)
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
         data = seal(manifest)  # last: the whole-manifest digest covers the signature too
@@ -809,6 +811,27 @@ class Repository:
             log.warning("version %d is committed, but refs/latest was not updated (%s): readers find it by listing; "
                         "the next publish, or `deltasync refresh-refs`, rewrites the ref", manifest.version, e)
         return info
+
+    def _seal_history(self, manifest: pb.Manifest) -> None:
+        """The version follows the newest one committed below it (repo/history.py): its
+        history fields name that version and extend its history digest."""
+        for v in reversed([v for v in self.versions() if v < manifest.version]):
+            try:
+                try:
+                    before = self.manifest(v).pb
+                except SignatureError:  # unsigned (before a key): its history is still its own
+                    raw = self.store.get(manifest_key(v), max_bytes=MAX_MANIFEST_BYTES)
+                    before = parse_manifest(raw, expect_version=v).pb
+            except (VersionNotFoundError, ObjectNotFoundError):
+                continue  # deleted meanwhile (gc): the one before it is the newest now
+            except CorruptObjectError as e:
+                log.warning("version %d follows version %d, whose manifest is damaged (%s): its history is "
+                            "unknown to followers", manifest.version, v, e)
+                seal_history(manifest, v, b"")
+                return
+            seal_history(manifest, v, before.history_digest)
+            return
+        seal_history(manifest, None, b"")
 
     # -- squashes: extra edges A -> C of the version graph, never commits ---------------------
 
@@ -852,6 +875,10 @@ class Repository:
         one serves)."""
         a, c = manifest.parent, manifest.version
         manifest.repository_id = self.identity() or b""
+        target = self.manifest(c).pb  # the squash is version c: it carries c's history
+        manifest.history_parent = target.history_parent
+        manifest.history_parent_digest = target.history_parent_digest
+        manifest.history_digest = target.history_digest
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
         data = seal(manifest)
@@ -944,6 +971,8 @@ def _check_squash(info: ManifestInfo, base: ManifestInfo, target: ManifestInfo) 
     base_entries = base.entries()
     if info.pb.version_digest != target.pb.version_digest or len(info.pb.tensors) != len(target.pb.tensors):
         raise CorruptObjectError(what, f"does not describe the chunks of version {target.version}")
+    if info.pb.history_digest and info.pb.history_digest != target.pb.history_digest:
+        raise CorruptObjectError(what, f"names another history than version {target.version}")
     for mine, theirs in zip(info.pb.tensors, target.pb.tensors, strict=True):
         if (
             (mine.name, mine.dtype, mine.nbytes) != (theirs.name, theirs.dtype, theirs.nbytes)

@@ -114,7 +114,7 @@ class Pack(_message.Message):
     def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("format", "version", "kind", "parent", "has_parent", "snapshot", "codec", "files", "tensors", "packs", "version_digest", "raw_bytes", "stored_bytes", "created_unix", "metadata", "signature", "signing_key_id", "manifest_digest", "repository_id")
+    __slots__ = ("format", "version", "kind", "parent", "has_parent", "snapshot", "codec", "files", "tensors", "packs", "version_digest", "raw_bytes", "stored_bytes", "created_unix", "metadata", "signature", "signing_key_id", "manifest_digest", "repository_id", "history_parent", "history_parent_digest", "history_digest")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,9 @@ class Manifest(_message.Message):
     SIGNING_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     REPOSITORY_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_PARENT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_PARENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     format: int
     version: int
     kind: VersionKind
@@ -160,4 +163,7 @@ class Manifest(_message.Message):
     signing_key_id: bytes
     manifest_digest: bytes
     repository_id: bytes
-    def __init__(self, format: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[_Union[VersionKind, str]] = ..., parent: _Optional[int] = ..., has_parent: _Optional[bool] = ..., snapshot: _Optional[int] = ..., codec: _Optional[_Union[CodecSpec, _Mapping]] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., packs: _Optional[_Iterable[_Union[Pack, _Mapping]]] = ..., version_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., signature: _Optional[bytes] = ..., signing_key_id: _Optional[bytes] = ..., manifest_digest: _Optional[bytes] = ..., repository_id: _Optional[bytes] = ...) -> None: ...
+    history_parent: int
+    history_parent_digest: bytes
+    history_digest: bytes
+    def __init__(self, format: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[_Union[VersionKind, str]] = ..., parent: _Optional[int] = ..., has_parent: _Optional[bool] = ..., snapshot: _Optional[int] = ..., codec: _Optional[_Union[CodecSpec, _Mapping]] = ..., files: _Optional[_Iterable[_Union[File, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., packs: _Optional[_Iterable[_Union[Pack, _Mapping]]] = ..., version_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., signature: _Optional[bytes] = ..., signing_key_id: _Optional[bytes] = ..., manifest_digest: _Optional[bytes] = ..., repository_id: _Optional[bytes] = ..., history_parent: _Optional[int] = ..., history_parent_digest: _Optional[bytes] = ..., history_digest: _Optional[bytes] = ...) -> None: ...
