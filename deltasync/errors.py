@@ -178,6 +178,12 @@ class RepositoryIdentityError(DeltasyncError):
         self.detail = detail
 
 
+class HistoryError(RepositoryIdentityError):
+    """A newer version whose history does not extend the version a copy, engine or agent holds
+    (repo/history.py): a fork, such as another run copied over this one. Refused; the holder
+    stays on its version."""
+
+
 # -- local copies and pulls --------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from ..errors import DeltasyncError, StoreError, UsageError
 from ..format.signing import PublicKeyLike
 from ..pull.subscriber import Subscriber, state_url
+from ..repo.history import check_extends
 from ..repo.repository import Repository
 from ..storage import Store
 from .agent import Agent, AgentConfig, Update, engine_keys
@@ -184,8 +185,13 @@ class EngineAgent(Agent):
     def _move(self, sub: Subscriber, repo: Repository, previous: int | None, target: int) -> str:
         assert self.engine is not None
         info = repo.manifest(target)
-        self.store.capture = self._capture(repo, previous, target)
         db = self._state_db()
+        held = db.state()
+        if held is not None and held.repository_id == info.pb.repository_id.hex():
+            # History only moves forward (repo/history.py): a fork is refused, the engine stays.
+            check_extends(repo.store, repo.url, held.version, held.history_digest, info,
+                          strict=repo.trusted_keys is not None)
+        self.store.capture = self._capture(repo, previous, target)
         db.set_wip(WorkInProgress(target, "engine", time.time()))
         # First update of a run: the engine's bits are checked chunk by chunk against the
         # target's digests (whatever version it or the state claims); one that knows no

@@ -142,6 +142,7 @@ def update_copy(
         state = db.state()
         repo_url = repo_url or (state.repo if state is not None else "")
         _check_identity(sub, root, state, info, repo_url)
+        _check_history(sub, state, info, repo_url)
         held = _held(db, sub, state)
         settle_foreign(root, output_files(held) if held is not None else (), output_files(info), move_aside=move_aside)
         record = _after_power_loss(sub, root, db, record)
@@ -171,6 +172,21 @@ def _check_identity(sub: Subscriber, root: Path, state: LocalState | None, info:
         repo_url, f"version {info.version} is of repository {named or '(none named)'}, but {root} holds version "
         f"{state.version} of repository {state.repository_id} from this URL: another repository's objects, or one "
         "deleted and created again, refused; pull into a new directory to follow it")
+
+
+def _check_history(sub: Subscriber, state: LocalState | None, info: ManifestInfo, repo_url: str) -> None:
+    """A newer version of the repository the copy follows must extend the history of the one
+    it holds (repo/history.py): a fork is refused. Another URL, or another identity at it
+    (followed without trusted keys, refused with them above), is another history."""
+    if state is None or state.repository_id != info.pb.repository_id.hex():
+        return
+    from ..pull.subscriber import state_url
+    from ..repo.history import check_extends
+
+    if state_url(state.repo) != state_url(repo_url):
+        return
+    check_extends(sub.repo.store, repo_url, state.version, state.history_digest, info,
+                  strict=sub.repo.trusted_keys is not None)
 
 
 def _held(db: StateDB, sub: Subscriber, state: LocalState | None) -> ManifestInfo | None:

@@ -90,6 +90,9 @@ class LocalState:
     """Hex identity of that repository, as the version's manifest names it ("" when it names
     none: committed before identities, or recorded by older deltasync). A copy holds version N
     of a repository only when this and the version digest are that repository's."""
+    history_digest: str = ""
+    """Hex history digest of the version held (repo/history.py; "" when its manifest has none
+    or older deltasync recorded it): a newer version must extend it."""
 
     def holds(self, info: ManifestInfo) -> bool:
         """Whether this is ``info``'s version of ``info``'s repository: the same version digest,
@@ -260,6 +263,7 @@ class StateDB:
             return LocalState(
                 int(raw["version"]), str(raw["version_digest"]), tuple(str(f) for f in raw["files"]),
                 str(raw.get("repo", "")), float(raw.get("installed_unix", 0.0)), str(raw.get("repository_id", "")),
+                str(raw.get("history_digest", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -319,6 +323,7 @@ class StateDB:
             "repo": repo,
             "installed_unix": time.time(),
             "repository_id": info.pb.repository_id.hex(),
+            "history_digest": info.pb.history_digest.hex(),
         }
         raw_manifest = serialize(info.pb)
 
@@ -339,6 +344,7 @@ class StateDB:
         state = {
             "version": info.version, "version_digest": info.pb.version_digest.hex(), "files": [], "repo": repo,
             "installed_unix": time.time(), "engine": engine, "repository_id": info.pb.repository_id.hex(),
+            "history_digest": info.pb.history_digest.hex(),
         }
 
         def fn(txn: lmdb.Transaction) -> None:
@@ -392,6 +398,7 @@ class StateDB:
         state = {
             "version": info.version, "version_digest": info.pb.version_digest.hex(), "files": output_files(info),
             "repo": repo, "installed_unix": time.time(), "repository_id": info.pb.repository_id.hex(),
+            "history_digest": info.pb.history_digest.hex(),
         }
         raw_manifest = serialize(info.pb)
 

@@ -8,7 +8,9 @@ else is deleted. A squash (see squash.py) is kept exactly while both versions it
 are kept, and its packs count as referenced. gc only ever deletes under ``manifests/``,
 ``squashes/``, ``packs/`` and ``blobs/`` (plus its own ``gc/pending.json`` and, in a local
 store, temp files of interrupted writes); ``refs/latest``, the marker and any other prefix
-are left alone.
+are left alone. Before it deletes a manifest it writes the version's history record
+(``history/<version>.json``, repo/history.py): the few digests a follower that held an
+older version needs to check that a newer one extends it. Records are kept.
 
 **Order.** Readers must never see a broken committed version, so:
 
@@ -89,6 +91,7 @@ from dataclasses import dataclass, field
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, UsageError, VersionNotFoundError
 from ..format.manifest import MAX_MANIFEST_BYTES, ManifestInfo, manifest_key, parse_manifest
 from ..progress import human_bytes
+from ..repo.history import history_key, record as history_record
 from ..repo.leases import read_leases
 from ..repo.repository import Repository, blob_key, squash_key
 from ..storage import Store
@@ -207,6 +210,7 @@ class _Collector:
         # Objects of the doomed versions, read before their manifests go: they start a grace
         # period now (module docstring, "Orphans").
         freed: set[str] = set()
+        records: dict[int, bytes] = {}  # what followers need of them to check history (repo/history.py)
         for v in doomed:
             try:
                 info = self.repo.manifest(v)
@@ -214,6 +218,9 @@ class _Collector:
                 report.notes.append(f"{e}; its objects are collected as orphans")
                 continue
             freed.update(_references(info))
+            body = history_record(info.pb)
+            if body is not None:
+                records[v] = body
 
         # Phase 1: squashes touching a doomed version, then manifests. Squashes are listed
         # first: a squash is written after its versions, so both are among those refreshed.
@@ -235,6 +242,8 @@ class _Collector:
             key = manifest_key(v)
             report.bytes_freed += self._manifest_bytes(v)
             if not report.dry_run:
+                if v in records:  # first: a follower walking back through v finds one or the other
+                    self.store.put(history_key(v), records[v])
                 self.store.delete(key)
             report.versions_deleted.append(v)
 

@@ -52,7 +52,8 @@ from ..storage import Store
 CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/", "squashes/")
 #: What a relay serves: the keys of a repository's layout (repo/repository.py), nothing else
 #: of its upstream (no gc state, no stray files). Refs and the marker are mutable, never cached.
-SERVED_PREFIXES = (*CACHEABLE_PREFIXES, "refs/", "leases/")  # leases: publishes in flight (repo/leases.py)
+SERVED_PREFIXES = (*CACHEABLE_PREFIXES, "refs/", "leases/", "history/")  # leases: publishes in flight
+# (repo/leases.py); history: gc's records of deleted versions, which followers check history with (repo/history.py)
 SERVED_KEYS = ("deltasync.json",)
 MARKER = "deltasync-relay-cache"  # marks a directory as a relay cache
 _VALUE = struct.Struct("<Qd")  # size, last access (unix seconds); the relative path follows

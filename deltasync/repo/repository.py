@@ -11,6 +11,7 @@ Layout (all keys relative to the store root)::
     refs/pin                        optional: the version subscribers should serve instead (see pin)
     leases/<32 hex>.json            a publish in flight, renewed while it runs: gc deletes no pack or
                                     blob while one is live (repo/leases.py)
+    history/<version:020d>.json     the history digests of a version gc deleted (repo/history.py)
 
 Commit order (DESIGN.md invariant 2): packs and blobs, then the manifest with a conditional
 put, then ``refs/latest``. A reader only trusts versions whose manifest exists.
@@ -154,11 +155,11 @@ def squash_from_key(key: str) -> tuple[int, int] | None:
 #: else (not a store's own temp files such as ``packs/<x>.pack.tmp-deltasync``).
 _LAYOUT_KEY = re.compile(
     r"packs/[0-9a-f]{32}\.pack|blobs/[0-9a-f]{32}|manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb"
-    r"|refs/latest|refs/pin|deltasync\.json|gc/pending\.json|leases/[0-9a-f]{32}\.json"
+    r"|refs/latest|refs/pin|deltasync\.json|gc/pending\.json|leases/[0-9a-f]{32}\.json|history/\d{20}\.json"
 )
 LAYOUT_NAMES = (
     "packs/<xxh3>.pack, blobs/<xxh3>, manifests/<version>.pb, squashes/<C>-<A>.pb, refs/latest, refs/pin, "
-    "deltasync.json, leases/<id>.json, gc/pending.json"
+    "deltasync.json, leases/<id>.json, history/<version>.json, gc/pending.json"
 )
 
 
