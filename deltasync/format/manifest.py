@@ -6,11 +6,13 @@ hostile manifest cannot exhaust memory or name a path outside the output directo
 
 Every byte of a stored manifest is covered by its ``manifest_digest`` (xxh3-128 of the
 manifest serialized deterministically with that field cleared, set by :func:`seal` last,
-after signing). The field is the highest-numbered, so it is the stored bytes' last 19: a
-reader hashes every stored byte before it, as stored (a changed byte that would parse to the
-same message is still a changed byte), before validating, so a flipped byte cannot rename a
-file or a tensor unnoticed. (Fields a newer writer added would follow it: then the reader's
-own serialization must equal the stored bytes, and the digest is checked over it.)
+after signing). Only the fields numbered above it follow it in the stored bytes
+(``repository_id`` and the history fields, which this reader serializes alone to know them:
+``_after_digest``): a reader hashes every stored byte before it, as stored (a changed byte
+that would parse to the same message is still a changed byte), and those after it, before
+validating, so a flipped byte cannot rename a file or a tensor unnoticed. (Fields a newer
+writer added would follow too: then the reader's own serialization must equal the stored
+bytes, and the digest is checked over it.)
 A manifest without the digest is refused: every deltasync that ever released wrote it, so
 one without it is damaged or forged (cutting the field off must not turn the check off).
 """
