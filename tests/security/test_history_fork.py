@@ -9,6 +9,7 @@ swapped in. gc keeps what the check needs (history records of the versions it de
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_every_version_extends_the_history_of_the_one_before(tmp_path: Path) -> 
     infos = [repo.manifest(v) for v in repo.versions()]
     assert [i.pb.history_parent for i in infos] == [0, 1, 2, 3]
     assert all(len(i.pb.history_digest) == 16 for i in infos)
-    for older, newer in zip(infos, infos[1:], strict=False):
+    for older, newer in itertools.pairwise(infos):
         assert newer.pb.history_parent_digest == older.pb.history_digest
     assert extends(repo.store, 1, infos[0].pb.history_digest, infos[3]) is True
     assert extends(repo.store, 2, infos[0].pb.history_digest, infos[3]) is False

@@ -189,16 +189,20 @@ def test_a_flipped_squash_is_refused_naming_it(local_repo_url: str, tmp_path: Pa
 def test_a_newer_writers_extra_field_is_covered_too(local_repo_url: str, tmp_path: Path) -> None:
     """A field this reader does not know follows the digest field; it is covered all the same."""
     from deltasync.format.digest import digest
+    from deltasync.format.manifest import history_digest
 
     _publish(local_repo_url, tmp_path, 1)
     good = open_store(local_repo_url).get(manifest_key(1))
     m = pb.Manifest()
     m.ParseFromString(good)
     m.ClearField("manifest_digest")
-    m.ClearField("repository_id")
+    for name in ("repository_id", "history_parent", "history_parent_digest", "history_digest"):
+        m.ClearField(name)
     prefix = m.SerializeToString(deterministic=True)  # fields 1-17
-    known = b"\x9a\x01\x10" + bytes(16)  # field 19 (repository_id), which this reader knows
-    extra = b"\xa2\x01\x05hello"  # field 20, length-delimited, as a newer writer might add
+    # Fields 19 (repository_id) and 22 (history_digest, as the first version has it: no parent),
+    # which this reader knows.
+    known = b"\x9a\x01\x10" + bytes(16) + b"\xb2\x01\x10" + history_digest(b"", 1, m.version_digest, bytes(16))
+    extra = b"\xf2\x01\x05hello"  # field 30, length-delimited, as a newer writer might add
     newer = prefix + b"\x92\x01\x10" + digest(prefix + known + extra) + known + extra
     assert parse_manifest(newer, expect_version=1).version == 1
     for offset in range(len(newer)):

@@ -103,7 +103,8 @@ def test_a_repository_of_older_deltasync_gets_an_identity_from_its_next_publishe
     for v in (1, 2):  # and its manifests, naming no repository (re-signed: as that publisher signed them)
         m = pb.Manifest()
         m.ParseFromString(store.get(manifest_key(v)))
-        m.ClearField("repository_id")
+        for name in ("repository_id", "history_parent", "history_parent_digest", "history_digest"):
+            m.ClearField(name)
         from deltasync.format.signing import load_signing_key, sign_manifest
         sign_manifest(m, load_signing_key(key))
         store.put(manifest_key(v), seal(m))
