@@ -135,3 +135,30 @@ def test_a_follower_behind_the_retention_still_checks_through_gc_records(tmp_pat
     run = _pull(out2, url, pub)
     assert run.returncode != 0 and "cannot check that version 11 extends version 8" in run.stderr, run.stderr
     assert read_local_state(out2).version == 8  # type: ignore[union-attr]
+
+
+def test_an_engine_agent_refuses_a_fork_and_its_engine_keeps_its_bits(tmp_path: Path) -> None:
+    """Without keys too: a version that provably does not extend the one held is refused."""
+    from deltasync.engines import TorchEngine
+    from deltasync.local.engine_agent import EngineAgent
+
+    run1, run2 = tmp_path / "run1", tmp_path / "run2"
+    state = make_state(1, LAYOUT)
+    Publisher(str(run1), CONFIG).publish(state)
+    shutil.copytree(run1, run2)
+    pub1 = Publisher(str(run1), CONFIG)
+    pub1.publish(state)  # version 2 of run 1 (a fresh publisher: a snapshot)
+    pub2 = Publisher(str(run2), CONFIG)
+    for i in range(2):
+        pub2.publish(step_state(state, seed=80 + i))  # versions 2, 3 of run 2
+    engine = TorchEngine({k: torch.zeros_like(v) for k, v in state.items()}, str(run1), workers=2)
+    config = AgentConfig(retries=1, backoff_initial=0.01, backoff_max=0.02)
+    assert EngineAgent(engine, tmp_path / "state", config).run() == 2
+    held = {k: v.clone() for k, v in engine.tensors.items()}
+
+    shutil.rmtree(run1)
+    shutil.copytree(run2, run1)
+    with pytest.raises(HistoryError, match=r"version 3 does not extend version 2"):
+        EngineAgent(engine, tmp_path / "state", config).run()
+    assert engine.version == 2
+    assert all(torch.equal(engine.tensors[k].view(torch.uint8), held[k].view(torch.uint8)) for k in held)
