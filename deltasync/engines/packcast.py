@@ -4,8 +4,13 @@ Every node of a cluster keeps its own engine (a :class:`TorchEngine`, say) curre
 packcast each node pulls each version from the cluster's relay, so the relay's egress
 carries the delta once per node and time grows with the node count. With packcast, node 0
 fetches the version's objects (its manifests, then its packs: compressed, as stored) from
-the relay once and broadcasts them to the group in pieces (``torch.distributed`` gloo on
-CPU, nccl on GPU, both pipelined by their own algorithms); every node decodes, verifies and
+the relay once and sends them down a pipelined chain of the group's nodes in pieces
+(``torch.distributed`` point-to-point sends, gloo on CPU, nccl on GPU: engines/_chain.py):
+node 0 sends each piece to node 1, which forwards it to node 2 while the next pieces arrive,
+so every link, node 0's included, carries the stream once whatever the group's size (a plain
+``broadcast``, ``spread="broadcast"``, kept for comparison, is gloo's binomial tree: node 0
+sends the stream ``ceil(log2 N)`` times). Every node counts the bytes it sent and received
+(``RoundReport.link_sent`` / ``link_received``). Every node decodes, verifies and
 applies only what its engine holds, from those bytes. Nothing is decoded on one node for
 another, so the bytes on each link are the stored delta, not decoded changes.
 
@@ -70,6 +75,7 @@ from ..pull.plan import wanted
 from ..pull.select import select_tensors
 from ..repo.repository import squash_key
 from ..storage import WrappingStore
+from ._chain import ChainOut, LinkBytes, binomial_children, chain_receive
 from ._changes import want_of
 from ._packcache import PackCache
 from .base import Engine, SwapRecord
@@ -104,6 +110,10 @@ class RoundReport:
     """``time.time()`` when the engine served ``version`` (when the round ended, on an error)."""
     error: str | None = None
     """Why the engine did not take ``version`` (a follower goes on to the next round)."""
+    link_sent: int = 0
+    """Bytes this node sent to other nodes of its group this round (counted by the chain)."""
+    link_received: int = 0
+    """Bytes this node received from another node of its group this round."""
 
 
 class PackcastNode:
@@ -119,7 +129,10 @@ class PackcastNode:
     ``master``: ``host:port`` of node 0's key-value store (node 0 listens there), or ``store``:
     a ``torch.distributed`` Store shared by the nodes. ``timeout``: seconds a node waits for
     another (to say it is ready, to build the group, for a piece) before going on without it.
-    ``piece_bytes``: the unit of a broadcast. ``backend``: ``gloo`` (CPU) or ``nccl``.
+    ``piece_bytes``: the unit of a broadcast; ``window``: pieces in flight on each link.
+    ``backend``: ``gloo`` (CPU) or ``nccl``. ``spread``: ``chain`` (every link carries the
+    stream once) or ``broadcast`` (the process group's own broadcast, a binomial tree in gloo:
+    node 0 sends it ``ceil(log2 N)`` times; for comparison).
     An engine with ``holdings()`` (a :class:`TorchEngine`) receives only what covers them.
     """
 
@@ -136,6 +149,8 @@ class PackcastNode:
         piece_bytes: int = 4 << 20,
         backend: str = "gloo",
         prefix: str = "deltasync-packcast",
+        spread: str = "chain",
+        window: int = 4,
     ) -> None:
         import torch.distributed as dist
 
@@ -144,6 +159,10 @@ class PackcastNode:
                              f"world must be at least 1, got {world}")
         if timeout <= 0 or piece_bytes < 1:
             raise UsageError("timeout and piece_bytes must be positive")
+        if spread not in ("chain", "broadcast"):
+            raise UsageError(f"spread must be chain or broadcast, got {spread!r}")
+        if window < 1:
+            raise UsageError(f"window must be at least 1, got {window}")
         if backend not in ("gloo", "nccl"):
             raise UsageError(f"backend must be gloo or nccl, got {backend!r}")
         if backend == "nccl":
@@ -160,6 +179,8 @@ class PackcastNode:
             raise UsageError("the engine must read its repository through the PackCache given (engine(model, cache))")
         self.engine, self.cache, self.rank, self.world = engine, cache, rank, world
         self.timeout, self.piece_bytes, self.backend = timeout, piece_bytes, backend
+        self.spread, self.window = spread, window
+        self.links = LinkBytes()  # bytes sent to and received from the group, over every round
         self.reports: list[RoundReport] = []
         if store is None:
             assert master is not None
@@ -472,6 +493,7 @@ class PackcastNode:
         mine = next((segs for ranks, segs in classes if self.rank in ranks), [])
         self._round = n
         counters = counters or (self.cache.received_bytes, self.cache.upstream_bytes)
+        self._links0 = self.links.snapshot()
         self.cache.expect((s[0] for s in mine), in_part={s[0] for s in mine if s[3] != s[1]})
         errors: list[str] = []
         mover = threading.Thread(target=self._move, args=(int(header["epoch"]), classes, errors),
@@ -508,9 +530,11 @@ class PackcastNode:
             with self._groups_lock:
                 self._groups.clear()
                 self._group_epoch = -1
+        sent, got = self.links.snapshot()
+        sent0, got0 = getattr(self, "_links0", (0, 0))
         report = RoundReport(
             n, version, members, record, self.cache.received_bytes - received0, self.cache.upstream_bytes - upstream0,
-            errors[0] if errors else None, repaired, time.time(),
+            errors[0] if errors else None, repaired, time.time(), link_sent=sent - sent0, link_received=got - got0,
         )
         self.reports.append(report)
         return report
@@ -530,8 +554,14 @@ class PackcastNode:
             if total:
                 ranks = next(_group_ranks(r) for r, _ in classes if self.rank in r)
                 pg = self._group(epoch, ranks)
-                piece = torch.empty(min(self.piece_bytes, total), dtype=torch.uint8)
-                self._receive(pg, piece, segments, total)
+                if self.spread == "chain":
+                    assembly = _Assembly(segments, self.cache)
+                    chain_receive(pg, ranks.index(self.rank), len(ranks), total, self.piece_bytes, assembly.feed,
+                                  window=self.window, timeout=self.timeout, device=self._device(),
+                                  counter=self.links, pace=self._pace)
+                else:
+                    piece = torch.empty(min(self.piece_bytes, total), dtype=torch.uint8)
+                    self._receive(pg, piece, segments, total, ranks.index(self.rank), len(ranks))
         except Exception as e:  # a dead or hung peer, or a group that could not be built
             errors.append(f"{type(e).__name__}: {e}")
             log.warning("packcast node %d: the broadcast stopped (%s); reading the rest from the relay", self.rank, e)
@@ -581,19 +611,36 @@ class PackcastNode:
         for st in streams:
             st.flush(errors)
 
-    def _receive(self, pg: Any, piece: Any, segments: list[Segment], total: int) -> None:
+    def _device(self) -> Any:
+        if self.backend != "nccl":
+            return None
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _pace(self, direction: str, nbytes: int) -> None:
+        """A link model's hook (benchmarks): ``direction`` ``send`` or ``recv``; no-op here."""
+
+    def _receive(self, pg: Any, piece: Any, segments: list[Segment], total: int, index: int, size: int) -> None:
         view = piece.numpy()
         assembly = _Assembly(segments, self.cache)
         left = total
         while left:
             length = min(len(view), left)
-            self._broadcast(pg, piece[:length])
+            self._broadcast(pg, piece[:length], index, size)
             assembly.feed(view[:length].tobytes())
             left -= length
 
-    def _broadcast(self, pg: Any, piece: Any) -> None:
+    def _broadcast(self, pg: Any, piece: Any, index: int, size: int) -> None:
+        """The old path: the group's own broadcast. Its bytes per rank are counted by the
+        binomial tree gloo's broadcast runs (gloo does not report them)."""
         import torch.distributed as dist
 
+        sends = binomial_children(index, size) * piece.numel()
+        if index:
+            self._pace("recv", piece.numel())
+        if sends:
+            self._pace("send", sends)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = timedelta(seconds=self.timeout)
@@ -605,6 +652,7 @@ class PackcastNode:
             piece.copy_(dev)
         else:
             pg.broadcast([piece], opts).wait()
+        self.links.add(sent=sends, received=piece.numel() if index else 0)
 
 
 class _Assembly:
@@ -642,20 +690,18 @@ class _Assembly:
 
 class _Stream:
     """Node 0's side of one class's stream: the ranges it carries, copied out of the pieces
-    node 0 reads, broadcast a piece at a time over the class's group (and, for node 0's own
-    class, handed to its own cache)."""
+    node 0 reads, sent a piece at a time down the class's chain (or broadcast over its group),
+    and, for node 0's own class, handed to its own cache."""
 
     def __init__(self, node: PackcastNode, ranks: tuple[int, ...], segments: list[Segment]) -> None:
-        import torch
-
         self.node, self.ranks, self.segments = node, ranks, segments
         self.queue = deque(segments)
         self.done = 0  # bytes of the first segment in the queue already taken
-        total = sum(s[3] for s in segments)
-        self.piece = torch.empty(min(node.piece_bytes, total), dtype=torch.uint8)
-        self.view = self.piece.numpy()
+        self.step = min(node.piece_bytes, sum(s[3] for s in segments))
         self.filled = 0
         self.pg: Any = None
+        self.out: ChainOut | None = None
+        self.piece: Any = None  # the broadcast's one buffer
         self.own = _Assembly(segments, node.cache) if 0 in ranks else None
 
     def failed(self, e: BaseException, errors: list[str]) -> None:
@@ -681,31 +727,52 @@ class _Stream:
             self.queue.popleft()
             self.done = 0
 
+    def _view(self) -> np.ndarray:
+        node = self.node
+        if node.spread == "chain":
+            if self.out is None:
+                self.out = ChainOut(self.pg, self.step, window=node.window, timeout=node.timeout,
+                                    device=node._device(), counter=node.links, pace=node._pace)
+            return self.out.view()
+        if self.piece is None:
+            import torch
+
+            self.piece = torch.empty(self.step, dtype=torch.uint8)
+        view: np.ndarray = self.piece.numpy()
+        return view
+
     def _emit(self, data: bytes, errors: list[str]) -> None:
         if self.own is not None:
             self.own.feed(data)
-        if self.pg is None:
-            return
         src = np.frombuffer(data, dtype=np.uint8)
-        step, at = len(self.view), 0
-        while at < len(src) and self.pg is not None:
-            take = min(step - self.filled, len(src) - at)
-            self.view[self.filled : self.filled + take] = src[at : at + take]
-            self.filled, at = self.filled + take, at + take
-            if self.filled == step:
-                self._send(self.piece, errors)
-                self.filled = 0
-
-    def flush(self, errors: list[str]) -> None:
-        if self.filled and self.pg is not None:
-            self._send(self.piece[: self.filled], errors)
-        self.filled = 0
-
-    def _send(self, piece: Any, errors: list[str]) -> None:
+        at = 0
         try:
-            self.node._broadcast(self.pg, piece)
+            while at < len(src) and self.pg is not None:
+                view = self._view()
+                take = min(self.step - self.filled, len(src) - at)
+                view[self.filled : self.filled + take] = src[at : at + take]
+                self.filled, at = self.filled + take, at + take
+                if self.filled == self.step:
+                    self._send(self.step)
+                    self.filled = 0
         except Exception as e:  # a dead or hung member: the others of this class read the rest from the relay
             self.failed(e, errors)
+
+    def flush(self, errors: list[str]) -> None:
+        try:
+            if self.filled and self.pg is not None:
+                self._send(self.filled)
+            if self.out is not None and self.pg is not None:
+                self.out.close()
+        except Exception as e:
+            self.failed(e, errors)
+        self.filled = 0
+
+    def _send(self, length: int) -> None:
+        if self.out is not None:
+            self.out.send(length)
+        else:
+            self.node._broadcast(self.pg, self.piece[:length], 0, len(_group_ranks(self.ranks)))
 
 
 def _object_order(streams: Iterable[list[Segment]]) -> dict[str, int]:

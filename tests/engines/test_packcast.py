@@ -159,6 +159,11 @@ def test_every_node_bit_exact_from_one_fetch(tmp_path: Any) -> None:
             rep = out[rank]["reports"][v]
             assert rep.received_bytes <= fetched
             assert rep.upstream_bytes < rep.received_bytes  # a few small reads (format marker, listings)
+        # The chain 0 -> 1 -> 2 -> 3: every link carries the stream once, node 0's included.
+        stream = out[1]["reports"][v].link_received
+        assert stream > 0 and out[0]["reports"][v].link_sent == stream
+        assert [out[r]["reports"][v].link_received for r in (1, 2, 3)] == [stream] * 3
+        assert [out[r]["reports"][v].link_sent for r in (1, 2, 3)] == [stream, stream, 0]
 
 
 @pytest.mark.slow
