@@ -19,6 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait as wait_all
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,32 @@ class TensorWrite:
         n += sum(v.numel() for _, v, _ in self.dense)
         return n * self.words.element_size()
 
+    def parts(self, count: int) -> list[tuple[str, int, int, int]]:
+        """The write cut into at most ``count`` pieces per run, for a pool's threads:
+        ``("sparse", -1, lo, hi)`` (positions ``lo .. hi`` of ``idx``) or ``("dense", i, lo, hi)``
+        (words ``lo .. hi`` of dense block ``i``). Positions are distinct, so pieces commute."""
+        out: list[tuple[str, int, int, int]] = []
+        if self.idx is not None and self.new is not None:
+            if self.words.device.type == "cpu":
+                out += [("sparse", -1, lo, hi) for lo, hi in _cuts(self.idx.numel(), count, MIN_PART_SPARSE)]
+            else:
+                out.append(("sparse", -1, 0, self.idx.numel()))
+        for i, (_start, new, _) in enumerate(self.dense):
+            out += [("dense", i, lo, hi) for lo, hi in _cuts(new.numel(), count, MIN_PART_DENSE)]
+        return out
+
+    def apply_part(self, kind: str, i: int, lo: int, hi: int) -> None:
+        if kind == "dense":
+            start, new, _ = self.dense[i]
+            self.words[start + lo : start + hi].copy_(new[lo:hi], non_blocking=True)
+        elif self.words.device.type == "cpu":
+            assert self.idx is not None and self.new is not None
+            # numpy's fancy assignment lets go of the GIL: the pool's threads write at once.
+            self.words.numpy()[self.idx[lo:hi].numpy()] = self.new[lo:hi].numpy()
+        else:
+            assert self.idx is not None and self.new is not None
+            self.words.scatter_(0, self.idx[lo:hi], self.new[lo:hi])
+
     def apply(self) -> None:
         if self.idx is not None and self.new is not None:
             if self.words.device.type == "cpu":
@@ -168,16 +195,38 @@ class WritePlan:
         self.synchronize()
 
 
-def apply_writes(plan: WritePlan) -> int:
-    """Write every change, then wait for the devices; on failure write the old values back."""
+#: Fewest sparse positions / dense words a piece of a write has (smaller ones cost more in
+#: hand-offs than they save).
+MIN_PART_SPARSE = 1 << 15
+MIN_PART_DENSE = 1 << 18
+
+
+def _cuts(n: int, count: int, least: int) -> list[tuple[int, int]]:
+    k = max(1, min(count, n // least))
+    return [(n * j // k, n * (j + 1) // k) for j in range(k)]
+
+
+def apply_writes(plan: WritePlan, pool: Executor | None = None, workers: int = 1) -> int:
+    """Write every change, then wait for the devices; on failure write the old values back.
+
+    With ``pool`` (``workers`` threads), every write is cut into pieces written at once by
+    the pool's threads: the pause is written on every core, as decoding was."""
     done = WritePlan()
     try:
         for f in plan.fused:
             done.fused.append(f)
             f.apply()
-        for w in plan.writes:
-            done.writes.append(w)
-            w.apply()
+        if pool is None or workers < 2:
+            for w in plan.writes:
+                done.writes.append(w)
+                w.apply()
+        else:
+            done.writes = list(plan.writes)  # pieces of any of them may have landed: all are undone
+            futures: list[Future[None]] = [pool.submit(w.apply_part, *part)
+                                           for w in plan.writes for part in w.parts(workers)]
+            wait_all(futures)  # every piece has stopped before an undo writes over them
+            for fut in futures:
+                fut.result()
         plan.synchronize()
     except BaseException as e:
         try:
@@ -368,6 +417,7 @@ class TorchEngine(Engine):
             name: w.view(-1).numpy() if w.device.type == "cpu" and name not in self._sliced else None
             for name, w in self._bytes().items()
         }
+        self._writers: ThreadPoolExecutor | None = None  # the pause's threads: as many as decode's
 
     def holdings(self) -> dict[str, Region | None]:
         """What this engine holds, by tensor name: None for a whole tensor, else the region of
@@ -400,12 +450,19 @@ class TorchEngine(Engine):
         )
         writes = build_writes(runs_of(changes.entries.values()), self._words, self._geometry)
         plan = WritePlan.of(writes)
+        if self._writers is None and self.subscriber.workers > 1:  # started before the pause, not in it
+            self._writers = ThreadPoolExecutor(self.subscriber.workers, thread_name_prefix="deltasync-write")
         staged = TorchStaged(version, plan=plan, changes=changes if edges else None, edges=edges)
         return fill_staged(staged, changes, plan.nbytes)
 
     def _write(self, staged: Staged) -> int:
         assert isinstance(staged, TorchStaged)
-        return apply_writes(staged.plan)
+        return apply_writes(staged.plan, self._writers, self.subscriber.workers)
+
+    def _close(self) -> None:
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
+            self._writers = None
 
     def _after_swap(self, staged: Staged) -> None:
         """Bring the kept edge chunks to the version now served (only after the swap: a failed

@@ -196,25 +196,25 @@ def test_a_failed_write_restores_the_old_version(url: str, monkeypatch: pytest.M
     for s in states:
         pub.publish(s)
     served = {n: t.clone() for n, t in states[0].items()}
-    engine = TorchEngine(served, url, version=1)
+    engine = TorchEngine(served, url, version=1, workers=2)  # the pause written by a pool of two
     staged = engine.stage(2)
     assert isinstance(staged, te.TorchStaged) and len(staged.plan.writes) > 3
     calls = 0
-    real = te.TensorWrite.apply
+    real = te.TensorWrite.apply_part
 
-    def failing(self: te.TensorWrite) -> None:
+    def failing(self: te.TensorWrite, *part: Any) -> None:
         nonlocal calls
         calls += 1
-        if calls == 3:  # two tensors already written
+        if calls == 3:  # two pieces already written (or being written)
             raise RuntimeError("device lost")
-        real(self)
+        real(self, *part)
 
-    monkeypatch.setattr(te.TensorWrite, "apply", failing)
+    monkeypatch.setattr(te.TensorWrite, "apply_part", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.swap(staged)
     assert engine.version == 1 and engine.swaps == []
     assert_serves(served, states[0])
-    monkeypatch.setattr(te.TensorWrite, "apply", real)
+    monkeypatch.setattr(te.TensorWrite, "apply_part", real)
     engine.update(2)
     assert_serves(served, states[1])
 
@@ -513,3 +513,45 @@ def test_a_read_only_array_becomes_a_tensor_without_a_warning() -> None:
             "assert not arr.flags.writeable\nprint(to_torch(arr).tolist())")
     r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[1, 2]", r.stderr
+
+
+def test_the_pause_is_written_by_the_pool_bit_exact_and_undone_whole_on_failure() -> None:
+    """Writes cut into pieces for a pool's threads give the serial writes' bits exactly; a piece
+    that fails leaves the tensors as they were before the pause."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deltasync.engines._changes import Geometry
+
+    g = torch.Generator().manual_seed(3)
+    n = 1 << 20  # big enough for several pieces per run (te.MIN_PART_SPARSE, te.MIN_PART_DENSE)
+    old = torch.randn(n, generator=g).bfloat16()
+    new = torch.randn(n, generator=g).bfloat16()
+    entry = Geometry((0,), (n,), (n,), 1)
+    new_words = te.word_view(new.clone(), "new")
+    sparse = torch.randperm(n // 2, generator=g)[: n // 8].sort().values + n // 2
+    runs = [te.Run("t", entry, new_words[: n // 2].clone(), None, 0),
+            te.Run("t", entry, new_words[sparse].clone(), sparse)]
+    serial = old.clone()
+    te.apply_writes(te.WritePlan(te.build_writes(runs, {"t": te.word_view(serial, "s")}, {"t": entry})))
+    assert bits(serial) != bits(old)
+    with ThreadPoolExecutor(4) as pool:
+        held = old.clone()
+        writes = te.build_writes(runs, {"t": te.word_view(held, "h")}, {"t": entry})
+        assert sum(len(w.parts(4)) for w in writes) >= 4  # really cut, else the pool writes nothing at once
+        te.apply_writes(te.WritePlan(writes), pool, 4)
+        assert bits(held) == bits(serial)
+
+        held = old.clone()
+        writes = te.build_writes(runs, {"t": te.word_view(held, "h")}, {"t": entry})
+        real, calls = writes[0].apply_part, [0]
+
+        def flaky(kind: str, i: int, lo: int, hi: int) -> None:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("a write failed")
+            real(kind, i, lo, hi)
+
+        writes[0].apply_part = flaky  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a write failed"):
+            te.apply_writes(te.WritePlan(writes), pool, 4)
+        assert bits(held) == bits(old)
