@@ -8,6 +8,9 @@ the root's link carries the payload once (a binomial-tree broadcast, gloo's, sen
 one link plus ``N - 2`` pieces' time. Point-to-point ``send``/``recv`` of the group (gloo on
 CPU, nccl on GPU) carry the bytes; every rank counts what it sent and received
 (:class:`LinkBytes`), and ``pace`` (a link model, in benchmarks) is charged with them.
+
+The same code spreads down a binomial ``tree`` (the pattern of gloo's own broadcast), to set
+the old path beside the chain with every link counted and paced alike.
 """
 
 from __future__ import annotations
@@ -20,9 +23,28 @@ from typing import Any
 
 import numpy as np
 
-#: ``pace(direction, nbytes)``: ``"send"`` before a piece leaves, ``"recv"`` once one arrived.
-Pace = Callable[[str, int], None]
+#: ``pace(peer, nbytes)``: called before a piece leaves for group rank ``peer`` (a link model
+#: charges the sender's egress and the peer's ingress, then lets it go).
+Pace = Callable[[int, int], None]
 TAG = 7
+SHAPES = ("chain", "tree")
+
+
+def peers(index: int, size: int, shape: str = "chain") -> tuple[int | None, list[int]]:
+    """Group rank ``index``'s parent (None for the root) and children: a ``chain`` (``i`` sends
+    to ``i + 1``) or a binomial ``tree`` (``i`` sends to ``i + 2**k`` for every ``2**k > i``:
+    the pattern of gloo's broadcast, root sending ``ceil(log2 size)`` times)."""
+    if shape == "chain":
+        return (index - 1 if index else None), ([index + 1] if index + 1 < size else [])
+    if shape != "tree":
+        raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
+    parent = None if index == 0 else index - (1 << (index.bit_length() - 1))
+    children, step = [], 1
+    while step < size:
+        if index < step and index + step < size:
+            children.append(index + step)
+        step *= 2
+    return parent, children
 
 
 class LinkBytes:
@@ -51,15 +73,31 @@ class _Buffers:
 
         self.bufs = [torch.empty(piece_bytes, dtype=torch.uint8, device=device) for _ in range(window)]
         self.host = None if device is None else torch.empty(piece_bytes, dtype=torch.uint8).pin_memory()
-        self.sends: list[tuple[Any, int] | None] = [None] * window
+        self.sends: list[list[tuple[Any, int]]] = [[] for _ in range(window)]
+
+    def post(self, pg: Any, slot: int, length: int, children: list[int], pace: Pace | None) -> None:
+        buf = self.bufs[slot][:length]
+        for child in children:
+            if pace is not None:
+                pace(child, length)
+            self.sends[slot].append((pg.send([buf], child, TAG), length))
+
+    def finish(self, slot: int, timeout: timedelta, counter: LinkBytes) -> None:
+        pending, self.sends[slot] = self.sends[slot], []
+        for work, length in pending:
+            work.wait(timeout)
+            counter.add(sent=length)
 
 
 class ChainOut:
-    """The root's end: fill :meth:`view`, then :meth:`send` its first bytes; :meth:`close` waits."""
+    """The root's end: fill :meth:`view`, then :meth:`send` its first bytes; :meth:`close` waits.
+    ``size`` and ``shape``: the group's size and how it spreads (:func:`peers`)."""
 
-    def __init__(self, pg: Any, piece_bytes: int, *, window: int = 4, timeout: float = 30.0,
-                 device: Any = None, counter: LinkBytes | None = None, pace: Pace | None = None) -> None:
+    def __init__(self, pg: Any, piece_bytes: int, *, size: int, shape: str = "chain", window: int = 4,
+                 timeout: float = 30.0, device: Any = None, counter: LinkBytes | None = None,
+                 pace: Pace | None = None) -> None:
         self.pg, self.timeout = pg, timedelta(seconds=timeout)
+        self.children = peers(0, size, shape)[1]
         self.b = _Buffers(piece_bytes, window, device)
         self.counter, self.pace = counter or LinkBytes(), pace
         self.slot = 0
@@ -74,19 +112,13 @@ class ChainOut:
         return self.b.host.numpy()
 
     def send(self, length: int) -> None:
-        buf = self.b.bufs[self.slot][:length]
         if self.b.host is not None:  # nccl: the piece crosses on the device
-            buf.copy_(self.b.host[:length])
-        if self.pace is not None:
-            self.pace("send", length)
-        self.b.sends[self.slot] = (self.pg.send([buf], 1, TAG), length)
+            self.b.bufs[self.slot][:length].copy_(self.b.host[:length])
+        self.b.post(self.pg, self.slot, length, self.children, self.pace)
         self.slot = (self.slot + 1) % len(self.b.bufs)
 
     def _finish(self, slot: int) -> None:
-        pending, self.b.sends[slot] = self.b.sends[slot], None
-        if pending is not None:
-            pending[0].wait(self.timeout)
-            self.counter.add(sent=pending[1])
+        self.b.finish(slot, self.timeout, self.counter)
 
     def close(self) -> None:
         for slot in range(len(self.b.bufs)):
@@ -94,50 +126,39 @@ class ChainOut:
 
 
 def chain_receive(pg: Any, index: int, size: int, total: int, piece_bytes: int, on_piece: Callable[[bytes], None],
-                  *, window: int = 4, timeout: float = 30.0, device: Any = None,
+                  *, shape: str = "chain", window: int = 4, timeout: float = 30.0, device: Any = None,
                   counter: LinkBytes | None = None, pace: Pace | None = None) -> None:
-    """Group rank ``index`` (of ``size``): receive ``total`` bytes from ``index - 1`` in pieces
-    of ``piece_bytes``, forward each to ``index + 1`` (unless last) and hand it to ``on_piece``."""
+    """Group rank ``index`` (of ``size``): receive ``total`` bytes from its parent in pieces of
+    ``piece_bytes``, forward each to its children (:func:`peers`) and hand it to ``on_piece``."""
     counter = counter or LinkBytes()
     wait = timedelta(seconds=timeout)
+    parent, children = peers(index, size, shape)
     count = -(-total // piece_bytes)
     window = max(1, min(window, count))
     b = _Buffers(piece_bytes, window, device)
-    forward = index + 1 < size
 
     def length(k: int) -> int:
         return min(piece_bytes, total - k * piece_bytes)
 
-    recvs = {k: pg.recv([b.bufs[k][: length(k)]], index - 1, TAG) for k in range(window)}
+    recvs = {k: pg.recv([b.bufs[k][: length(k)]], parent, TAG) for k in range(window)}
     try:
         for k in range(count):
             slot, n = k % window, length(k)
             recvs.pop(k).wait(wait)
             counter.add(received=n)
-            if pace is not None:
-                pace("recv", n)
             buf = b.bufs[slot][:n]
-            if forward:
-                if pace is not None:
-                    pace("send", n)
-                b.sends[slot] = (pg.send([buf], index + 1, TAG), n)
             if b.host is not None:
                 b.host[:n].copy_(buf)
                 data = b.host[:n].numpy().tobytes()
             else:
                 data = buf.numpy().tobytes()
+            b.post(pg, slot, n, children, pace)  # on its way down while this node takes it in
             on_piece(data)
             if k + window < count:
-                pending, b.sends[slot] = b.sends[slot], None
-                if pending is not None:
-                    pending[0].wait(wait)
-                    counter.add(sent=pending[1])
-                recvs[k + window] = pg.recv([b.bufs[slot][: length(k + window)]], index - 1, TAG)
-        for slot, pending in enumerate(b.sends):
-            if pending is not None:
-                b.sends[slot] = None
-                pending[0].wait(wait)
-                counter.add(sent=pending[1])
+                b.finish(slot, wait, counter)
+                recvs[k + window] = pg.recv([b.bufs[slot][: length(k + window)]], parent, TAG)
+        for slot in range(window):
+            b.finish(slot, wait, counter)
     finally:
         for work in recvs.values():  # a piece that will not come (the chain broke): stop waiting for it
             with contextlib.suppress(Exception):  # a work that cannot abort times out instead
@@ -147,12 +168,7 @@ def chain_receive(pg: Any, index: int, size: int, total: int, piece_bytes: int, 
 def binomial_children(index: int, size: int) -> int:
     """How many ranks group rank ``index`` sends a piece to in a binomial-tree broadcast from 0
     (what gloo's broadcast does): the old path's bytes, for comparison."""
-    children, step = 0, 1
-    while step < size:
-        if index < step and index + step < size:
-            children += 1
-        step *= 2
-    return children
+    return len(peers(index, size, "tree")[1])
 
 
-__all__ = ["ChainOut", "LinkBytes", "Pace", "binomial_children", "chain_receive"]
+__all__ = ["SHAPES", "ChainOut", "LinkBytes", "Pace", "binomial_children", "chain_receive", "peers"]

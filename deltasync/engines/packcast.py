@@ -131,8 +131,9 @@ class PackcastNode:
     another (to say it is ready, to build the group, for a piece) before going on without it.
     ``piece_bytes``: the unit of a broadcast; ``window``: pieces in flight on each link.
     ``backend``: ``gloo`` (CPU) or ``nccl``. ``spread``: ``chain`` (every link carries the
-    stream once) or ``broadcast`` (the process group's own broadcast, a binomial tree in gloo:
-    node 0 sends it ``ceil(log2 N)`` times; for comparison).
+    stream once), or for comparison ``broadcast`` (the process group's own broadcast, a
+    binomial tree in gloo: node 0 sends it ``ceil(log2 N)`` times) or ``tree`` (the same
+    binomial tree of point-to-point sends, counted and paced per link like the chain).
     An engine with ``holdings()`` (a :class:`TorchEngine`) receives only what covers them.
     """
 
@@ -159,8 +160,8 @@ class PackcastNode:
                              f"world must be at least 1, got {world}")
         if timeout <= 0 or piece_bytes < 1:
             raise UsageError("timeout and piece_bytes must be positive")
-        if spread not in ("chain", "broadcast"):
-            raise UsageError(f"spread must be chain or broadcast, got {spread!r}")
+        if spread not in ("chain", "tree", "broadcast"):
+            raise UsageError(f"spread must be chain, tree or broadcast, got {spread!r}")
         if window < 1:
             raise UsageError(f"window must be at least 1, got {window}")
         if backend not in ("gloo", "nccl"):
@@ -554,11 +555,11 @@ class PackcastNode:
             if total:
                 ranks = next(_group_ranks(r) for r, _ in classes if self.rank in r)
                 pg = self._group(epoch, ranks)
-                if self.spread == "chain":
+                if self.spread != "broadcast":
                     assembly = _Assembly(segments, self.cache)
                     chain_receive(pg, ranks.index(self.rank), len(ranks), total, self.piece_bytes, assembly.feed,
-                                  window=self.window, timeout=self.timeout, device=self._device(),
-                                  counter=self.links, pace=self._pace)
+                                  shape=self.spread, window=self.window, timeout=self.timeout, device=self._device(),
+                                  counter=self.links, pace=self._pacer(ranks))
                 else:
                     piece = torch.empty(min(self.piece_bytes, total), dtype=torch.uint8)
                     self._receive(pg, piece, segments, total, ranks.index(self.rank), len(ranks))
@@ -618,8 +619,13 @@ class PackcastNode:
 
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _pace(self, direction: str, nbytes: int) -> None:
-        """A link model's hook (benchmarks): ``direction`` ``send`` or ``recv``; no-op here."""
+    def _pace(self, peer: int, nbytes: int) -> None:
+        """A link model's hook (benchmarks): ``nbytes`` are about to leave for node ``peer``."""
+
+    def _pacer(self, ranks: tuple[int, ...]) -> Callable[[int, int], None] | None:
+        if type(self)._pace is PackcastNode._pace:
+            return None
+        return lambda peer, nbytes: self._pace(ranks[peer], nbytes)
 
     def _receive(self, pg: Any, piece: Any, segments: list[Segment], total: int, index: int, size: int) -> None:
         view = piece.numpy()
@@ -637,10 +643,6 @@ class PackcastNode:
         import torch.distributed as dist
 
         sends = binomial_children(index, size) * piece.numel()
-        if index:
-            self._pace("recv", piece.numel())
-        if sends:
-            self._pace("send", sends)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = timedelta(seconds=self.timeout)
@@ -729,10 +731,12 @@ class _Stream:
 
     def _view(self) -> np.ndarray:
         node = self.node
-        if node.spread == "chain":
+        if node.spread != "broadcast":
             if self.out is None:
-                self.out = ChainOut(self.pg, self.step, window=node.window, timeout=node.timeout,
-                                    device=node._device(), counter=node.links, pace=node._pace)
+                group = _group_ranks(self.ranks)
+                self.out = ChainOut(self.pg, self.step, size=len(group), shape=node.spread, window=node.window,
+                                    timeout=node.timeout, device=node._device(), counter=node.links,
+                                    pace=node._pacer(group))
             return self.out.view()
         if self.piece is None:
             import torch
