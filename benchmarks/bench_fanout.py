@@ -45,9 +45,11 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import resource
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -68,53 +70,106 @@ from deltasync.engines.packcast_agent import PackcastAgent
 from deltasync.local import AgentConfig, Update
 from deltasync.storage import LocalStore, Store, WrappingStore
 
-PATHS = ("copy", "engine", "tree", "packcast")
+PATHS = ("copy", "engine", "tree", "packcast", "packcast-tree")
 MAX_SUBRELAYS = 6  # tree: ceil(sqrt(N)) relays behind the relay, for N up to 36
 TENSOR_ELEMS = 256 * 1024  # 512 KiB of bf16 per tensor
 PIECE = 256 << 10  # projection: bytes per piece of the pipelined broadcast
 
 
-class SharedLink(WrappingStore):
-    """Reads pay one link shared by every process holding it (a token bucket in shared memory)."""
+class Links:
+    """Every modelled link, as token buckets in shared memory: the time each link is next free.
 
-    def __init__(self, inner: Store, link: tuple[Any, Any], rate: float) -> None:
+    Bucket ``RELAY + g``: the egress of relay ``g`` (0: the relay, then the tree's sub-relays);
+    ``WAN``: the relay's upstream link; ``egress(r)`` / ``ingress(r)``: node ``r``'s own link,
+    each direction on its own (full duplex). A transfer holds every bucket it crosses (a send
+    from node a to node b: a's egress and b's ingress) for ``nbytes / rate`` from the moment all
+    of them are free, then is let go: a tree, a ring or a chain is charged what it really sends.
+    """
+
+    WAN, RELAY = 0, 1
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self.free = mp.Array("d", 2 + MAX_SUBRELAYS + 2 * nodes, lock=False)
+        self.lock = mp.Lock()
+        self.enabled = mp.Value("b", 1, lock=False)
+
+    def egress(self, rank: int) -> int:
+        return self.RELAY + MAX_SUBRELAYS + 1 + rank
+
+    def ingress(self, rank: int) -> int:
+        return self.RELAY + MAX_SUBRELAYS + 1 + self.nodes + rank
+
+    def reset(self) -> None:
+        with self.lock:
+            now = time.time()
+            for i in range(len(self.free)):
+                self.free[i] = now
+
+    def pay(self, buckets: tuple[int, ...], nbytes: int, rate: float) -> None:
+        if not self.enabled.value or not nbytes:
+            return
+        with self.lock:
+            start = max(time.time(), *(self.free[b] for b in buckets))
+            done = start + nbytes / rate
+            for b in buckets:
+                self.free[b] = done
+        delay = done - time.time()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class SharedLink(WrappingStore):
+    """Reads pay the links they cross (``buckets`` of ``links``: a relay's egress, the reader's ingress)."""
+
+    def __init__(self, inner: Store, links: Links, buckets: tuple[int, ...], rate: float) -> None:
         super().__init__(inner)
-        self.free_at, self.enabled = link
-        self.rate = rate
+        self.links, self.buckets, self.rate = links, buckets, rate
         self.bytes_read = 0
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         data = self.inner.get(key, byte_range)
         self.bytes_read += len(data)
-        if self.enabled.value:
-            with self.free_at.get_lock():
-                start = max(time.time(), self.free_at.value)
-                self.free_at.value = done = start + len(data) / self.rate
-            delay = done - time.time()
-            if delay > 0:
-                time.sleep(delay)
+        self.links.pay(self.buckets, len(data), self.rate)
         return data
 
 
 class PacedNode(PackcastNode):
-    """Node 0's broadcast pays its link: a piece leaves no faster than the link carries it."""
+    """A packcast node whose every send pays its own egress and the receiver's ingress."""
 
     rate = 0.0
-    enabled: Any = None  # the links' shared on/off flag
+    model: Links | None = None
+    shape = "chain"
 
-    def _broadcast(self, pg: Any, piece: Any) -> None:
-        if self.rank == 0 and self.enabled.value:
-            due = getattr(self, "_due", 0.0)
-            start = max(time.time(), due)
-            self._due = start + piece.numel() / self.rate
-            delay = self._due - time.time()
-            if delay > 0:
-                time.sleep(delay)
-        super()._broadcast(pg, piece)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("spread", self.shape)
+        super().__init__(*args, **kwargs)
+
+    def _pace(self, peer: int, nbytes: int) -> None:
+        assert self.model is not None
+        self.model.pay((self.model.egress(self.rank), self.model.ingress(peer)), nbytes, self.rate)
 
 
 class PacedAgent(PackcastAgent):
     node_class = PacedNode
+
+
+def socket_bytes(pid: int) -> dict[tuple[str, str], int] | None:
+    """The kernel's count of bytes each TCP socket of process ``pid`` sent and had acknowledged
+    (``ss -tinp``: bytes_acked), by (local, peer) address; None where ``ss`` cannot say."""
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found: dict[tuple[str, str], int] = {}
+    current: tuple[str, str] | None = None
+    for line in out.splitlines():
+        if "users:(" in line:
+            fields = line.split()
+            current = (fields[3], fields[4]) if f"pid={pid}," in line else None
+        elif current is not None and (m := re.search(r"bytes_acked:(\d+)", line)):
+            found[current] = int(m.group(1))
+    return found or None
 
 
 def io_written() -> int:
@@ -143,7 +198,7 @@ class Setup:
     bucket: int = 0  # which modelled link the reads pay: 0 the relay's egress, g the g-th sub-relay's
 
 
-def agent(conn: Connection, links: list[tuple[Any, Any]]) -> None:
+def agent(conn: Connection, links: Links) -> None:
     """One node: builds the path it is told to, then updates its engine on each command."""
     from deltasync.storage import GrpcStore
 
@@ -157,7 +212,7 @@ def agent(conn: Connection, links: list[tuple[Any, Any]]) -> None:
             if cmd == "setup":
                 s: Setup = arg
                 state.clear()
-                relay = SharedLink(GrpcStore(s.relay), links[s.bucket], s.rate)
+                relay = SharedLink(GrpcStore(s.relay), links, (Links.RELAY + s.bucket, links.ingress(s.rank)), s.rate)
                 held = {n: torch.zeros(TENSOR_ELEMS, dtype=torch.bfloat16) for n in s.names}
                 state.update(setup=s, relay=relay, held=held)
                 if s.path == "copy":
@@ -170,7 +225,8 @@ def agent(conn: Connection, links: list[tuple[Any, Any]]) -> None:
                 else:  # the agent `subscribe --packcast` runs, following the relay in a thread
                     cache = PackCache(relay)
                     engine = TorchEngine(held, cache, workers=1)
-                    PacedNode.rate, PacedNode.enabled = s.rate, links[0][1]
+                    PacedNode.rate, PacedNode.model = s.rate, links
+                    PacedNode.shape = "tree" if s.path == "packcast-tree" else "chain"
                     served: dict[int, tuple[float, Update]] = {}
                     cond = threading.Condition()
 
@@ -209,7 +265,7 @@ def agent(conn: Connection, links: list[tuple[Any, Any]]) -> None:
 
 def update(state: dict[str, Any], version: int) -> dict[str, float]:
     s: Setup = state["setup"]
-    if s.path == "packcast":
+    if s.path.startswith("packcast"):
         return agent_served(state, version)
     engine: TorchEngine = state["engine"]
     relay: SharedLink = state["relay"]
@@ -253,16 +309,20 @@ def agent_served(state: dict[str, Any], version: int) -> dict[str, float]:
     now = relay.bytes_read, cache.received_bytes, io_written(), time.process_time()
     state["counters"] = now
     record = u.swap
+    report = state["agent"].last_round
+    if report is None or report.version != version:
+        raise RuntimeError(f"node {s.rank}: no packcast round report for version {version}")
     return {
         "served_at": at, "received": now[0] - read0 + (now[1] - received0 if s.rank else 0), "written": now[2] - written0,
         "cpu": now[3] - cpu0, "rss": peak_rss_mib(),
         "stage_s": record.stage_s if record else 0.0, "pause_s": record.pause_s if record else 0.0,
         "bytes_written": record.bytes_written if record else 0,
+        "link_sent": report.link_sent, "link_received": report.link_received, "rank": s.rank,
     }
 
 
 class Fleet:
-    def __init__(self, n: int, links: list[tuple[Any, Any]]) -> None:
+    def __init__(self, n: int, links: Links) -> None:
         ctx = mp.get_context("fork")
         self.conns: list[Connection] = []
         self.procs = []
@@ -304,7 +364,9 @@ def step(state: dict[str, torch.Tensor], fraction: float, rng: np.random.Generat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="4,8,16,32", help="N values, comma-separated")
-    ap.add_argument("--paths", default="copy,packcast", help=f"of {','.join(PATHS)} (engine: about 3 min more)")
+    ap.add_argument("--paths", default="packcast,packcast-tree",
+                    help=f"of {','.join(PATHS)} (packcast-tree: the old path, node 0's stream down a binomial tree "
+                         "as gloo's broadcast sends it; copy: about 2 min more, engine: about 3 min more)")
     ap.add_argument("--model-mib", type=float, default=8.0, help="bf16 model size (512 KiB tensors)")
     ap.add_argument("--fraction", type=float, default=0.01, help="elements changed per version")
     ap.add_argument("--reps", type=int, default=2, help="timed versions per N and path")
@@ -324,8 +386,7 @@ def main() -> None:
     paths = [p for p in args.paths.split(",") if p]
     rate = args.link_mbps * 1e6
 
-    link = (mp.Value("d", 0.0), mp.Value("b", 1))
-    links = [link] + [(mp.Value("d", 0.0), link[1]) for _ in range(MAX_SUBRELAYS)]
+    links = Links(max(nodes))
     fleet = Fleet(max(nodes), links)  # forked before any thread of this process exists
     from deltasync.relay import build_server
     from deltasync.storage import GrpcStore
@@ -346,7 +407,7 @@ def main() -> None:
                                  progress=False)
         pub = Publisher(repo, config)
         version = int(pub.publish(model))
-        wan = SharedLink(LocalStore(repo), (mp.Value("d", 0.0), link[1]), args.wan_mbps * 1e6)
+        wan = SharedLink(LocalStore(repo), links, (Links.WAN,), args.wan_mbps * 1e6)
         relay = build_server(wan, "127.0.0.1:0", cache_dir=work / "relay").start()
         print(f"model {raw / 2**20:.1f} MiB bf16 ({tensors} tensors), {args.fraction:.2%} of elements changed per version; "
               f"links modelled: relay egress and node links {args.link_mbps:g} MB/s, WAN {args.wan_mbps:g} MB/s; "
@@ -365,28 +426,31 @@ def main() -> None:
                     subs = []
                     if path == "tree":  # relays in front of the relay, each serving ceil(N / k) agents
                         k = min(MAX_SUBRELAYS, int(np.ceil(np.sqrt(n))))
-                        subs = [build_server(SharedLink(GrpcStore(relay.url), link, rate), "127.0.0.1:0",
+                        subs = [build_server(SharedLink(GrpcStore(relay.url), links, (Links.RELAY,), rate), "127.0.0.1:0",
                                              cache_dir=work / f"sub-{n}-{g}").start() for g in range(k)]
                     fleet.call(ranks, "setup", lambda r, n=n, path=path, port=port, subs=subs: Setup(
                         path, r, n, subs[r % len(subs)].url if subs else relay.url, port, str(work), names, rate,
                         int(args.piece_kib * 1024), 1 + r % len(subs) if subs else 0))
                     # Untimed: bring every engine (and copy) to the latest version, links off.
-                    link[1].value = 0
+                    links.enabled.value = 0
                     fleet.call(ranks, "update", version)
-                    link[1].value = 1
-                    times, per_agent = [], []
+                    links.enabled.value = 1
+                    times, per_agent, kernel = [], [], []
                     for _ in range(args.reps):
                         step(model, args.fraction, rng)
+                        node0 = fleet.procs[0].pid or 0
+                        sockets0 = socket_bytes(node0)  # before the commit: ss takes a moment
                         t0 = time.perf_counter()
                         res = pub.publish(model)
                         publish_s.append(time.perf_counter() - t0)
                         stored.append(res.stored_bytes / raw)
                         version = int(res)
                         committed = time.time()
-                        for bucket in [wan.free_at] + [free_at for free_at, _ in links]:
-                            with bucket.get_lock():
-                                bucket.value = time.time()
+                        links.reset()
                         out = fleet.call(ranks, "update", version)
+                        sockets1 = socket_bytes(node0)
+                        if sockets0 is not None and sockets1 is not None:  # node 0's sockets: what the kernel sent
+                            kernel.append(sum(v - sockets0.get(k, 0) for k, v in sockets1.items()))
                         times.append(max(o["served_at"] for o in out) - committed)
                         per_agent.extend(out)
                     fleet.call(ranks, "close", None)
@@ -405,6 +469,13 @@ def main() -> None:
                         "pause": statistics.median(a["pause_s"] for a in per_agent),
                         "pause_bytes": statistics.median(a["bytes_written"] for a in per_agent),
                         "stored": res.stored_bytes,
+                        "root_sent": statistics.median(a.get("link_sent", 0) for a in per_agent if a.get("rank") == 0)
+                        if path.startswith("packcast") else 0,
+                        "stream": statistics.median(a["link_received"] for a in per_agent if a.get("rank") == 1)
+                        if path.startswith("packcast") and n > 1 else 0,
+                        "sent_max": max((a.get("link_sent", 0) for a in per_agent if a.get("rank")), default=0),
+                        "received_max": max((a.get("link_received", 0) for a in per_agent), default=0),
+                        "kernel": statistics.median(kernel) if kernel else None,
                     })
                     row = rows[-1]
                     print(f"  N={n:>2} {path:<8} commit->all serving {row['s']:7.3f} s   per agent: received "
@@ -472,9 +543,30 @@ def report(rows: list[dict[str, Any]], nodes: list[int], paths: list[str], raw: 
                   f"stored delta), {r['written'] / 1e3:8.1f} kB written ({r['written'] / r['stored']:.2f}x), cpu "
                   f"{r['cpu'] * 1e3:6.1f} ms, peak RSS {r['rss']:.0f} MiB")
     last = nodes[-1]
+    casts = [p for p in paths if p.startswith("packcast")]
+    if casts:
+        print("group links per version (counted by the broadcast code; median): node 0 sent (x the stream a node "
+              "receives), the most any other node sent / received; node 0's sockets by the kernel (ss bytes_acked: "
+              "its group sends plus its store and relay requests)")
+        for p in casts:
+            for n in nodes:
+                r = by[(n, p)]
+                times = r["root_sent"] / r["stream"] if r["stream"] else float("nan")
+                kern = "n/a (ss gave nothing)" if r["kernel"] is None else f"{r['kernel'] / 1e3:8.1f} kB"
+                print(f"  {p:<13} N={n:>2}: node 0 sent {r['root_sent'] / 1e3:8.1f} kB = {times:4.2f}x the stream "
+                      f"({r['stream'] / 1e3:.1f} kB); others sent <= {r['sent_max'] / 1e3:8.1f} kB, received <= "
+                      f"{r['received_max'] / 1e3:8.1f} kB; kernel, node 0: {kern}")
+        if "packcast" in paths:
+            r = by[(last, "packcast")]
+            times = r["root_sent"] / r["stream"] if r["stream"] else float("nan")
+            ratio = r["s"] / by[(nodes[0], "packcast")]["s"]
+            print(f"target: node 0's link <= 2.1x the stream at N={last}: {times:.2f}x "
+                  f"({'holds' if times <= 2.1 else 'does not hold'})")
+            print(f"target: packcast at N={last} <= 1.3x N={nodes[0]}, links modelled at {args.link_mbps:g} MB/s per node "
+                  f"and direction: {ratio:.2f}x ({'holds' if ratio <= 1.3 else 'does not hold'}; cpu/node "
+                  f"{r['cpu']:.3f} s of {r['s']:.3f} s: with {os.cpu_count()} cores for {last} agents, CPU "
+                  f"{'may be' if r['cpu'] * last / (os.cpu_count() or 1) > 0.5 * r['s'] else 'is not'} the bound)")
     if "packcast" in paths:
-        ratio = by[(last, "packcast")]["s"] / by[(nodes[0], "packcast")]["s"]
-        print(f"target: packcast at N={last} <= 1.5x N={nodes[0]}: {ratio:.2f}x ({'holds' if ratio <= 1.5 else 'does not hold'})")
         first = by[(nodes[0], "packcast")]
         d = stored * raw
         stages = {"WAN": d / (args.wan_mbps * 1e6), "relay -> node 0": d / (args.link_mbps * 1e6),

@@ -181,7 +181,7 @@ class PackcastNode:
         self.engine, self.cache, self.rank, self.world = engine, cache, rank, world
         self.timeout, self.piece_bytes, self.backend = timeout, piece_bytes, backend
         self.spread, self.window = spread, window
-        self.links = LinkBytes()  # bytes sent to and received from the group, over every round
+        self.link_bytes = LinkBytes()  # bytes sent to and received from the group, over every round
         self.reports: list[RoundReport] = []
         if store is None:
             assert master is not None
@@ -494,7 +494,7 @@ class PackcastNode:
         mine = next((segs for ranks, segs in classes if self.rank in ranks), [])
         self._round = n
         counters = counters or (self.cache.received_bytes, self.cache.upstream_bytes)
-        self._links0 = self.links.snapshot()
+        self._links0 = self.link_bytes.snapshot()
         self.cache.expect((s[0] for s in mine), in_part={s[0] for s in mine if s[3] != s[1]})
         errors: list[str] = []
         mover = threading.Thread(target=self._move, args=(int(header["epoch"]), classes, errors),
@@ -531,7 +531,7 @@ class PackcastNode:
             with self._groups_lock:
                 self._groups.clear()
                 self._group_epoch = -1
-        sent, got = self.links.snapshot()
+        sent, got = self.link_bytes.snapshot()
         sent0, got0 = getattr(self, "_links0", (0, 0))
         report = RoundReport(
             n, version, members, record, self.cache.received_bytes - received0, self.cache.upstream_bytes - upstream0,
@@ -559,7 +559,7 @@ class PackcastNode:
                     assembly = _Assembly(segments, self.cache)
                     chain_receive(pg, ranks.index(self.rank), len(ranks), total, self.piece_bytes, assembly.feed,
                                   shape=self.spread, window=self.window, timeout=self.timeout, device=self._device(),
-                                  counter=self.links, pace=self._pacer(ranks))
+                                  counter=self.link_bytes, pace=self._pacer(ranks))
                 else:
                     piece = torch.empty(min(self.piece_bytes, total), dtype=torch.uint8)
                     self._receive(pg, piece, segments, total, ranks.index(self.rank), len(ranks))
@@ -654,7 +654,7 @@ class PackcastNode:
             piece.copy_(dev)
         else:
             pg.broadcast([piece], opts).wait()
-        self.links.add(sent=sends, received=piece.numel() if index else 0)
+        self.link_bytes.add(sent=sends, received=piece.numel() if index else 0)
 
 
 class _Assembly:
@@ -735,7 +735,7 @@ class _Stream:
             if self.out is None:
                 group = _group_ranks(self.ranks)
                 self.out = ChainOut(self.pg, self.step, size=len(group), shape=node.spread, window=node.window,
-                                    timeout=node.timeout, device=node._device(), counter=node.links,
+                                    timeout=node.timeout, device=node._device(), counter=node.link_bytes,
                                     pace=node._pacer(group))
             return self.out.view()
         if self.piece is None:

@@ -206,7 +206,8 @@ class PackcastAgent(EngineAgent):
         report = self.last_round
         if report is not None and report.version == target:
             how += f"; packcast round {report.round}: {_size(report.received_bytes)} from the group, " \
-                   f"{_size(report.upstream_bytes)} from the relay"
+                   f"{_size(report.upstream_bytes)} from the relay; links {_size(report.link_sent)} sent, " \
+                   f"{_size(report.link_received)} received"
         if self.rank != 0 and self.node is not None:
             self._wake.set()  # straight back to waiting for the next round
         return how
