@@ -50,6 +50,7 @@ from ._changes import (
     want_of,
 )
 from ._fused import FusedScatter, fuse_writes
+from ._mirror import HostMirror, compact_positions, expand_positions
 from .base import Engine, EngineError, LiveCheck, Staged, SwapRecord
 
 if TYPE_CHECKING:
@@ -313,6 +314,60 @@ def build_writes(runs: Iterable[Run], words: Mapping[str, torch.Tensor], geometr
     return out
 
 
+#: A mirrored tensor's writes, for its host mirror: (name, positions, values, dense blocks).
+MirrorUpdate = tuple[str, "np.ndarray | None", "np.ndarray | None", list[tuple[int, np.ndarray]]]
+
+
+def build_mirror_writes(runs: Iterable[Run], words: Mapping[str, torch.Tensor], geometry: Mapping[str, Geometry],
+                        mirror: HostMirror) -> tuple[list[TensorWrite], list[MirrorUpdate], int]:
+    """Writes for tensors with a host mirror: old values from the mirror (nothing read back
+    from the device), positions sent compacted (``compact_positions``) and expanded on the
+    device. Returns the writes, the mirror's updates for after the swap, and bytes sent."""
+    import torch
+
+    by_name: dict[str, list[Run]] = {}
+    for r in runs:
+        by_name.setdefault(r.name, []).append(r)
+    out: list[TensorWrite] = []
+    updates: list[MirrorUpdate] = []
+    sent = 0
+    for name, todo in by_name.items():
+        target, dst, host = words[name], geometry[name], mirror.array(name)
+        device = target.device
+        w = TensorWrite(name, target)
+        idx_parts: list[np.ndarray] = []
+        new_parts: list[np.ndarray] = []
+        dense: list[tuple[int, np.ndarray]] = []
+        for r in todo:
+            if r.idx is None and r.geometry.offsets == dst.offsets and r.geometry.shape == dst.shape:
+                values = r.new.numpy()
+                old = torch.from_numpy(host[r.start : r.start + values.size].copy())
+                w.dense.append((r.start, upload(r.new, device), old))
+                dense.append((r.start, values))
+                sent += values.nbytes
+                continue
+            pos = r.idx.long() if r.idx is not None else torch.arange(r.start, r.start + r.new.numel())
+            mask, local = map_words(pos, r.geometry, dst)
+            new = r.new if mask is None else r.new[mask]
+            if mask is not None:
+                local = local[mask]
+            if local.numel():
+                idx_parts.append(local.numpy())
+                new_parts.append(new.numpy())
+        idx = new_all = None
+        if idx_parts:
+            idx, new_all = np.concatenate(idx_parts), np.concatenate(new_parts)
+            compact = compact_positions(idx)
+            w.idx = expand_positions(*(upload(torch.from_numpy(a), device) for a in compact))
+            w.new = upload(torch.from_numpy(new_all), device)
+            w.old = torch.from_numpy(host[idx])
+            sent += sum(a.nbytes for a in compact) + new_all.nbytes
+        if w.idx is not None or w.dense:
+            out.append(w)
+            updates.append((name, idx, new_all, dense))
+    return out, updates, sent
+
+
 def _plain_2d(src: Geometry, dst: Geometry) -> bool:
     """A whole matrix entry, and a holder that is a block of it (the tensor-parallel case)."""
     return (len(src.shape) == 2 and src.words_per_item == 1 and src.offsets == (0, 0)
@@ -359,6 +414,7 @@ class TorchStaged(Staged):
     plan: WritePlan = field(default_factory=WritePlan)
     changes: VersionChanges | None = None  # engines holding regions: to keep their edge chunks after the swap
     edges: set[tuple[str, int, int]] = field(default_factory=set)
+    mirror: list[MirrorUpdate] = field(default_factory=list)  # the host mirror's writes, after the swap
 
 
 class TorchEngine(Engine):
@@ -393,11 +449,16 @@ class TorchEngine(Engine):
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
         progress: bool | None = False,
         copy: str | os.PathLike[str] | None = None,
+        host_mirror: bool | None = None,
     ) -> None:
         """``dense_fraction``: a chunk with more than this fraction of its words changed is
         rewritten whole (one copy) rather than scattered. ``copy``: the directory an agent
         keeps at the versions this engine is given (``deltasync subscribe``'s OUT); changed
-        chunks are then read from it, verified, instead of fetched and decoded again."""
+        chunks are then read from it, verified, instead of fetched and decoded again.
+        ``host_mirror``: keep a host copy of the bits of whole tensors on a device, so that
+        staging reads no chunk back from the device and sends it only what changed, positions
+        compacted (engines/_mirror.py); None (default): for tensors off the CPU; True: for
+        every whole tensor (a CPU "device", to measure it); False: none."""
         super().__init__(version=version)
         if not 0.0 <= dense_fraction <= 1.0:
             raise UsageError(f"dense_fraction must be in [0, 1], got {dense_fraction}")
@@ -418,6 +479,13 @@ class TorchEngine(Engine):
             for name, w in self._bytes().items()
         }
         self._writers: ThreadPoolExecutor | None = None  # the pause's threads: as many as decode's
+        mirrored = {n: w for n, w in self._words.items() if n not in self._sliced
+                    and (host_mirror or (host_mirror is None and w.device.type != "cpu"))}
+        self._mirror = HostMirror(mirrored) if mirrored else None
+        for name in mirrored:
+            self._host[name] = None  # a full pass in place (load) would leave the mirror behind: it updates
+        self.h2d_bytes = 0
+        """Bytes sent to the tensors' devices by staging with a mirror (positions and values), over every version."""
 
     def holdings(self) -> dict[str, Region | None]:
         """What this engine holds, by tensor name: None for a whole tensor, else the region of
@@ -448,11 +516,19 @@ class TorchEngine(Engine):
             self.subscriber, version, held_version=self._version, read=self._read_factory(info, edges),
             keys=keys, dense_fraction=self.dense_fraction, copy=self.copy, chunks=chunks,
         )
-        writes = build_writes(runs_of(changes.entries.values()), self._words, self._geometry)
+        runs = list(runs_of(changes.entries.values()))
+        mirror = self._mirror
+        writes = build_writes([r for r in runs if mirror is None or r.name not in mirror], self._words, self._geometry)
+        updates: list[MirrorUpdate] = []
+        if mirror is not None:
+            more, updates, sent = build_mirror_writes([r for r in runs if r.name in mirror], self._words,
+                                                      self._geometry, mirror)
+            writes += more
+            self.h2d_bytes += sent
         plan = WritePlan.of(writes)
         if self._writers is None and self.subscriber.workers > 1:  # started before the pause, not in it
             self._writers = ThreadPoolExecutor(self.subscriber.workers, thread_name_prefix="deltasync-write")
-        staged = TorchStaged(version, plan=plan, changes=changes if edges else None, edges=edges)
+        staged = TorchStaged(version, plan=plan, changes=changes if edges else None, edges=edges, mirror=updates)
         return fill_staged(staged, changes, plan.nbytes)
 
     def _write(self, staged: Staged) -> int:
@@ -470,6 +546,8 @@ class TorchEngine(Engine):
         assert isinstance(staged, TorchStaged)
         if staged.changes is not None:
             update_edges(self._edges, staged.edges, staged.changes)
+        if self._mirror is not None and staged.mirror:
+            self._mirror.apply(staged.mirror)
 
     # -- a full pass in place ------------------------------------------------------------------------
 
@@ -574,6 +652,9 @@ class TorchEngine(Engine):
                 return None
             src, dst = entry_geometry(t), self._geometry[t.name]
             if src.offsets == dst.offsets and src.shape == dst.shape:  # the entry is what is held: its bytes
+                if self._mirror is not None and t.name in self._mirror:  # nothing read back from the device
+                    mirrored: np.ndarray = self._mirror.array(t.name).view(np.uint8)[off : off + length]
+                    return mirrored
                 host = self._host.get(t.name)
                 if host is not None:
                     return host[off : off + length]  # zero-copy on CPU
