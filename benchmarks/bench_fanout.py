@@ -20,18 +20,22 @@ default copy and packcast), measured in the same run:
   once and broadcasts them over a gloo group; every node decodes and applies them
   (engines/packcast.py) and records its engine's version in its state.
 
-Links are modelled, as the machine has none: every read from the relay pays the relay's
-egress link (``--link-mbps``, one link shared by every agent, a token bucket in shared
-memory), and node 0's broadcast pays its own link at the same rate (a pipelined chain,
-which nccl's ring and gloo's pipelined broadcast approach, crosses each link about once).
+Links are modelled, as the machine has none, every one of them (``Links``: token buckets in
+shared memory, ``--link-mbps`` each): the relay's egress (shared by every agent reading it),
+and each node's own link, egress and ingress apart. A read from the relay holds the relay's
+egress and the reader's ingress; a piece node a sends node b holds a's egress and b's
+ingress. So the chain (``packcast``: node 0 -> 1 -> ... -> N-1, every link carrying the
+stream once) and the old path (``packcast-tree``: the binomial tree gloo's broadcast runs,
+node 0 sending the stream ceil(log2 N) times) are each charged what they really send. Every
+node counts the bytes it sent and received on the group's links; node 0's are cross-checked
+with the kernel's per-socket counters (``ss -ti`` bytes_acked of node 0's sockets).
 The copy, engine and tree agents learn of a version from the benchmark at once (no watch
 interval); packcast's node 0 finds it by polling, as an agent does.
 
 Printed per N and path: commit -> every engine serving (median over ``--reps`` versions),
-its ratio to N = 4, and per agent and version the bytes received, bytes written to local
-disk (``/proc/self/io`` write_bytes) and peak RSS. Then a projection to 1 TB across 4
-clusters x 32 nodes from the rates measured here, with the stages after the commit in
-sequence and overlapped at pack granularity.
+its ratio to N = 4, per agent and version the bytes received, bytes written to local disk
+(``/proc/self/io`` write_bytes) and peak RSS, and the group links' bytes per rank. The
+projection to 1 TB is ``benchmarks/bench_projection.py``.
 
 The agents share this machine's cores: every node decodes every version, so the CPU work
 of a round grows with N here while on a cluster each node has its own cores. The
@@ -73,7 +77,6 @@ from deltasync.storage import LocalStore, Store, WrappingStore
 PATHS = ("copy", "engine", "tree", "packcast", "packcast-tree")
 MAX_SUBRELAYS = 6  # tree: ceil(sqrt(N)) relays behind the relay, for N up to 36
 TENSOR_ELEMS = 256 * 1024  # 512 KiB of bf16 per tensor
-PIECE = 256 << 10  # projection: bytes per piece of the pipelined broadcast
 
 
 class Links:
@@ -374,13 +377,6 @@ def main() -> None:
     ap.add_argument("--wan-mbps", type=float, default=0.2, help="modelled WAN link of the relay, MB/s")
     ap.add_argument("--piece-kib", type=float, default=16.0, help="packcast: bytes per broadcast piece, KiB")
     ap.add_argument("--dir", default=None, help="where to work (default: a temporary directory, removed after)")
-    ap.add_argument("--clusters", type=int, default=4, help="projection: clusters, one relay each")
-    ap.add_argument("--agents", type=int, default=32, help="projection: nodes per cluster")
-    ap.add_argument("--wan-gbps", type=float, default=10.0, help="projection: each relay's upstream link")
-    ap.add_argument("--lan-gbps", type=float, default=25.0, help="projection: each node's link")
-    ap.add_argument("--node-cores", type=int, default=32, help="projection: cores per node decoding")
-    ap.add_argument("--rate-mib", type=float, default=64.0, help="model size for the per-node rates of the projection")
-    ap.add_argument("--pack-mib", type=float, default=64.0, help="projection: pack size (the unit of overlap)")
     args = ap.parse_args()
     nodes = [int(n) for n in args.nodes.split(",")]
     paths = [p for p in args.paths.split(",") if p]
@@ -396,7 +392,6 @@ def main() -> None:
         work = Path(d)
         repo = str(work / "repo")
         rng = np.random.default_rng(7)
-        rates = measure_rates(work, args.rate_mib, args.fraction, rng)  # before the relay's threads exist
         tensors = max(1, int(args.model_mib * 2))
         model = {f"layers.{i}.weight": torch.from_numpy(
             (rng.normal(0, 0.02, TENSOR_ELEMS).astype(np.float32).view(np.uint32) >> 16).astype(np.int16)
@@ -484,49 +479,11 @@ def main() -> None:
         finally:
             fleet.close()
             relay.stop()
-    report(rows, nodes, paths, raw, statistics.median(stored), statistics.median(publish_s), rates, args)
-
-
-def measure_rates(work: Path, mib: float, fraction: float, rng: np.random.Generator) -> dict[str, float]:
-    """Per-node work at a size where fixed costs are small: one engine, one thread, a local repository."""
-    torch.set_num_threads(1)
-    elems = 8 << 20  # 16 MiB tensors: a large model's tensors are larger still
-    tensors = max(1, int(mib / 16))
-    model = {f"layers.{i}.weight": torch.from_numpy(
-        (rng.normal(0, 0.02, elems).astype(np.float32).view(np.uint32) >> 16).astype(np.int16)
-    ).view(torch.bfloat16) for i in range(tensors)}
-    raw = sum(t.numel() * 2 for t in model.values())
-    repo = str(work / "rates")
-    pub = Publisher(repo, PublisherConfig(codec=PlanesZstdCodec(), workers=1, progress=False))
-    held = {n: torch.zeros_like(t) for n, t in model.items()}
-    engine = TorchEngine(held, repo, workers=1)
-    engine.update(int(pub.publish(model)))
-    stage, pause, written, publish = [], [], [], []
-    for i in range(4):  # the first delta pays one-time costs (torch's indexing kernels): not counted
-        step(model, fraction, rng)
-        t0 = time.perf_counter()
-        v = int(pub.publish(model))
-        t1, c1 = time.perf_counter(), time.process_time()
-        rec = engine.update(v)
-        cpu = time.process_time() - c1  # one worker thread decodes; the machine is shared with others
-        assert rec is not None
-        if i:
-            publish.append(t1 - t0)
-            stage.append(min(rec.stage_s, cpu))
-            pause.append(rec.pause_s)
-            written.append(rec.bytes_written)
-    # Best of 3: the machine is shared with other work, which only ever adds time.
-    out = {"raw": raw, "stage": min(stage), "pause": min(pause), "written": statistics.median(written),
-           "publish": min(publish)}
-    print(f"\nper-node rates, one engine at {raw / 2**20:.0f} MiB on one thread (local repository; best of 3 "
-          f"versions): stage {out['stage'] * 1e3:.1f} ms ({raw / out['stage'] / 1e9:.2f} GB/s of model), pause "
-          f"{out['pause'] * 1e3:.2f} ms for {out['written'] / 1e3:.0f} kB written ({out['written'] / out['pause'] / 1e9:.2f}"
-          f" GB/s), publish {out['publish'] * 1e3:.1f} ms")
-    return out
+    report(rows, nodes, paths, raw, statistics.median(stored), args)
 
 
 def report(rows: list[dict[str, Any]], nodes: list[int], paths: list[str], raw: int, stored: float,
-           publish_s: float, rates: dict[str, float], args: argparse.Namespace) -> None:
+           args: argparse.Namespace) -> None:
     by = {(r["n"], r["path"]): r for r in rows}
     print(f"\ncommit -> every engine serving (median of {args.reps} versions; stored delta {stored * raw / 1e3:.0f} kB "
           f"= {stored:.4f} x raw)")
@@ -574,61 +531,7 @@ def report(rows: list[dict[str, Any]], nodes: list[int], paths: list[str], raw: 
         print(f"overlap (item 4), packcast at N={nodes[0]}: measured {first['s']:.3f} s; its stages in sequence "
               f"{sum(stages.values()):.3f} s (" + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) +
               f"); the slowest alone {max(stages.values()):.3f} s")
-        project(rates, stored, args)
-
-
-def project(r: dict[str, float], stored: float, args: argparse.Namespace) -> None:
-    """Commit -> every engine serving for 1 TB, 4 clusters x 32 nodes, from the rates measured."""
-    model = 1e12
-    delta = model * stored
-    pack = args.pack_mib * 2**20
-    raw = r["raw"]
-    stage_core_s = r["stage"] / raw  # seconds per model byte on one core
-    written = model * (r["written"] / raw)
-    pause_core_s = r["pause"] / max(1.0, r["written"])
-    wan, lan = args.wan_gbps * 1e9 / 8, args.lan_gbps * 1e9 / 8
-    stages = [
-        ("WAN: each relay reads the delta once", delta / wan,
-         f"{args.clusters} relays in parallel, {args.wan_gbps:g} Gbit/s each"),
-        ("relay -> node 0 of the cluster", delta / lan, f"{args.lan_gbps:g} Gbit/s, once per cluster (not per node)"),
-        ("fan-out: node 0 -> every node", delta / lan,
-         f"pipelined chain/ring: each link carries the delta once, {args.lan_gbps:g} Gbit/s node links"),
-        ("decode + verify + stage on each node", model * stage_core_s / args.node_cores,
-         f"{r['stage'] * 1e3:.1f} ms per {raw / 2**20:.0f} MiB on 1 core, measured; {args.node_cores} cores per node"),
-        ("pause: write the changed elements", written * pause_core_s / args.node_cores,
-         f"{written / 1e9:.1f} GB at {r['written'] / r['pause'] / 1e9:.2f} GB/s per core, measured; written by "
-         f"{args.node_cores} cores in parallel (one thread: {written * pause_core_s:.1f} s)"),
-    ]
-    print(f"\nprojection: 1 TB model, {args.fraction:.2%} of elements changed (stored delta {delta / 1e9:.1f} GB, "
-          f"ratio measured here), {args.clusters} clusters x {args.agents} nodes; engines hold the weights in "
-          f"memory (no page cache, no directory copy); packs of {args.pack_mib:g} MiB")
-    print(f"| {'stage after the commit':<40} | {'seconds':>8} | basis")
-    print(f"|{'-' * 42}|{'-' * 10}|------")
-    for name, seconds, basis in stages:
-        print(f"| {name:<40} | {seconds:>8.1f} | {basis}")
-    seq = sum(s for _, s, _ in stages)
-    flow = stages[:4]
-    slowest = max(s for _, s, _ in flow)
-    # Overlapped at pack granularity: the slowest stage, plus one pack through the others, plus
-    # the pause (nothing is served from the new version before it) and the chain's fill.
-    fill = sum(s * pack / delta for _, s, _ in flow) - slowest * pack / delta + (args.agents - 1) * PIECE / lan
-    overlapped = slowest + fill + stages[4][1]
-    print(f"| {'commit -> every engine serving, in sequence':<40} | {seq:>8.1f} | stages one after another")
-    print(f"| {'commit -> every engine serving, overlapped':<40} | {overlapped:>8.1f} | slowest stage + one pack "
-          f"through the others + chain fill + pause")
-    print(f"| {f'today: relay -> {args.agents} nodes, by itself':<40} | {delta * args.agents / lan:>8.1f} | "
-          f"LAN stage alone: the relay's egress carries the delta {args.agents} times")
-    need = model / (args.node_cores * max(1e-9, 20 - stages[4][1] - fill))
-    print("assumptions: per-core rates scale with cores (memory bandwidth is the first limit this ignores: about 3 "
-          f"passes over the model per node, {3 * model / (model * stage_core_s / args.node_cores) / 1e9:.0f} GB/s); "
-          "each node holds the weights in host memory (a GPU engine adds its host->device copy, not measured here); "
-          "the relay serves each pack once it has landed whole; no page cache or disk on the path")
-    print(f"the decode stage is the bound: 20 s needs >= {need / 1e9:.2f} GB/s of model per core "
-          f"(measured {1 / stage_core_s / 1e9:.2f})")
-    print(f"targets: commit -> serving <= 20 s: {overlapped:.1f} s ({'holds' if overlapped <= 20 else 'does not hold'}); "
-          f"pause <= 1 s: {stages[4][1]:.2f} s ({'holds' if stages[4][1] <= 1 else 'does not hold'})")
-    print(f"(before the commit, not counted: publishing took {r['publish'] * 1e3:.0f} ms per {raw / 2**20:.0f} MiB on "
-          "one thread here; see bench_lastmile for encode and upload at scale)")
+    print("the projection to 1 TB: python -m benchmarks.bench_projection")
 
 
 if __name__ == "__main__":
