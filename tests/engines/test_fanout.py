@@ -138,11 +138,11 @@ def _worker(rank: int, world: int, port: int, repo: str, scenario: str, queue: A
             if rank == 2:  # this rank's 4th write fails: every rank must keep the old version
                 real, calls = fanout_mod.apply_writes, [0]
 
-                def flaky(plan: Any) -> int:
+                def flaky(plan: Any, pool: Any = None, workers: int = 1) -> int:
                     calls[0] += 1
                     if calls[0] == 4:
                         raise RuntimeError("injected write failure")
-                    return real(plan)
+                    return real(plan, pool, workers)
 
                 fanout_mod.apply_writes = flaky
             if rank == 0:

@@ -33,7 +33,8 @@ def _rank(rank: int, port: int, queue: Any) -> None:
 
     try:
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=timedelta(seconds=60))
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", port, WORLD, rank == 0, timeout=timedelta(seconds=60))
         pg = dist.ProcessGroupGloo(store, rank, WORLD, timedelta(seconds=60))
         out = []
         for total, piece, shape in CASES:
