@@ -10,9 +10,10 @@ position), expanded to int64 on the device. The mirror is brought to each versio
 swap, from the same host runs.
 
 A mirror trusts that nothing wrote the device's copy behind the engine: the engine is the
-only writer of served weights, and a reconciliation's live check (digests of the device's
-bits against the manifest) finds a device copy that drifted; the mirror is then rebuilt from
-the device (:meth:`HostMirror.refresh`).
+only writer of served weights. The live check (``TorchEngine.verify``, ``deltasync check
+--state``) hashes the device's bits, not the mirror's, against the manifest's digests; where
+it finds drift it copies the drifted tensors back into the mirror (:meth:`HostMirror.refresh`),
+so that the restage an agent then runs (``update(force=True)``) sees the drift and rewrites it.
 """
 
 from __future__ import annotations

@@ -622,7 +622,7 @@ class TorchEngine(Engine):
                 chunks, _ = select_tensors(info, None, regions)
             entries = info.entries()
             want = want_of(entries, keys, chunks) or {k: list(range(len(entries[k].chunks))) for k in keys}
-            read = self._read_factory(info)
+            read = self._read_factory(info, device=True)  # the device's bits, not the host mirror's
             drifted: list[tuple[str, int]] = []
             checked = 0
             for key in keys:
@@ -636,11 +636,15 @@ class TorchEngine(Engine):
                     checked += 1
                     if digest(np.ascontiguousarray(bits)) != t.chunks[idx].target_digest:
                         drifted.append((t.name, idx))
+            if drifted and self._mirror is not None:  # so that a restage (update(force=True)) sees the drift
+                self._mirror.refresh({n: self._words[n] for n, _ in drifted if n in self._mirror})
             return LiveCheck(version=target, chunks_checked=checked, drifted=drifted)
 
     # -- the served bits, as the pipeline's local copy ----------------------------------------------
 
-    def _read_factory(self, info: Any, edges: set[tuple[str, int, int]] | None = None) -> Any:
+    def _read_factory(self, info: Any, edges: set[tuple[str, int, int]] | None = None, *, device: bool = False) -> Any:
+        """Reads of the served bits by manifest entry and byte range: from the host mirror
+        where there is one, unless ``device`` (the live check reads what the device holds)."""
         import torch
 
         entries = info.entries()
@@ -652,7 +656,7 @@ class TorchEngine(Engine):
                 return None
             src, dst = entry_geometry(t), self._geometry[t.name]
             if src.offsets == dst.offsets and src.shape == dst.shape:  # the entry is what is held: its bytes
-                if self._mirror is not None and t.name in self._mirror:  # nothing read back from the device
+                if not device and self._mirror is not None and t.name in self._mirror:  # nothing read back
                     mirrored: np.ndarray = self._mirror.array(t.name).view(np.uint8)[off : off + length]
                     return mirrored
                 host = self._host.get(t.name)

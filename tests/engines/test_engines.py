@@ -605,3 +605,25 @@ def test_a_host_mirror_stages_bit_exact_and_sends_only_what_changed(url: str, de
         if v != 3:  # the sparse versions
             assert 0 < engine.h2d_bytes - before <= 2.5 * changed, (engine.h2d_bytes - before, changed)
     engine.close()
+
+
+def test_a_live_check_reads_the_device_not_the_mirror_and_a_restage_repairs(url: str) -> None:
+    """Bits changed on the device behind the engine: the live check finds them (it reads the
+    device, not the mirror), and the restage an agent then runs rewrites them."""
+    g = torch.Generator().manual_seed(8)
+    states = [{"w": torch.randn(4096, generator=g).bfloat16()}]
+    states.append({"w": states[0]["w"].clone() + 1})
+    pub = deltasync.Publisher(url)
+    for s in states:
+        pub.publish(s)
+    served = {"w": states[0]["w"].clone()}
+    engine = TorchEngine(served, url, version=1, host_mirror=True)
+    engine.update(2)
+    assert engine.verify().ok
+    served["w"].view(torch.int16)[100] += 7  # behind the engine's back
+    check = engine.verify()
+    assert not check.ok and [name for name, _ in check.drifted] == ["w"]
+    engine.update(2, force=True)
+    assert_serves(served, states[1])
+    assert engine.verify().ok
+    engine.close()
