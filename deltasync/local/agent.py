@@ -709,7 +709,9 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
     version = state.version if state is not None else None
     latest = stats.get("latest_version")
     # Lag is against what the agent serves: the pin while one is held, else the latest.
-    target = stats.get("target_version", latest)
+    target = stats.get("target_version")
+    if target is None:  # no agent's target (a pull moved the copy since): the newest version seen
+        target = latest
     running = bool(stats.get("running")) and _alive(stats.get("pid"))
     lag_versions = abs(target - version) if target is not None and version is not None else None
     stale = stats.get("stale_since_unix")

@@ -152,9 +152,33 @@ def update_copy(
             _repair_if_touched(sub, root, db, record, held)
             return FillResult(info.version, held.version, held=True)
         name = other(record.active)
+        start, counted = time.monotonic(), getattr(sub.repo.store, "fetched_bytes", None)
         result = _Fill(sub, root, db, record, name, held, info, stop).run()
         switch(root, db, name, info, repo=repo_url, synced=fsync)
+        # A counting store (the CLI's, an agent's) counts every byte, manifests too.
+        now = getattr(sub.repo.store, "fetched_bytes", None)
+        fetched = now - counted if isinstance(now, int) and isinstance(counted, int) else result.fetched_bytes
+        _record_move(db, state.version if state is not None else None, result, fetched, time.monotonic() - start)
         return result
+
+
+def _record_move(db: StateDB, previous: int | None, result: FillResult, fetched: int, seconds: float) -> None:
+    """Say in the copy's figures that it moved (``deltasync status``): a pull or a library
+    ``update_dir`` moves it without an agent, and the figures an agent left (its target, its
+    last update) would otherwise describe a copy that no longer stands. An agent moving the
+    copy writes its own figures over these right after."""
+    with contextlib.suppress(DeltasyncError, OSError):
+        stats = db.stats()
+        latest = stats.get("latest_version")
+        db.update_stats({
+            "last_update": {"version": result.version, "previous": previous, "how": str(result),
+                            "fetched_bytes": fetched, "seconds": round(seconds, 6),
+                            "finished_unix": time.time()},
+            # What an agent served (a pin, a rollback's version) is no longer known: lag is
+            # against the newest version seen, which this one may be.
+            "target_version": None, "stale_since_unix": None,
+            "latest_version": max(latest, result.version) if isinstance(latest, int) else None,
+        })
 
 
 def _check_identity(sub: Subscriber, root: Path, state: LocalState | None, info: ManifestInfo, repo_url: str) -> None:
