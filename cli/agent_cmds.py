@@ -26,6 +26,25 @@ from deltasync.cli._common import (
 from deltasync.cli.fleet_cmds import FleetHooks, report_options, start_hooks
 from deltasync.errors import UsageError
 
+#: The most nodes --packcast takes: node 0 keeps a record per node, so a WORLD mistyped by a few
+#: digits would grow it until the kernel kills it. Larger fleets are several groups behind relays.
+MAX_PACKCAST_WORLD = 4096
+
+
+class FiniteSeconds(click.FloatRange):
+    """A number of seconds in a range; ``nan`` (which compares false with both bounds, so
+    click's range lets it through) and ``inf`` are refused like any other value out of it."""
+
+    name = "seconds"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> object:
+        import math
+
+        number = super().convert(value, param, ctx)
+        if isinstance(number, float) and not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return number
+
 
 @cli.command()
 @dir_argument
@@ -51,12 +70,12 @@ from deltasync.errors import UsageError
                    "once and broadcast to the others over a gloo group; every node stages what its engine "
                    "holds and records it in its own --state DIR. 'env' (or a part left out) takes torchrun's "
                    "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT+1.")
-@click.option("--packcast-timeout", type=click.FloatRange(0.1, 3600), default=30.0, show_default=True,
+@click.option("--packcast-timeout", type=FiniteSeconds(0.1, 3600), default=30.0, show_default=True,
               metavar="SECONDS",
               help="--packcast: how long a node waits for another (ready, a piece, node 0 at start) before going "
                    "on without it (it then catches up from the relay).")
 @click.option("--follow", is_flag=True, help="Keep running: bring the directory to every new target (SIGTERM stops).")
-@click.option("--poll-interval", type=click.FloatRange(0.01, 3600), default=0.5, show_default=True, metavar="SECONDS",
+@click.option("--poll-interval", type=FiniteSeconds(0.01, 3600), default=0.5, show_default=True, metavar="SECONDS",
               help="How often the repository's latest and pin refs are read.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port).")
@@ -80,7 +99,7 @@ from deltasync.errors import UsageError
 @move_aside_option
 @fsync_option
 @trusted_key_option
-@click.option("--ref-grace", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
+@click.option("--ref-grace", type=FiniteSeconds(0, None), default=0.0, show_default=True, metavar="SECONDS",
               help="With --trusted-key: keep following a signed ref this long past its expiry, with a warning "
                    "(a quiet publisher late with `deltasync refresh-refs`); beyond it the ref is refused.")
 @report_options
@@ -133,6 +152,9 @@ def subscribe(
         from deltasync.engines.packcast_agent import parse_packcast
 
         node = parse_packcast(packcast)
+        if node[1] > MAX_PACKCAST_WORLD:
+            raise UsageError(f"--packcast {packcast!r}: {node[1]} nodes is more than a group takes (at most "
+                             f"{MAX_PACKCAST_WORLD}; a larger fleet is several groups, each behind a relay)")
         # torch's c10d logs every failed attempt to reach a store with a C++ stack trace; packcast
         # says what failed itself (one line, or a warning per round). Set it to see them.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -199,8 +221,10 @@ def subscribe(
 
     def round_done(r: RoundReport) -> None:
         members = f"{len(r.members)} nodes" if r.members else "left out: caught up from the relay"
-        click.echo(f"packcast round {r.round}, version {r.version} ({members}): {mib(r.received_bytes)} received "
-                   f"from the group, {mib(r.upstream_bytes)} from the relay"
+        # Node 0 reads from the relay and sends; the others receive from it.
+        moved = (f"{mib(r.upstream_bytes)} read from the relay and sent to the group" if node is not None and node[0] == 0
+                 else f"{mib(r.received_bytes)} received from the group, {mib(r.upstream_bytes)} from the relay")
+        click.echo(f"packcast round {r.round}, version {r.version} ({members}): {moved}"
                    + (f"; broadcast stopped: {r.broadcast_error}" if r.broadcast_error else ""))
         sys.stdout.flush()
 

@@ -139,14 +139,23 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
     followed = s.get("latest_version") is not None or bool(s.get("updates_total"))
     unknown = ("unknown: no agent has followed this copy (status reads only local state; "
                "`deltasync log --repo` asks the repository)")
+    refused = s.get("refused_ref")
+    refused_note = ""
+    if isinstance(refused, dict):
+        # The version a refused ref names, beside the older one accepted: not "lag 0" alone.
+        named = refused.get("version")
+        what = f"{refused['ref']} names version" if refused.get("ref") else "version"
+        refused_note = f" ({what} {named if named is not None else '?'}: refused, see last error)"
     rows = [
         ("state" if s.get("engine") else "directory", s["directory"]),
         *([("engine", str(s["engine"]))] if s.get("engine") else []),
         ("repository", (s["repo"] or "-") + (f" (identity {s['repository_id']})" if s.get("repository_id") else "")),
         ("version", f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
-        ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}" if followed else unknown),
+        ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}{refused_note}"
+                   if followed else unknown),
         ("pinned", opt(s.get("pinned_version")) if followed else "unknown"),
-        ("lag", (lag + (" (from the pin)" if s.get("pinned_version") is not None else "")) if followed else "unknown"),
+        ("lag", (lag + (" (from the pin)" if s.get("pinned_version") is not None else "")
+                 + (" behind what was accepted" if refused_note else "")) if followed else "unknown"),
         ("agent", agent),
         ("fetched", f"{mib(int(s.get('bytes_fetched_total') or 0))} in total, {s.get('updates_total') or 0} update(s)"
                     if followed else "- (pulled, not followed by an agent)"),

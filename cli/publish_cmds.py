@@ -37,6 +37,18 @@ def _default_cache(repo: str) -> Path:
     return cache_base() / "publish" / hashlib.sha256(_repo_key(repo).encode()).hexdigest()[:16]
 
 
+def _shown_location(url: str) -> str:
+    """A repository's location as a user reads it: a local one as an absolute path, with a
+    hint when its name looks like a relay's HOST:PORT."""
+    if "://" in url:
+        return url
+    where = os.path.abspath(url)
+    host, colon, port = os.path.basename(url.rstrip("/")).rpartition(":")
+    if colon and host and port.isdigit():
+        return f"{where} (a local folder; a relay is grpc://{host}:{port})"
+    return where
+
+
 def _parse_meta(items: tuple[str, ...]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
@@ -91,6 +103,11 @@ def publish(
     cannot be refreshed, a squash cannot be written) is a warning on stderr."""
     from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
 
+    if checkpoint.is_file():
+        # A version is a whole directory: one file of it would drop the config, tokenizer and
+        # other shards the next `from_pretrained` needs.
+        raise UsageError(f"{checkpoint} is a file: publish the checkpoint directory that holds it "
+                         f"({checkpoint.parent}), with its config, tokenizer and other shards")
     chunk_bytes = int(chunk_mib * (1 << 20)) // 8 * 8
     config = PublisherConfig(
         codec=PlanesZstdCodec(chunk_bytes=chunk_bytes, zstd_level=zstd_level, max_classes=context_classes),
@@ -104,6 +121,9 @@ def publish(
     cache = None if no_cache or base_dir is not None else (cache_dir or _default_cache(repo))
     # First use: this default cache was never recorded (`deltasync cache --clear` forgets it).
     first_use = cache is not None and cache_dir is None and not _cache_owner(cache).exists()
+    # A repository the publish creates is named: `--repo 127.0.0.1:17070` (grpc:// forgotten) is a
+    # new folder of that name, not the relay.
+    created = not pub.repo.exists() and not pub.repo.versions()
     r = pub.publish_dir(checkpoint, base_dir=base_dir, cache_dir=cache, version=version, metadata=_parse_meta(meta),
                         snapshots=no_cache)
     seconds = time.monotonic() - start  # all of it: the cache brought to the latest version included
@@ -120,6 +140,7 @@ def publish(
             "ratio": round(r.ratio, 2) if r.stored_bytes else None, "seconds": round(seconds, 3),
             "published": r.kind != "unchanged", "squashes": [dataclasses.asdict(sq) for sq in r.squashes],
             "warnings": list(r.warnings),
+            **({"created_repository": _shown_location(pub.repo.store.url)} if created else {}),
         })
     elif r.kind == "unchanged":
         click.echo(f"nothing changed since version {r.version} (tensors, files and metadata are equal): "
@@ -133,6 +154,8 @@ def publish(
         )
         for sq in r.squashes:
             click.echo(sq.summary())
+    if created and not as_json:
+        click.echo(f"created a new repository at {_shown_location(pub.repo.store.url)}")
     if first_use and cache is not None:
         click.echo(
             f"note: publish keeps a local copy of the latest version of each repository it publishes to (up to twice "

@@ -37,6 +37,10 @@ _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()
 
 
+#: The schemes written SCHEME://…, with what follows the slashes (for the error naming a malformed URL).
+_SCHEMES = {"memory": "name", "s3": "bucket/prefix", "grpc": "host:port", "grpcs": "host:port"}
+
+
 def open_store(url: str) -> Store:
     """Open a store by URL: a plain path or ``file://``, ``memory://name`` (per process),
     ``s3://bucket/prefix`` (AWS configuration from the environment; see :class:`S3Store`), or
@@ -54,6 +58,10 @@ def open_store(url: str) -> Store:
             )
         path = parsed.path if scheme == "file" else url
         return LocalStore(path)
+    if scheme in _SCHEMES and not url[len(scheme) + 1:].startswith("//"):
+        # s3:/bucket/x, grpc:host:port: a slash left out, not a bucket or host with a bad name.
+        raise UsageError(f"malformed repository URL {url!r}: write {scheme}://{_SCHEMES[scheme]} "
+                         f"(two slashes after '{scheme}:')")
     if scheme == "memory":
         name = url[len("memory://") :]
         with _memory_lock:

@@ -173,6 +173,8 @@ class _Figures:
     last_update: dict[str, Any] | None = None
     last_error: str | None = None
     last_error_unix: float | None = None
+    refused_ref: dict[str, Any] | None = None
+    """The ref last refused (RefError): its key, the version it names unchecked, when."""
 
 
 class Agent:
@@ -274,7 +276,7 @@ class Agent:
                             self._update(target)
                         attempts = 0
                         backoff.reset()
-                        self._set(state="idle")
+                        self._set(state="idle", refused_ref=None)
                         if not follow:
                             break
                         self._wake.wait(self.config.poll_interval)
@@ -606,10 +608,25 @@ class Agent:
     def _failed(self, e: BaseException) -> None:
         message = str(e) if isinstance(e, DeltasyncError) else f"{type(e).__name__}: {e}"
         log.warning("update failed: %s", message)
+        refused = self._refused(e)
         with self._lock:
             self.figures.errors_total += 1
             self.figures.last_error, self.figures.last_error_unix = message, time.time()
+            if refused is not None:
+                self.figures.refused_ref = refused
         self._flush(force=True)
+
+    def _refused(self, e: BaseException) -> dict[str, Any] | None:
+        """What a refusal (a ref or a manifest that trusted keys do not accept) names, so that
+        status shows it beside the older version accepted, not only that version and lag 0."""
+        if isinstance(e, SignatureError):
+            return {"ref": None, "version": e.version, "unix": time.time()}
+        if not isinstance(e, RefError):
+            return None
+        named: int | None = None
+        with contextlib.suppress(DeltasyncError, OSError):
+            named = ref_hint(self.store.get(e.key, max_bytes=MAX_REF_BYTES))  # unchecked: shown, never followed
+        return {"ref": e.key, "version": named, "unix": time.time()}
 
     def _flush(self, *, force: bool = False) -> None:
         """Write the figures to the copy's state (at most every half second unless ``force``;

@@ -76,7 +76,7 @@ def verify_repository(
                 _check_blob_file(repo, v, f, seen_files)
                 seen_blobs.update(f.blob_parts)
         files = _FileDigests(info)
-        sub.pipeline.run(info, None, files.add, squashes=False)
+        sub.pipeline.run(info, None, files.add, squashes=False, label="verify")
         files.check()
         report.chunks += sum(len(t.chunks) for t in info.pb.tensors)
         report.versions.append(v)

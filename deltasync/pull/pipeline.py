@@ -74,10 +74,12 @@ class ChunkPipeline:
         dest: dict[str, Bits] | None = None,
         want: Want | None = None,
         squashes: bool = True,
+        label: str = "pull",
     ) -> Plan:
         """Materialise the chunks of ``info`` (all, or those in ``want``) in order: into
         ``dest`` arrays by entry key (written by the workers), and through ``sink`` (called in
-        order on this thread). Without ``squashes`` only the stored chains are read."""
+        order on this thread). Without ``squashes`` only the stored chains are read. ``label``
+        names the work on the progress line (``verify v3``)."""
         local_version = local.version if local is not None else None
         plan, chain = self.planner.plan(info.version, local_version, want, squashes=squashes)
         snapshot_chain: list[Chain] = [chain] if plan.base is None and not plan.squashes else []
@@ -115,7 +117,7 @@ class ChunkPipeline:
                     return held, steps
             return None, full_chain().steps(key, idx, None)[0]
 
-        progress = Progress(f"pull v{info.version}", info.pb.raw_bytes, enabled=self.progress)
+        progress = Progress(f"{label} v{info.version}", info.pb.raw_bytes, enabled=self.progress)
         codec = info.codec
         fetcher = PackFetcher(self.repo.store)
         for t in info.pb.tensors:

@@ -906,17 +906,29 @@ class Repository:
     def get_blob(self, d: bytes, *, max_size: int = BLOB_PART_BYTES) -> bytes:
         key = blob_key(d)
         # Read no more than a part of max_size bytes compresses to at worst.
-        packed = self.store.get(key, max_bytes=_zstd_bound(max_size))
-        try:
-            size = zstandard.frame_content_size(packed)
-            if size < 0 or size > max_size:
-                raise CorruptObjectError(key, f"blob claims {size} bytes (at most {max_size} expected)")
-            data = zstandard.ZstdDecompressor().decompress(packed, max_output_size=max_size)
-        except zstandard.ZstdError as e:
-            raise CorruptObjectError(key, f"cannot decompress ({e})") from None
-        if digest(data) != d:
-            raise CorruptObjectError(key, "blob content does not match its digest")
-        return data
+        return unpack_blob(key, self.store.get(key, max_bytes=_zstd_bound(max_size)), max_size=max_size)
+
+
+def unpack_blob(key: str, packed: bytes | bytearray | memoryview, *, max_size: int = BLOB_PART_BYTES) -> bytes:
+    """The content of blob object ``key`` (``blobs/<xxh3>``) stored as ``packed``: exactly one
+    zstd frame of at most ``max_size`` bytes whose content has the digest in its name, nothing
+    after it (bytes appended to a stored blob are damage, not padding); CorruptObjectError
+    otherwise."""
+    try:
+        size = zstandard.frame_content_size(packed)
+        if size < 0 or size > max_size:
+            raise CorruptObjectError(key, f"blob claims {size} bytes (at most {max_size} expected)")
+        frame = zstandard.ZstdDecompressor().decompressobj()
+        data = frame.decompress(packed)  # bounded: the frame's declared size is checked above and by zstd
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError(key, f"cannot decompress ({e})") from None
+    if not frame.eof or len(data) != size:
+        raise CorruptObjectError(key, "the blob's zstd frame is cut short")
+    if frame.unused_data:
+        raise CorruptObjectError(key, f"{len(frame.unused_data)} bytes follow the blob's zstd frame")
+    if key != blob_key(digest(data)):
+        raise CorruptObjectError(key, "blob content does not match its digest")
+    return data
 
 
 def _derived_identity(repo: Repository, oldest: int) -> str:
