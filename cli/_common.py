@@ -47,6 +47,10 @@ def local_dir(positional: Path | None, out: Path | None, command: str) -> Path:
     directory = positional if positional is not None else out
     if directory is None:
         raise UsageError(f"give the local directory: deltasync {command} DIR (or --out DIR)")
+    if directory.exists() and not directory.is_dir():
+        # A file of a copy (DIR/config.json), not the copy: a version is a whole directory.
+        raise UsageError(f"{directory} is a file, not a directory: give the directory that holds the copy "
+                         f"(deltasync {command} DIR)")
     return directory
 
 
