@@ -81,7 +81,8 @@ class FiniteSeconds(click.FloatRange):
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port).")
 @click.option("--metrics-host", default="", metavar="HOST", help="Address for --metrics-port [default: every interface].")
 @click.option("--keep-versions", type=click.IntRange(min=0), default=8, show_default=True, metavar="K",
-              help="Keep the delta payloads of the last K versions in DIR/.deltasync: rollbacks among them download nothing.")
+              help="Keep the delta payloads of the last K versions in DIR/.deltasync: rollbacks among them reverse "
+                   "them locally (download-free for versions published with --context-classes 0).")
 @click.option("--retries", type=click.IntRange(min=1), default=5, show_default=True,
               help="Attempts per update (with backoff) before a run without --follow gives up.")
 @click.option("--engine", "engine_spec", default=None, metavar="SPEC",
@@ -128,6 +129,12 @@ def subscribe(
 
     from deltasync.local.agent import Agent, AgentConfig, Update
 
+    if (engine_spec or "").partition(":")[0] in ("torch", "fanout"):
+        # Before the factory is imported: a core-only install gets the extra to install, not a
+        # traceback from inside the engine (or a factory's own `import torch`).
+        from deltasync._extras import require
+
+        require("torch", f"--engine {engine_spec}")
     if packcast is not None and (state_dir is None or engine_spec is None or not engine_spec.startswith("torch:")):
         raise UsageError("--packcast keeps an engine on every node: give --state DIR and --engine torch:MODULE:FACTORY")
     if state_dir is not None:

@@ -259,8 +259,9 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
              workers: int, quiet: bool, as_json: bool) -> None:
     """Move a local copy to an earlier version N, reversing the deltas in between where it can.
 
-    Nothing is downloaded for deltas whose payloads the copy kept (see subscribe --keep-versions);
-    what cannot be reversed comes from the snapshot plus chain.
+    Nothing is downloaded for deltas whose payloads the copy kept (see subscribe --keep-versions)
+    and that reverse: chunks published with --context-classes 0. Chunks coded in magnitude
+    classes (the default codec) do not decode backwards and come from the snapshot plus chain.
     """
     from deltasync.local.agent import AgentConfig, rollback as rollback_copy
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,32 @@ def test_verify_labels_its_progress_verify(cli: Env, tmp_path: Path) -> None:
     cli.run("publish", write_checkpoint(tmp_path / "ckpt", make_state(0)), "--repo", "repo")
     rc, term = _run_on_terminal(cli, "verify", "--repo", "repo")
     assert rc == 0 and "verify v1:" in term and "pull v1" not in term, term
+
+
+_NO_TORCH = '''import sys
+
+
+class _NoTorch:
+    """A core-only install: torch cannot be imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+'''
+
+
+def test_a_torch_engine_without_torch_names_the_extra(cli: Env, tmp_path: Path) -> None:
+    (tmp_path / "blocker").mkdir()
+    (tmp_path / "blocker" / "sitecustomize.py").write_text(_NO_TORCH)
+    cli.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "blocker"), *filter(None, [cli.env.get("PYTHONPATH")])])
+    (tmp_path / "plain.py").write_text("def make():\n    return {}\n")
+    (tmp_path / "uses_torch.py").write_text("import torch\n\n\ndef make():\n    return torch.nn.Linear(2, 2)\n")
+    blocked = subprocess.run([sys.executable, "-c", "import torch"], env=cli.env, capture_output=True, text=True)
+    assert blocked.returncode != 0 and "No module named 'torch'" in blocked.stderr  # the blocker works
+    for spec in ("torch:plain:make", "torch:uses_torch:make", "fanout"):
+        cli.fails("subscribe", "--engine", spec, "--state", "s", "--repo", "repo",
+                  match="needs torch, which is not installed: pip install 'deltasync[torch]'")
