@@ -196,6 +196,10 @@ def subscribe(
         if patterns or shard_of is not None:
             engine_spec, options["model"] = "torch", _held_tensors(engine_spec, patterns, shard_of)
         engine = build_engine(engine_spec, **options)
+        if isinstance(getattr(engine, "tensors", None), dict) and not engine.tensors:  # type: ignore[attr-defined]
+            # Nothing to bring to a version: "at version N" would claim an engine that serves nothing.
+            raise UsageError(f"--engine {engine_spec}: the model holds no tensors (does the factory return the "
+                             "built model, with its parameters and buffers?)")
 
     hooks = FleetHooks()
 

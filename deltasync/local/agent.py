@@ -720,7 +720,7 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
     root = Path(out)
     db = StateDB.open(root, create=False)
     if db is None:
-        raise UsageError(f"{root} holds no deltasync copy (pull or subscribe into it first)")
+        raise UsageError(_no_state(root))
     state, wip, stats = db.state(), db.wip(), db.stats()
     now = time.time()
     version = state.version if state is not None else None
@@ -755,6 +755,19 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
     if not running and out_status.get("state") not in (None, "stopped"):
         out_status["state"] = "not running"
     return out_status
+
+
+def _no_state(root: Path) -> str:
+    """Why ``root`` has no state to show, as far as can be told from outside: never pulled or
+    subscribed into, or its state deleted (an agent running there then writes only into
+    deleted files, and status cannot see it)."""
+    deleted = "; if an agent runs there, its state was deleted under it: it records nothing now, restart it"
+    if not root.exists():
+        return f"{root} does not exist: nothing was pulled or subscribed into it{deleted}"
+    if not root.is_dir():
+        return f"{root} is a file, not a directory: give the directory that holds the copy or state"
+    return (f"{root} holds no deltasync state ({root / STATE_DIR} is missing): nothing was pulled or subscribed "
+            f"into it{deleted}")
 
 
 def _engine_status(engine: EngineState | None, state: LocalState | None) -> dict[str, Any]:

@@ -84,3 +84,13 @@ def test_a_torch_engine_without_torch_names_the_extra(cli: Env, tmp_path: Path) 
     for spec in ("torch:plain:make", "torch:uses_torch:make", "fanout"):
         cli.fails("subscribe", "--engine", spec, "--state", "s", "--repo", "repo",
                   match="needs torch, which is not installed: pip install 'deltasync[torch]'")
+
+
+def test_an_engine_with_no_tensors_is_refused(cli: Env, tmp_path: Path) -> None:
+    cli.run("publish", write_checkpoint(tmp_path / "ckpt", make_state(0)), "--repo", "repo")
+    (tmp_path / "empty.py").write_text("import torch\n\n\ndef make():\n    return {}\n\n\n"
+                                       "def module():\n    return torch.nn.Module()\n")
+    for spec in ("torch:empty:make", "torch:empty:module"):
+        r = cli.fails("subscribe", "--engine", spec, "--state", "s", "--repo", "repo", match="the model holds no tensors")
+        assert "at version" not in r.out, r.out
+    cli.fails("subscribe", "copy", "--engine", "torch:empty:make", "--repo", "repo", match="the model holds no tensors")

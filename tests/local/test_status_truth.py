@@ -67,3 +67,32 @@ def test_bytes_appended_to_a_blob_fail_verify(tmp_path: Path) -> None:
         verify_repository(url)
     with pytest.raises(DeltasyncError):
         Agent(url, tmp_path / "out", AgentConfig(retries=1)).run()
+
+
+def test_status_of_a_copy_whose_state_was_deleted_under_its_agent_says_so(tmp_path: Path) -> None:
+    import shutil
+    import threading
+    import time
+
+    from deltasync.errors import UsageError
+
+    url = str(tmp_path / "repo")
+    _publish(url, 2)
+    out = tmp_path / "out"
+    agent = Agent(url, out, AgentConfig(poll_interval=0.05))
+    thread = threading.Thread(target=agent.run, kwargs={"follow": True})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while agent.current() != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_status(out)["running"]
+        shutil.rmtree(out / ".deltasync")
+        with pytest.raises(UsageError, match=r"\.deltasync is missing.*its state was deleted under it"):
+            read_status(out)
+        shutil.rmtree(out)
+        with pytest.raises(UsageError, match=r"does not exist.*its state was deleted under it"):
+            read_status(out)
+    finally:
+        agent.stop()
+        thread.join(30)
