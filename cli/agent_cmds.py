@@ -37,11 +37,11 @@ class FiniteSeconds(click.FloatRange):
 
     name = "seconds"
 
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> object:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
         import math
 
         number = super().convert(value, param, ctx)
-        if isinstance(number, float) and not math.isfinite(number):
+        if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
         return number
 

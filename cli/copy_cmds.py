@@ -139,6 +139,10 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
     followed = s.get("latest_version") is not None or bool(s.get("updates_total"))
     unknown = ("unknown: no agent has followed this copy (status reads only local state; "
                "`deltasync log --repo` asks the repository)")
+    # A running engine-first agent claims no version before it has checked its engine (loading, restoring).
+    phase = s.get("engine_phase") if s["running"] and s.get("engine") and s["version"] is None else None
+    if phase not in ("loading", "restoring"):
+        phase = None
     refused = s.get("refused_ref")
     refused_note = ""
     if isinstance(refused, dict):
@@ -150,7 +154,8 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
         ("state" if s.get("engine") else "directory", s["directory"]),
         *([("engine", str(s["engine"]))] if s.get("engine") else []),
         ("repository", (s["repo"] or "-") + (f" (identity {s['repository_id']})" if s.get("repository_id") else "")),
-        ("version", f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
+        ("version", f"- ({phase}: this run has not yet checked what the engine holds; the last run left version "
+                    f"{opt(s.get('recorded_version'))})" if phase else f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
         ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}{refused_note}"
                    if followed else unknown),
         ("pinned", opt(s.get("pinned_version")) if followed else "unknown"),
@@ -168,7 +173,9 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
                                     f"{mib(int(last['fetched_bytes']))} fetched, applied in {last['seconds']:.2f}s"))
     if s.get("engine_kind") is not None:
         if not s.get("engine"):  # a copy with an engine (an engine alone: its version is the version above)
-            behind = "" if s.get("engine_current") else f" (the directory holds {opt(s['version'])})"
+            checking = s["running"] and s.get("engine_phase") in ("loading", "restoring")
+            behind = ("" if s.get("engine_current") else f" ({s['engine_phase']}: not yet checked by this run)"
+                      if checking else f" (the directory holds {opt(s['version'])})")
             rows.append(("engine", f"{s['engine_kind']} at version {opt(s.get('engine_version'))}{behind}, updated "
                                    f"{ago(s.get('engine_updated_unix'))}"))
         if s.get("engine_last_error"):

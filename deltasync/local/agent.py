@@ -61,7 +61,7 @@ from ..errors import (
 from ..format.signing import PublicKeyLike
 from ..metrics import Metric, MetricsServer
 from ..pull.subscriber import Subscriber, state_url
-from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, ref_hint
+from ..repo.repository import LATEST, MARKER, MAX_REF_BYTES, Repository, ref_hint
 from ..retry import Backoff as Backoff  # the agent's retries; importable here too
 from ..storage import Store, open_store
 from .cache import CachedStore, LocalCache
@@ -175,6 +175,11 @@ class _Figures:
     last_error_unix: float | None = None
     refused_ref: dict[str, Any] | None = None
     """The ref last refused (RefError): its key, the version it names unchecked, when."""
+    engine_phase: str | None = None
+    """With an engine: ``loading`` until this process has checked what the engine holds (its
+    bits against a version's digests), ``restoring`` while it restores from kept objects,
+    ``serving`` after. Before ``serving`` the state's version is only what an earlier run
+    held: status claims no version for the engine (the factory's bits may be anything)."""
 
 
 class Agent:
@@ -372,6 +377,10 @@ class Agent:
         not hold the new one's version digests."""
         found = Repository(self.store).identity()  # read now, whatever the kept objects are of
         self._identity_read_at = time.monotonic()
+        if found is None and not self.store.exists(MARKER):
+            # No repository there (a path not mounted yet, a bucket being restored): nothing to
+            # compare or rebind by. The kept objects stay: an engine-first agent restores from them.
+            return
         if self._identity is not None and self._identity[0] == found:
             return
         state = self._state_db().state()
@@ -461,7 +470,17 @@ class Agent:
             self._holds = (state, self._identity)
         if wip is not None:  # an interrupted move to another version (its slot stays marked dirty)
             db.set_wip(None)
-        return self.engine is not None and not self.engine.holds(target)
+        if self.engine is None:
+            return False
+        if self.engine.holds(target):
+            self._engine_phase("serving")  # this process's engine, at the copy's version
+            return False
+        return True
+
+    def _engine_phase(self, phase: str) -> None:
+        if self.figures.engine_phase != phase:
+            self._set(engine_phase=phase)
+            self._flush(force=True)
 
     def _update(self, target: int) -> Update:
         repo = self._repository()
@@ -548,6 +567,8 @@ class Agent:
         info = self._repository().manifest(target)
         db.set_engine(replace(held, kind=engine.kind, version=target, version_digest=info.pb.version_digest.hex(),
                               repository_id=info.pb.repository_id.hex(), updated_unix=time.time()))
+        if type(self) is Agent:  # an engine-first agent says so once it has recorded the version (_move)
+            self._engine_phase("serving")
         return swap
 
     def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
@@ -594,6 +615,8 @@ class Agent:
             f.last_update = stats.get("last_update")
             f.last_error, f.last_error_unix = stats.get("last_error"), stats.get("last_error_unix")
             f.pid, f.running, f.follow, f.started_unix, f.state = os.getpid(), True, follow, time.time(), "starting"
+            if self.engine is not None and f.engine_phase is None:
+                f.engine_phase = "loading"
         self._fetched_at_start = self.store.fetched_bytes
         self._fetched_by_kind_at_start = self.store.fetched_by_kind()
         self._base_total = self.figures.bytes_fetched_total
@@ -723,13 +746,17 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
         raise UsageError(_no_state(root))
     state, wip, stats = db.state(), db.wip(), db.stats()
     now = time.time()
-    version = state.version if state is not None else None
+    running = bool(stats.get("running")) and _alive(stats.get("pid"))
+    # A running agent that has not yet checked its engine in this process claims nothing for it
+    # (after a restart the engine holds what its factory built, not the version recorded).
+    unverified = running and stats.get("engine_phase") in ("loading", "restoring")
+    engine_first = bool(stats.get("engine"))  # recorded by an engine-first agent (StateDB.record_engine)
+    version = state.version if state is not None and not (engine_first and unverified) else None
     latest = stats.get("latest_version")
     # Lag is against what the agent serves: the pin while one is held, else the latest.
     target = stats.get("target_version")
     if target is None:  # no agent's target (a pull moved the copy since): the newest version seen
         target = latest
-    running = bool(stats.get("running")) and _alive(stats.get("pid"))
     lag_versions = abs(target - version) if target is not None and version is not None else None
     stale = stats.get("stale_since_unix")
     if lag_versions == 0:
@@ -743,9 +770,10 @@ def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
         "directory": str(root.resolve()),
         "repo": (state.repo if state is not None and state.repo else stats.get("repo", "")),
         "version": version,
-        "version_digest": state.version_digest if state is not None else None,
+        "version_digest": state.version_digest if state is not None and version is not None else None,
+        "recorded_version": state.version if state is not None else None,
         "repository_id": (state.repository_id or None) if state is not None else None,
-        **_engine_status(db.engine(), state),
+        **_engine_status(db.engine(), state, unverified),
         "installed_unix": state.installed_unix if state is not None else None,
         "running": running,
         "lag_versions": lag_versions,
@@ -770,15 +798,17 @@ def _no_state(root: Path) -> str:
             f"into it{deleted}")
 
 
-def _engine_status(engine: EngineState | None, state: LocalState | None) -> dict[str, Any]:
+def _engine_status(engine: EngineState | None, state: LocalState | None, unverified: bool) -> dict[str, Any]:
     """The engine's record as status fields (none without an engine): its version next to the
-    copy's (``engine_current``: the same version digest and repository), its last error."""
+    copy's (``engine_current``: the same version digest and repository), its last error; no
+    version while its running agent has not checked it yet (``unverified``)."""
     if engine is None:
         return {}
-    current = (state is not None and engine.version == state.version and engine.version_digest == state.version_digest
-               and engine.repository_id == state.repository_id)
+    current = (not unverified and state is not None and engine.version == state.version
+               and engine.version_digest == state.version_digest and engine.repository_id == state.repository_id)
     return {
-        "engine_kind": engine.kind, "engine_version": engine.version, "engine_version_digest": engine.version_digest or None,
+        "engine_kind": engine.kind, "engine_version": None if unverified else engine.version,
+        "engine_version_digest": (engine.version_digest or None) if not unverified else None,
         "engine_current": current, "engine_updated_unix": engine.updated_unix, "engine_last_error": engine.last_error,
         "engine_last_error_unix": engine.last_error_unix, "engine_last_error_version": engine.last_error_version,
     }

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ..errors import DeltasyncError, StoreError, UsageError
+from ..errors import DeltasyncError, RepositoryNotFoundError, StoreError, UsageError
 from ..format.signing import PublicKeyLike
 from ..pull.subscriber import Subscriber, state_url
 from ..repo.history import check_extends
@@ -124,8 +124,11 @@ class EngineAgent(Agent):
 
     def _observe(self) -> int | None:
         try:
-            return super()._observe()
-        except (StoreError, OSError) as e:
+            target = super()._observe()
+            if target is None and not self._verified:
+                self._repository().ensure_exists()  # a repository path gone (not mounted yet): out of reach too
+            return target
+        except (StoreError, OSError, RepositoryNotFoundError) as e:
             # The repository is out of reach at the start of a run: the engine need not wait
             # for it to serve what it held. The version the state records is restored from
             # the kept objects, then the run retries the repository as usual.
@@ -142,6 +145,7 @@ class EngineAgent(Agent):
             # elsewhere): what the engine holds was of the old one, so its bits are checked
             # against the new one's digests at the next move, as at a start.
             self._verified = False
+            self._engine_phase("loading")
 
     def _restore_offline(self, cause: BaseException) -> None:
         """Bring the engine to the version the state records from the kept objects alone (the
@@ -163,13 +167,16 @@ class EngineAgent(Agent):
         sub = getattr(self.engine, "subscriber", None)
         if isinstance(sub, Subscriber):  # the engine reads the identity the objects were kept by
             sub.repo.assume_identity(bound[0])
+        self._engine_phase("restoring")
         try:
             swap = self._swap_engine(state.version, force=True)
         except (DeltasyncError, OSError) as e:
             log.warning("version %d is not restorable from the kept objects (%s); waiting for the repository",
                         state.version, e)
+            self._engine_phase("loading")
             return
         self._verified = True
+        self._engine_phase("serving")
         self._identity = bound  # what the engine now holds is of this repository
         self.last_swap = swap
         log.warning("repository unreachable (%s): the engine serves version %d, restored from the kept objects",
@@ -199,6 +206,7 @@ class EngineAgent(Agent):
         swap = self._swap_engine(target, force=not self._verified)
         self._verified = True
         db.record_engine(info, repo=state_url(repo.url), engine=self.engine.kind)
+        self._engine_phase("serving")
         self.last_swap = swap
         if swap is None:
             return "engine already there"
