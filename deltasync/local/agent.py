@@ -520,13 +520,21 @@ class Agent:
         # payloads of the deltas it walks come from the kept objects when they are there.
         self.store.capture = self._capture(repo, previous, target)
         engine = self.engine
-        if (engine is not None and not engine.needs_files and previous is not None and previous != target
+        if (engine is not None and not engine.needs_files and previous is not None and previous < target
                 and engine.holds(previous)):
             # The engine, at the copy's version, takes the change straight from the fetch: its
             # swap does not wait for the copy's rewrite (at RL densities about a copy of the
-            # model, DESIGN.md 6). Otherwise (a first load, an engine that knows no version) the
-            # copy goes first and the engine reads it: one fetch.
-            self.last_swap = self._swap_engine(target)
+            # model, DESIGN.md 6); what its plan reads is kept while it stages (the deltas since
+            # the copy's version, or a snapshot chain), and the copy's fill reads it there.
+            # Otherwise (a first load, an engine that knows no version, a pin moving back, where
+            # the copy reverses deltas the engine's plan would not read) the copy goes first and
+            # the engine reads the chunks that changed from it: one fetch either way.
+            kept = self.store.capture
+            self.store.capture = kept | self._plan_packs(repo, previous, target)
+            try:
+                self.last_swap = self._swap_engine(target)
+            finally:
+                self.store.capture = kept
         result = update_copy(sub, self.root, repo.manifest(target), stop=self._should_stop,
                              move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
         if engine is not None and not engine.holds(target):
@@ -582,6 +590,19 @@ class Agent:
         except DeltasyncError:
             return set()
         return {p.key for info in chain if not info.is_snapshot and info.version > target - keep for p in info.pb.packs}
+
+    def _plan_packs(self, repo: Repository, previous: int, target: int) -> set[str]:
+        """Every pack a move from ``previous`` to ``target`` may read: the target's chain from
+        its snapshot and the deltas between the two (kept only for the move: ``_retain`` then
+        prunes what no kept version needs)."""
+        if self.cache is None:
+            return set()
+        keys: set[str] = set()
+        with contextlib.suppress(DeltasyncError):
+            keys.update(p.key for info in repo.chain(target) for p in info.pb.packs)
+            low, high = min(previous, target), max(previous, target)
+            keys.update(p.key for info in repo.chain(high, stop_at=low) for p in info.pb.packs)
+        return keys
 
     def _retain(self, current: int) -> None:
         if self.cache is None:
