@@ -155,7 +155,8 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
         *([("engine", str(s["engine"]))] if s.get("engine") else []),
         ("repository", (s["repo"] or "-") + (f" (identity {s['repository_id']})" if s.get("repository_id") else "")),
         ("version", f"- ({phase}: this run has not yet checked what the engine holds; the last run left version "
-                    f"{opt(s.get('recorded_version'))})" if phase else f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
+                    f"{opt(s.get('recorded_version'))})" if phase
+                    else f"{opt(s['version'])}, installed {ago(s['installed_unix'])}"),
         ("latest", f"{opt(s.get('latest_version'))}, first seen {ago(s.get('latest_seen_unix'))}{refused_note}"
                    if followed else unknown),
         ("pinned", opt(s.get("pinned_version")) if followed else "unknown"),

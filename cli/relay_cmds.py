@@ -23,7 +23,9 @@ from deltasync.errors import UsageError
 @click.option("--cache", "cache_dir", type=click.Path(path_type=Path), default=None,
               help="Cache directory (LMDB index + object files), kept across restarts [default: a temporary one].")
 @click.option("--cache-max-bytes", default=None, metavar="SIZE",
-              help="Evict least recently used objects beyond this size, e.g. 500G [default: no limit].")
+              help="Evict least recently used objects beyond this size, e.g. 500G [default: half the free space of "
+                   "the cache's disk at start, printed]. Whatever the limit, a full disk evicts, and an object that "
+                   "cannot fit is passed through uncached.")
 @click.option("--poll-interval", type=click.FloatRange(0.01, 60), default=0.5, show_default=True, metavar="SECONDS",
               help="How often the upstream is checked for a new version.")
 @click.option("--warm/--no-warm", default=True, show_default=True,
@@ -77,6 +79,7 @@ def serve(
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
     import logging
 
+    from deltasync.progress import human_bytes
     from deltasync.relay import build_server, parse_size, run_until_signalled
     from deltasync.relay.fleet import read_report_tokens
     from deltasync.storage.wire import read_token, read_write_token
@@ -105,8 +108,11 @@ def serve(
         nonlocal metrics, page
         writes = ", accepting writes" if accept_writes else ""
         reports = ", taking fleet reports" if report_token_file is not None else ""
-        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{writes}{reports}); "
-                   "SIGTERM stops")
+        cache = server.cache
+        size = "" if cache is None or cache.max_bytes is None else f" up to {human_bytes(cache.max_bytes)}" + (
+            f" ({cache.limit_note})" if cache.limit_note else "")
+        click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{size}{writes}"
+                   f"{reports}); SIGTERM stops")
         if metrics_port is not None:
             from deltasync.metrics import MetricsServer
 

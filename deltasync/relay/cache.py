@@ -27,7 +27,9 @@ Objects being served are *held* (:meth:`ObjectCache.hold`): eviction passes them
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -39,15 +41,19 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import lmdb
+import zstandard
 
 from ..errors import CorruptObjectError, ObjectTooLargeError, UsageError
 from ..format.digest import StreamDigest
-from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES
+from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, parse_manifest, version_from_key
 from ..repo.leases import MAX_LEASE_BYTES
+from ..repo.repository import squash_from_key
 from ..storage import Store
+
+log = logging.getLogger(__name__)
 
 CACHEABLE_PREFIXES = ("packs/", "blobs/", "manifests/", "squashes/")
 #: What a relay serves: the keys of a repository's layout (repo/repository.py), nothing else
@@ -60,6 +66,117 @@ _VALUE = struct.Struct("<Qd")  # size, last access (unix seconds); the relative 
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the limit, so it runs in bursts
 _MAP_SIZE = 1 << 30  # LMDB address space for the index (~10M entries); the file grows as used
 _PACK_KEY = re.compile(r"^packs/([0-9a-f]{32})\.pack$")  # named by the xxh3-128 of its bytes
+_BLOB_KEY = re.compile(r"^blobs/([0-9a-f]{32})$")  # named by the xxh3-128 of its zstd frame's content
+_MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
+_ZSTD_HEADER_MAX = 18  # the longest zstd frame header: its content size is known once these are in
+#: The share of the cache disk's free space (at start, plus what the cache already holds) that
+#: a cache given no size limit takes: the disk never fills from the cache alone, and a version
+#: up to a quarter of the free space is still warmed (feed.py warms none over half the limit).
+DEFAULT_DISK_SHARE = 0.5
+#: Bytes kept free on the cache's disk besides its objects (the LMDB index, downloads starting),
+#: at most 1/16 of a small disk.
+_DISK_RESERVE = 64 << 20
+
+
+class CacheFullError(OSError):
+    """The cache's disk cannot take an object even with everything evictable evicted: the relay
+    passes the object through from the upstream instead of caching it."""
+
+    def __init__(self, key: str, size: int) -> None:
+        super().__init__(errno.ENOSPC, f"no room for {key} ({size:,} bytes) in the relay cache, nothing left to evict")
+        self.key = key
+
+
+class ContentCheck:
+    """What a cacheable object's name promises, checked as its bytes arrive (``update``), in
+    bounded memory: a pack's bytes hash to its name; a blob is exactly one zstd frame of at most
+    a part's size whose content hashes to its name; a manifest or squash parses as every reader
+    parses it (:func:`~deltasync.format.manifest.parse_manifest`: whole-manifest digest, layout).
+    Other keys are not checked. :meth:`problem` says what is wrong once all bytes are in."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        named = _PACK_KEY.match(key) or _BLOB_KEY.match(key)
+        self._name = named.group(1) if named is not None else None
+        self._blob = _BLOB_KEY.match(key) is not None
+        self._manifest = _MANIFEST_KEY.match(key) is not None
+        self._digest = StreamDigest() if named is not None else None
+        self._parts: list[bytes] = []
+        self._head = b""
+        self._frame: Any = None  # the blob's zstd decompressor, once its header is in
+        self._declared = 0
+        self._raw = 0
+        self._problem: str | None = None
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self._problem is not None:
+            return
+        if self._manifest:
+            self._parts.append(bytes(data))
+        elif self._blob:
+            self._blob_bytes(bytes(data), final=False)
+        elif self._digest is not None:
+            self._digest.update(data)
+
+    def _blob_bytes(self, data: bytes, *, final: bool) -> None:
+        if self._frame is None:
+            self._head += data
+            if len(self._head) < _ZSTD_HEADER_MAX and not final:
+                return
+            data, self._head = self._head, b""
+            try:
+                self._declared = zstandard.frame_content_size(data)
+            except zstandard.ZstdError as e:
+                self._problem = f"not a zstd frame ({e})"
+                return
+            if not 0 <= self._declared <= BLOB_PART_SIZE:
+                self._problem = f"not a blob part (a zstd frame of at most {BLOB_PART_SIZE:,} bytes)"
+                return
+            self._frame = zstandard.ZstdDecompressor().decompressobj()
+        if self._frame.eof:
+            self._problem = "bytes follow the blob's zstd frame"
+            return
+        try:
+            out = self._frame.decompress(data)  # at most the declared size: zstd holds a frame to it
+        except zstandard.ZstdError as e:
+            self._problem = f"not a zstd frame ({e})"
+            return
+        self._raw += len(out)
+        assert self._digest is not None
+        self._digest.update(out)
+        if self._frame.eof and self._frame.unused_data:
+            self._problem = "bytes follow the blob's zstd frame"
+
+    def problem(self) -> str | None:
+        """Why the bytes given are not the object named (None: they are, or it is not checked)."""
+        if self._problem is not None:
+            return self._problem
+        if self._manifest:
+            try:
+                squash = squash_from_key(self.key)  # a squash to version C is a manifest of version C
+                parse_manifest(b"".join(self._parts),
+                               expect_version=squash[1] if squash is not None else version_from_key(self.key))
+            except CorruptObjectError as e:
+                return e.detail
+            return None
+        if self._blob:
+            if self._frame is None:  # a whole object shorter than the longest frame header
+                self._blob_bytes(b"", final=True)
+                if self._problem is not None:
+                    return self._problem
+            if self._frame is None or not self._frame.eof or self._raw != self._declared:
+                return "the blob's zstd frame is cut short"
+        if self._digest is not None and self._digest.digest().hex() != self._name:
+            return ("its content does not match the digest in its name" if self._blob
+                    else "its bytes do not match the digest in its name")
+        return None
+
+
+def content_problem(key: str, data: bytes | bytearray | memoryview) -> str | None:
+    """Why ``data`` cannot be the object named ``key`` (:class:`ContentCheck`); None if it can."""
+    check = ContentCheck(key)
+    check.update(memoryview(data))
+    return check.problem()
 
 
 def cacheable(key: str) -> bool:
@@ -147,7 +264,12 @@ class Landing:
 
 
 class ObjectCache:
-    """Files under ``root`` indexed in LMDB; at most ``max_bytes`` (None: unbounded).
+    """Files under ``root`` indexed in LMDB; at most ``max_bytes`` (None: ``DEFAULT_DISK_SHARE``
+    of the disk's free space at start, plus what the cache already holds: :attr:`limit_note`
+    says which). Whatever the limit, a full disk evicts (ENOSPC), and an object that does not
+    fit with everything evictable gone raises :class:`CacheFullError` (the relay passes it
+    through). Objects are checked against their names as they land (:class:`ContentCheck`),
+    and objects found in the cache at start once more when first read (:meth:`intact`).
 
     Thread-safe. Not single-flight by itself: the relay makes sure one key is fetched once.
     ``piece_bytes`` bounds the memory of a download: larger objects are read in ranges.
@@ -159,8 +281,12 @@ class ObjectCache:
         if piece_bytes < 1:
             raise UsageError(f"piece_bytes must be positive, got {piece_bytes}")
         self.root = Path(root)
-        self.max_bytes = max_bytes
+        self.max_bytes: int | None = max_bytes
+        self.limit_note = ""
+        """How the limit was chosen, when not given ("": given)."""
         self.piece_bytes = piece_bytes
+        self._checked: set[str] = set()  # keys whose file was checked (landed, or read once) in this process
+        self._reserve = _DISK_RESERVE
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._touched: set[str] = set()
@@ -185,6 +311,12 @@ class ObjectCache:
             (self.root / "tmp").mkdir()
             self._env = lmdb.open(str(self.root / "index"), map_size=_MAP_SIZE, max_dbs=0)
             self._reconcile()
+            disk = shutil.disk_usage(self.root)
+            self._reserve = min(_DISK_RESERVE, disk.total // 16)
+            if self.max_bytes is None:
+                free = disk.free
+                self.max_bytes = max(0, int((free + self._total) * DEFAULT_DISK_SHARE))
+                self.limit_note = f"{DEFAULT_DISK_SHARE:.0%} of the free disk space at start"
         except (OSError, lmdb.Error) as e:
             self._lockfile.close()
             detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -211,10 +343,34 @@ class ObjectCache:
             del self._entries[key]
             self._total -= entry.size
             self._touched.discard(key)
+            self._checked.discard(key)
             with self._env.begin(write=True) as txn:
                 txn.delete(key.encode())
             with contextlib.suppress(FileNotFoundError):
                 entry.path.unlink()
+
+    def intact(self, key: str, entry: Entry) -> bool:
+        """(Thread) Whether the cached file of ``key`` still is that object; checked once per
+        process (objects landed in it were checked as they arrived): one found damaged, or cached
+        unchecked by an older relay, is dropped, and the next read fetches it again."""
+        with self._lock:
+            if key in self._checked:
+                return True
+        check = ContentCheck(key)
+        try:
+            with open(entry.path, "rb") as f:
+                while piece := f.read(self.piece_bytes):
+                    check.update(piece)
+            problem = check.problem()
+        except OSError as e:
+            problem = f"unreadable ({e.strerror or e})"
+        if problem is None:
+            with self._lock:
+                self._checked.add(key)
+            return True
+        log.warning("relay cache: %s is damaged (%s): dropped, fetched again", key, problem)
+        self.forget(key, entry)
+        return False
 
     @property
     def total_bytes(self) -> int:
@@ -240,9 +396,15 @@ class ObjectCache:
             size = upstream.size(key)
             if max_size is not None and size > max_size:
                 raise ObjectTooLargeError(key, size, max_size)
+            self._room_for(key, size)  # before readers learn the size and start streaming a prefix
             landing._update(size=size)
             self._download(key, size, upstream, fd, landing)
-            os.fsync(fd)
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise CacheFullError(key, size) from e
+                raise
             path.parent.mkdir(exist_ok=True)
             os.replace(tmp, path)
             entry = Entry(size, path, time.time())
@@ -253,6 +415,7 @@ class ObjectCache:
                 if old is not None:
                     self._total -= old.size
                 self._entries[key] = entry
+                self._checked.add(key)
                 self._total += size
                 self.fetches += 1
                 self.fetched_bytes += size
@@ -268,8 +431,9 @@ class ObjectCache:
         return entry
 
     def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing) -> None:
-        named = _PACK_KEY.match(key)
-        check = StreamDigest() if named else None
+        # Checked before it lands (and before a reader streaming it gets its last piece): a
+        # transiently corrupt manifest or blob from the upstream is never cached for good.
+        check = ContentCheck(key)
         if size <= self.piece_bytes:
             data = upstream.get(key, max_bytes=size)  # the object may have been replaced meanwhile
             if len(data) != size:
@@ -282,18 +446,23 @@ class ObjectCache:
                 if len(data) != n:
                     raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
                 self._write(fd, data, offset, landing, check)
-        if named and check is not None and check.digest().hex() != named.group(1):
-            raise CorruptObjectError(key, "upstream's bytes do not match the digest in its name")
+        problem = check.problem()
+        if problem is not None:
+            raise CorruptObjectError(key, f"upstream's bytes are not that object: {problem}")
         landing._update(verified=True)
 
-    @staticmethod
-    def _write(fd: int, data: bytes, offset: int, landing: Landing, check: StreamDigest | None) -> None:
+    def _write(self, fd: int, data: bytes, offset: int, landing: Landing, check: ContentCheck) -> None:
         view = memoryview(data)
         done = 0
         while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-        if check is not None:
-            check.update(data)
+            try:
+                done += os.pwrite(fd, view[done:], offset + done)
+            except OSError as e:
+                # The disk filled (other files, a limit above the disk): evict and go on; with
+                # nothing left to evict the relay passes the object through instead.
+                if e.errno != errno.ENOSPC or not self._make_room(len(view) - done + self._reserve, landing.key):
+                    raise CacheFullError(landing.key, landing.size or len(data)) from e
+        check.update(data)
         landing._update(written=offset + len(data))
 
     # -- holds: objects being served are not evicted -------------------------------------------
@@ -327,6 +496,40 @@ class ObjectCache:
         self._env.close()
         self._lockfile.close()
 
+    def _room_for(self, key: str, size: int) -> None:
+        """Before a download: make room on the disk (evicting), or raise CacheFullError at once,
+        before any reader streams a prefix the cache could not finish."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        short = size + self._reserve - free
+        if short > 0 and not self._make_room(short, key):
+            raise CacheFullError(key, size)
+
+    def _make_room(self, need: int, keep: str) -> bool:
+        """Evict least recently used objects (not held, not ``keep``) until ``need`` bytes are
+        freed; whether that many were."""
+        freed = 0
+        with self._lock:
+            victims = sorted((e.atime, k) for k, e in self._entries.items() if k != keep and k not in self._held)
+            with self._env.begin(write=True) as txn:
+                for _, k in victims:
+                    if freed >= need:
+                        break
+                    entry = self._entries.pop(k)
+                    self._total -= entry.size
+                    self._touched.discard(k)
+                    self._checked.discard(k)
+                    txn.delete(k.encode())
+                    with contextlib.suppress(FileNotFoundError):
+                        entry.path.unlink()
+                    self.evictions += 1
+                    freed += entry.size
+        if freed:
+            log.warning("relay cache: the disk under %s is full: evicted %s bytes", self.root, f"{freed:,}")
+        return freed >= need
+
     def _evict_locked(self, keep: str | None) -> None:
         if self.max_bytes is None or self._total <= self.max_bytes:
             return
@@ -339,6 +542,7 @@ class ObjectCache:
                 entry = self._entries.pop(key)
                 self._total -= entry.size
                 self._touched.discard(key)
+                self._checked.discard(key)
                 txn.delete(key.encode())
                 # A reader holding the file open keeps reading it: unlink only drops the name.
                 with contextlib.suppress(FileNotFoundError):

@@ -19,7 +19,9 @@ class RelayConfig:
     cache_dir: Path | None = None
     """Cache directory, kept across restarts. None: a temporary one, removed at stop."""
     cache_max_bytes: int | None = None
-    """Evict least recently used objects beyond this many bytes. None: no limit."""
+    """Evict least recently used objects beyond this many bytes. None: half the free space of the
+    cache's disk at start (relay/cache.py, ``DEFAULT_DISK_SHARE``). A full disk evicts whatever
+    the limit; an object that cannot fit is passed through uncached."""
     poll_interval: float = 0.5
     """Seconds between checks of the upstream for a new version."""
     rescan_interval: float = 10.0

@@ -162,6 +162,8 @@ class Fetches:
                     entry = await asyncio.shield(flight.task)
                 except Exception as e:
                     raise FetchFailed(e) from None
+            elif not await self.in_thread(self.cache.intact, key, entry):
+                continue  # damaged (or cached unchecked by an older relay): dropped, fetched again
             else:
                 self.counters["cache_hits"] += 1
             self.cache.hold(key)

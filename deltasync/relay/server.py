@@ -99,6 +99,11 @@ class RelayServer:
             host = "127.0.0.1"
         return f"grpc://{host}:{self.port}"
 
+    @property
+    def cache(self) -> ObjectCache | None:
+        """The object cache while the relay runs (its size limit, how it was chosen)."""
+        return self._service.cache if self._service is not None else None
+
     def start(self) -> RelayServer:
         if self._server is not None:
             raise UsageError("relay already started")

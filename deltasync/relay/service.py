@@ -24,7 +24,7 @@ from ..storage import Store, check_key
 from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, status_code
 from ..v1 import relay_pb2 as pb
 from .auth import HANDLER_FACTORIES, check_served, check_writable
-from .cache import SERVED_KEYS, SERVED_PREFIXES, ObjectCache, cacheable, served
+from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, cacheable, served
 from .config import RelayConfig
 from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
@@ -165,7 +165,11 @@ class RelayService:
                 if offset + length > source.size:
                     raise ObjectRangeError(key, f"range {offset}+{length} past end of {source.size}-byte object")
         except FetchFailed as e:
-            await self._abort(context, e.cause, key, fetch=True)
+            if not isinstance(e.cause, CacheFullError):
+                await self._abort(context, e.cause, key, fetch=True)
+            # The cache's disk cannot take it even with everything evictable gone: served from
+            # the upstream as it is read, not cached (the reader checks it, as every reader does).
+            self.counters["passed_through"] = self.counters.get("passed_through", 0) + 1
         except Exception as e:
             if source is not None:
                 source.close(self.cache)

@@ -17,21 +17,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-import zstandard
 
-from ..errors import CorruptObjectError, ObjectNotFoundError, UsageError
+from ..errors import ObjectNotFoundError, UsageError
 from ..format.digest import digest
-from ..format.manifest import BLOB_PART_SIZE, parse_manifest, version_from_key
-from ..repo.repository import blob_key, squash_from_key
+from ..repo.repository import blob_key
 from ..storage import LocalStore, Store, check_key
 from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
 from .auth import check_writable
-from .cache import ObjectCache, cacheable, size_limit
+from .cache import ObjectCache, cacheable, content_problem, size_limit
 from .config import RelayConfig
 from .fetch import InThread
 
-_PACK_KEY = re.compile(r"^packs/([0-9a-f]{32})\.pack$")
-_BLOB_KEY = re.compile(r"^blobs/([0-9a-f]{32})$")
 _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
 
 
@@ -76,34 +72,6 @@ class Refused(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-def content_problem(key: str, data: bytes | bytearray | memoryview) -> str | None:
-    """Why ``data`` cannot be the object named ``key``, for content-addressed keys (a pack's
-    name is the xxh3-128 of its bytes; a blob's that of the zstd frame's content) and for
-    manifests and squashes (what every reader refuses: no or a wrong whole-manifest digest, a
-    bad layout; :func:`~deltasync.format.manifest.parse_manifest`); None if it can."""
-    if _MANIFEST_KEY.match(key):
-        try:
-            squash = squash_from_key(key)  # a squash to version C is a manifest of version C
-            parse_manifest(bytes(data), expect_version=squash[1] if squash is not None else version_from_key(key))
-        except CorruptObjectError as e:
-            return e.detail
-        return None
-    m = _PACK_KEY.match(key)
-    if m is not None:
-        return None if digest(data).hex() == m.group(1) else "its bytes do not match the digest in its name"
-    m = _BLOB_KEY.match(key)
-    if m is None:
-        return None
-    try:
-        size = zstandard.frame_content_size(data)
-        if size < 0 or size > BLOB_PART_SIZE:
-            return f"not a blob part (a zstd frame of at most {BLOB_PART_SIZE:,} bytes)"
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=BLOB_PART_SIZE)
-    except zstandard.ZstdError as e:
-        return f"not a zstd frame ({e})"
-    return None if digest(raw).hex() == m.group(1) else "its content does not match the digest in its name"
 
 
 def missing_references(upstream: Store, key: str, data: bytes | bytearray | memoryview) -> list[str]:
