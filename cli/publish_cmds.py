@@ -106,7 +106,7 @@ def publish(
     if checkpoint.is_file():
         # A version is a whole directory: one file of it would drop the config, tokenizer and
         # other shards the next `from_pretrained` needs.
-        raise UsageError(f"{checkpoint} is a file: publish the checkpoint directory that holds it "
+        raise UsageError(f"{checkpoint} is a file, not a checkpoint directory: publish the directory that holds it "
                          f"({checkpoint.parent}), with its config, tokenizer and other shards")
     chunk_bytes = int(chunk_mib * (1 << 20)) // 8 * 8
     config = PublisherConfig(

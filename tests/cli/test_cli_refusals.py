@@ -23,7 +23,7 @@ def cli(tmp_path: Path) -> Env:
 def test_a_file_where_a_directory_belongs_is_refused(cli: Env, tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt" / "step-0001", make_state(0))
     cli.fails("publish", ckpt / "model.safetensors", "--repo", "repo",
-              match="model.safetensors is a file: publish the checkpoint directory that holds it")
+              match="model.safetensors is a file, not a checkpoint directory: publish the directory that holds it")
     assert not (tmp_path / "repo").exists()  # nothing published
     cli.run("publish", ckpt, "--repo", "repo")
     for command in ("pull", "subscribe"):
