@@ -128,32 +128,36 @@ def subscribe(
     """
     import signal
 
+    from deltasync.engines.registry import find_engine
     from deltasync.local.agent import Agent, AgentConfig, Update
 
-    if (engine_spec or "").partition(":")[0] in ("torch", "fanout"):
+    found = find_engine(engine_spec) if engine_spec is not None else None  # None: build_engine says why
+    kind = found[0] if found is not None else None
+    from_factory = kind is not None and kind.holds_parts and bool(found and found[1])  # torch:MODULE:FACTORY
+    if kind is not None and kind.in_process:
         # Before the factory is imported: a core-only install gets the extra to install, not a
         # traceback from inside the engine (or a factory's own `import torch`).
         from deltasync._extras import require
 
         require("torch", f"--engine {engine_spec}")
-    if packcast is not None and (state_dir is None or engine_spec is None or not engine_spec.startswith("torch:")):
+    if packcast is not None and (state_dir is None or not from_factory):
         raise UsageError("--packcast keeps an engine on every node: give --state DIR and --engine torch:MODULE:FACTORY")
     if state_dir is not None:
         if directory is not None or out is not None:
             raise UsageError("give a directory to keep (DIR or --out DIR) or --state DIR for an engine alone, not both")
         if engine_spec is None:
             raise UsageError("--state DIR keeps an engine's state: give --engine too (or DIR to keep a directory copy)")
-        if engine_spec.startswith("http"):
+        if kind is not None and kind.loads_files:
             raise UsageError(f"the engine {engine_spec} loads versions from files: keep a directory copy for it "
                              "(--out DIR) instead of --state")
     else:
         out = local_dir(directory, out, "subscribe")
     if verify_every is not None and state_dir is None:
         raise UsageError("--verify-every checks an engine-first agent's live weights: give --state DIR and --engine")
-    if patterns and not (engine_spec or "").startswith("torch"):
+    if patterns and (kind is None or not kind.holds_parts):
         raise UsageError("--tensors applies to torch:MODULE:FACTORY engines")
     shard_of = _parse_shard(shard) if shard is not None else None
-    if shard_of is not None and not (engine_spec or "").startswith("torch:"):
+    if shard_of is not None and not from_factory:
         raise UsageError("--shard applies to torch:MODULE:FACTORY engines")
     node = None
     if packcast is not None:
@@ -178,24 +182,23 @@ def subscribe(
         from deltasync.engines import build_engine
 
         options: dict[str, object] = {"repo": repo}
-        if engine_spec.startswith(("http", "vllm@")):
-            if out is not None:  # engine-first (--state): vLLM's workers pull from the repository
-                options["model_dir"] = str(out)  # the server loads (from) the copy the agent serves
-            if engine_spec.startswith("vllm@"):
+        if kind is not None:
+            if out is not None and kind.copy_option is not None:
+                # the server loads (from) the copy the agent serves; an in-process engine reads a
+                # copy already at the version (a restart) instead of fetching it
+                options[kind.copy_option] = str(out)
+            if "pause_mode" in kind.options:
                 options["pause_mode"] = pause_mode
-                if worker_repo is not None:
-                    options["repo_url"] = worker_repo
-        else:
-            if out is not None:
-                options["copy"] = str(out)  # a copy already at the version (a restart) is read, not fetched
+            if "repo_url" in kind.options and worker_repo is not None:
+                options["repo_url"] = worker_repo
             # MODULE from the current directory, as `python -m deltasync` finds it (the console
             # script's sys.path starts with its own bin directory instead).
-            if os.getcwd() not in sys.path and "" not in sys.path:
+            if kind.in_process and os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())
         if trusted_keys:
             options["trusted_keys"] = trusted_keys
-        if patterns or shard_of is not None:
-            engine_spec, options["model"] = "torch", _held_tensors(engine_spec, patterns, shard_of)
+        if kind is not None and (patterns or shard_of is not None):
+            engine_spec, options["model"] = kind.name, _held_tensors(engine_spec, patterns, shard_of)
         engine = build_engine(engine_spec, **options)
         if isinstance(getattr(engine, "tensors", None), dict) and not engine.tensors:  # type: ignore[attr-defined]
             # Nothing to bring to a version: "at version N" would claim an engine that serves nothing.
@@ -287,13 +290,13 @@ def _held_tensors(spec: str, patterns: tuple[str, ...], shard: tuple[int, int] |
     without), each as its ``shard`` (I, N): the I-th of N row slices (see :func:`_row_slice`)."""
     import fnmatch
 
-    from deltasync.engines import _call_factory
+    from deltasync.engines.registry import call_factory, find_engine
     from deltasync.engines.torch_engine import held_tensors
 
-    kind, _, ref = spec.partition(":")
-    if kind != "torch" or not ref:
+    found = find_engine(spec)
+    if found is None or not found[0].holds_parts or not found[1]:
         raise UsageError("--tensors and --shard need --engine torch:MODULE:FACTORY")
-    model = _call_factory(ref)
+    model = call_factory(found[1])
     values = dict(model) if isinstance(model, dict) else held_tensors(model)
     held = {n: t for n, t in values.items() if not patterns or any(fnmatch.fnmatchcase(n, p) for p in patterns)}
     if not held:

@@ -371,6 +371,45 @@ def test_build_engine_specs(url: str, tmp_path: Path, monkeypatch: pytest.Monkey
         build_engine("fanout", repo=url)
 
 
+def test_engine_registry_builds_a_registered_kind_lazily(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new kind of engine is one register_engine call: its module is imported when one is built,
+    its spec parser reads what follows its separator, and the CLI's questions are answered by it."""
+    from deltasync.engines import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration ends with the test
+    state = {"w": torch.arange(10, dtype=torch.float32)}
+    deltasync.Publisher(url).publish(state)
+    (tmp_path / "my_engines.py").write_text(
+        "from deltasync.engines.torch_engine import TorchEngine\n"
+        "class NamedEngine(TorchEngine):\n    kind = 'named'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[str] = []
+
+    def build(kind: registry.EngineKind, rest: str, spec: str, options: dict[str, Any]) -> Engine:
+        seen.append(rest)
+        return registry.construct(kind, {"w": torch.zeros(10)}, options.pop("repo"), **options)
+
+    kind = registry.EngineKind(name="named", module="my_engines", cls="NamedEngine", build=build,
+                               specs=("named@WHERE",), separator="@", in_process=True)
+    registry.register_engine(kind)
+    assert "my_engines" not in sys.modules and registry.find_engine("named@x:y") == (kind, "x:y")
+    assert registry.find_engine("named:x") is None and "named@WHERE" in registry.specs()
+    engine = build_engine("named@x:y", repo=url, pause_mode="wait")  # a vLLM option, dropped for others
+    assert type(engine).__name__ == "NamedEngine" and seen == ["x:y"] and "my_engines" in sys.modules
+    engine.update()
+    with pytest.raises(UsageError, match="named engine: .*colour"):
+        build_engine("named@x", repo=url, colour="red")
+    with pytest.raises(UsageError, match="already registered"):
+        registry.register_engine(kind)
+    with pytest.raises(UsageError, match="without ':' or '@'"):
+        registry.register_engine(registry.EngineKind(name="a:b", module="m", cls="C", build=build, specs=()))
+    with pytest.raises(UsageError, match="unknown engine 'nam'.*named@WHERE"):
+        build_engine("nam", repo=url)
+    http = registry.parse_engine("http:generic@http://127.0.0.1:1")[0]
+    assert http.loads_files and http.copy_option == "model_dir" and not http.in_process
+
+
 # -- GPU -------------------------------------------------------------------------------------------------
 
 
