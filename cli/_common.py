@@ -17,7 +17,7 @@ from typing import Any
 import click
 from click.decorators import FC
 
-from deltasync.errors import UsageError
+from ..errors import UsageError
 
 
 def cache_base() -> Path:
@@ -168,7 +168,7 @@ class RetryLog(logging.Handler):
         self.retries, self.follow, self.failures = retries, follow, 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        from deltasync.local.agent import FINAL
+        from ..local.agent import FINAL
 
         message = record.getMessage()
         if not message.startswith("update failed: "):
@@ -196,7 +196,7 @@ class RetryLog(logging.Handler):
 
 
 def mib(n: int) -> str:
-    from deltasync.progress import human_bytes
+    from ..progress import human_bytes
 
     return human_bytes(n)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from deltasync.cli._common import (
+from ..errors import UsageError
+from ._common import (
     RetryLog,
-    cli,
     dir_argument,
     fsync_option,
     local_dir,
@@ -24,8 +24,7 @@ from deltasync.cli._common import (
     trusted_key_option,
     workers_option,
 )
-from deltasync.cli.fleet_cmds import FleetHooks, report_options, start_hooks
-from deltasync.errors import UsageError
+from .fleet_cmds import FleetHooks, report_options, start_hooks
 
 #: The most nodes --packcast takes: node 0 keeps a record per node, so a WORLD mistyped by a few
 #: digits would grow it until the kernel kills it. Larger fleets are several groups behind relays.
@@ -47,7 +46,7 @@ class FiniteSeconds(click.FloatRange):
         return number
 
 
-@cli.command()
+@click.command()
 @dir_argument
 @repo_option
 @out_option("Directory to keep at the version to serve (or DIR).")
@@ -128,8 +127,8 @@ def subscribe(
     """
     import signal
 
-    from deltasync.engines.registry import find_engine
-    from deltasync.local.agent import Agent, AgentConfig, Update
+    from ..engines.registry import find_engine
+    from ..local.agent import Agent, AgentConfig, Update
 
     found = find_engine(engine_spec) if engine_spec is not None else None  # None: build_engine says why
     kind = found[0] if found is not None else None
@@ -161,7 +160,7 @@ def subscribe(
         raise UsageError("--shard applies to torch:MODULE:FACTORY engines")
     node = None
     if packcast is not None:
-        from deltasync.engines.packcast_agent import parse_packcast
+        from ..engines.packcast_agent import parse_packcast
 
         node = parse_packcast(packcast)
         if node[1] > MAX_PACKCAST_WORLD:
@@ -179,7 +178,7 @@ def subscribe(
 
     engine = None
     if engine_spec is not None:
-        from deltasync.engines import build_engine
+        from ..engines import build_engine
 
         options: dict[str, object] = {"repo": repo}
         if kind is not None:
@@ -245,15 +244,15 @@ def subscribe(
 
     agent: Agent
     if node is not None:
-        from deltasync.engines.packcast import RoundReport
-        from deltasync.engines.packcast_agent import PackcastAgent
+        from ..engines.packcast import RoundReport
+        from ..engines.packcast_agent import PackcastAgent
 
         assert engine is not None and state_dir is not None
         agent = PackcastAgent(engine, state_dir, config, rank=node[0], world=node[1], master=node[2],
                               timeout=packcast_timeout, trusted_keys=trusted_keys or None, on_update=report,
                               on_ready=ready, on_round=round_done)
     elif state_dir is not None:
-        from deltasync.local.engine_agent import EngineAgent
+        from ..local.engine_agent import EngineAgent
 
         assert engine is not None
         agent = EngineAgent(engine, state_dir, config, repo=repo, trusted_keys=trusted_keys or None,
@@ -290,8 +289,8 @@ def _held_tensors(spec: str, patterns: tuple[str, ...], shard: tuple[int, int] |
     without), each as its ``shard`` (I, N): the I-th of N row slices (see :func:`_row_slice`)."""
     import fnmatch
 
-    from deltasync.engines.registry import call_factory, find_engine
-    from deltasync.engines.torch_engine import held_tensors
+    from ..engines.registry import call_factory, find_engine
+    from ..engines.torch_engine import held_tensors
 
     found = find_engine(spec)
     if found is None or not found[0].holds_parts or not found[1]:
@@ -318,7 +317,7 @@ def _row_slice(name: str, t: object, i: int, n: int) -> object:
     place); a tensor with fewer than ``n`` rows (or none) is held whole."""
     import torch
 
-    from deltasync.format.slices import Slice
+    from ..format.slices import Slice
 
     if not isinstance(t, torch.Tensor):
         raise UsageError(f"--shard: {name!r} is already a slice (the FACTORY returns deltasync.Slice values); "

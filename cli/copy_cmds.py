@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from deltasync.cli._common import (
+from ._common import (
     REPO_FORMS,
     RetryLog,
-    cli,
     dir_argument,
     emit_json,
     fsync_option,
@@ -32,10 +31,10 @@ from deltasync.cli._common import (
 )
 
 if TYPE_CHECKING:
-    from deltasync import Repository
+    from .. import Repository
 
 
-@cli.command()
+@click.command()
 @dir_argument
 @repo_option
 @out_option("Directory to bring to the version (or DIR).")
@@ -68,9 +67,9 @@ def pull(
     serve through the deltas, with nothing of the model written locally per version. Run it
     again when a newer snapshot is published: DIR switches to it atomically.
     """
-    from deltasync import Repository, Subscriber
-    from deltasync.local.cache import CachedStore
-    from deltasync.local.state import StateDB
+    from .. import Repository, Subscriber
+    from ..local.cache import CachedStore
+    from ..local.state import StateDB
 
     out = local_dir(directory, out, "pull")
 
@@ -105,7 +104,7 @@ def snapshot_of(repo: Repository, version: int) -> int:
     return repo.chain(version)[0].version
 
 
-@cli.command()
+@click.command()
 @dir_argument
 @out_option("The local copy (or DIR).")
 @click.option("--state", "state_dir", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
@@ -114,8 +113,8 @@ def snapshot_of(repo: Repository, version: int) -> int:
 def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_json: bool) -> None:
     """Show a local copy's (or an engine's) version, lag, agent, bytes fetched, apply time and last error (safe
     while an agent runs)."""
-    from deltasync.errors import UsageError
-    from deltasync.local.agent import read_status
+    from ..errors import UsageError
+    from ..local.agent import read_status
 
     if state_dir is not None and (directory is not None or out is not None):
         raise UsageError("give a local copy (DIR or --out DIR) or an engine's --state DIR, not both")
@@ -197,7 +196,7 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
         click.echo(f"{name:12} {value}")
 
 
-@cli.command()
+@click.command()
 @dir_argument
 @out_option("The local copy (or DIR).")
 @click.option("--state", "state_dir", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
@@ -219,8 +218,8 @@ def check(
     """Compare a local copy with the manifest of its version, chunk by chunk, and list files in it that are not the
     version's (exit status 1 on drift or such files without --repair / --move-aside). With --state DIR: the live
     weights of a running engine-first agent's engine (exit status 1 on drift not repaired, or no check)."""
-    from deltasync.errors import UsageError
-    from deltasync.local.check import check_copy
+    from ..errors import UsageError
+    from ..local.check import check_copy
 
     if state_dir is not None:
         if directory is not None or out is not None or repo is not None:
@@ -253,7 +252,7 @@ def check(
         click.echo(f"{summary}: ok")
 
 
-@cli.command()
+@click.command()
 @dir_argument
 @out_option("The local copy (or DIR).")
 @click.option("--to", "version", type=click.IntRange(min=1), required=True, metavar="N", help="Version to move to.")
@@ -271,7 +270,7 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
     and that reverse: chunks published with --context-classes 0. Chunks coded in magnitude
     classes (the default codec) do not decode backwards and come from the snapshot plus chain.
     """
-    from deltasync.local.agent import AgentConfig, rollback as rollback_copy
+    from ..local.agent import AgentConfig, rollback as rollback_copy
 
     directory = local_dir(directory, out, "rollback")
     with RetryLog(None, False).installed():
@@ -291,7 +290,7 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
 
 
 def _check_live(state_dir: Path, *, repair: bool, as_json: bool) -> None:
-    from deltasync.local.live import ask_check
+    from ..local.live import ask_check
 
     result = ask_check(state_dir, repair=repair)
     ok = result.get("result") in ("ok", "repaired")

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from deltasync.cli._common import cli, emit_json, json_option
-from deltasync.errors import UsageError
+from ..errors import UsageError
+from ._common import emit_json, json_option
 
 if TYPE_CHECKING:
-    from deltasync.storage._fleet import FleetView
+    from ..storage._fleet import FleetView
 
 
 def _client(url: str, timeout: float = 10.0) -> Any:
-    from deltasync.storage._fleet import FleetClient
+    from ..storage._fleet import FleetClient
 
     if not url.lower().startswith(("grpc://", "grpcs://")):
         raise UsageError(f"the fleet view comes from a relay (grpc://HOST:PORT), not {url!r}: "
@@ -29,13 +29,13 @@ def _client(url: str, timeout: float = 10.0) -> Any:
 
 
 def view_rows(view: FleetView) -> list[dict[str, Any]]:
-    from deltasync.relay.fleet import node_row
+    from ..relay.fleet import node_row
 
     return [node_row(r, view.latest, view.pinned) for r in view.nodes]
 
 
 def _print_view(view: FleetView, rows: list[dict[str, Any]]) -> None:
-    from deltasync.relay.fleet import STATES
+    from ..relay.fleet import STATES
 
     counts = {s: sum(1 for r in rows if r["state"] == s) for s in STATES}
     pin = f", pinned {view.pinned}" if view.pinned else ""
@@ -52,7 +52,7 @@ def _print_view(view: FleetView, rows: list[dict[str, Any]]) -> None:
                    f" lag {row['lag_seconds']:.1f}s  seen {row['age_seconds']:.1f}s ago{check}{error}")
 
 
-@cli.command()
+@click.command()
 @click.option("--repo", "--fleet", "url", required=True, metavar="grpc://RELAY",
               help="The relay the agents report to (the root of a relay tree sees every cluster).")
 @click.option("--watch", is_flag=True, help="Show the view again every --interval seconds until interrupted.")
@@ -62,7 +62,7 @@ def _print_view(view: FleetView, rows: list[dict[str, Any]]) -> None:
 def fleet(url: str, watch: bool, interval: float, as_json: bool) -> None:
     """Every reporting node of every cluster: the version it serves and its state (current, pinned, behind,
     failing, drift, silent). Exit status 1 when any node is failing or drifted (for cron and CI)."""
-    from deltasync.relay.fleet import BAD_STATES
+    from ..relay.fleet import BAD_STATES
 
     with _client(url) as client:
         while True:
@@ -101,7 +101,7 @@ def confirm(view: FleetView, version: int, digest: bytes | None) -> Confirmation
     """Which reporting nodes serve ``version`` (its version digest, when the report carries
     one, must be ``digest``): silent, failing and drifted nodes do not confirm."""
     out = Confirmation(version, [], [])
-    from deltasync.relay.fleet import node_row
+    from ..relay.fleet import node_row
 
     for r in view.nodes:
         row = node_row(r, view.latest, view.pinned)
@@ -172,7 +172,7 @@ def fleet_url_of(repo: str, fleet_url: str | None) -> str:
 
 
 def version_digest_of(repo: str) -> Callable[[int], bytes | None]:
-    from deltasync import Repository
+    from .. import Repository
 
     r = Repository(repo)
     return lambda v: bytes(r.manifest(v).pb.version_digest) or None
@@ -223,14 +223,14 @@ def start_hooks(agent: Any, state_dir: Path, *, repo: str, node: str | None, clu
                 report_token_file: Path | None, report_interval: float, verify_every: float | None) -> FleetHooks:
     """Start the reporter (when there is a relay to report to and a report token) and, for an
     engine-first agent, the live checker and its control socket."""
-    from deltasync.local.engine_agent import EngineAgent
-    from deltasync.local.report import ReportConfig, Reporter, default_node, served_by
-    from deltasync.storage._fleet import read_report_token
+    from ..local.engine_agent import EngineAgent
+    from ..local.report import ReportConfig, Reporter, default_node, served_by
+    from ..storage._fleet import read_report_token
 
     hooks = FleetHooks()
     try:
         if isinstance(agent, EngineAgent):
-            from deltasync.local.live import ControlServer, LiveChecker
+            from ..local.live import ControlServer, LiveChecker
 
             if verify_every is not None and not callable(getattr(agent.engine, "verify", None)):
                 raise UsageError(f"--verify-every: the {getattr(agent.engine, 'kind', '')} engine cannot check its live weights "

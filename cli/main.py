@@ -12,10 +12,23 @@ import sys
 
 import click
 
-# Each command module registers its commands on the group ``cli`` when imported.
-from deltasync.cli import agent_cmds, copy_cmds, fleet_cmds, publish_cmds, relay_cmds, repo_cmds, rl_cmds  # noqa: F401
-from deltasync.cli._common import WARNINGS, ca_hint, cli
-from deltasync.errors import DeltasyncError
+from ..errors import DeltasyncError
+from . import agent_cmds, copy_cmds, fleet_cmds, publish_cmds, relay_cmds, repo_cmds, rl_cmds
+from ._common import WARNINGS, ca_hint, cli
+
+#: every command of ``deltasync``, by group module (a command module only defines its commands)
+COMMANDS: tuple[click.Command, ...] = (
+    agent_cmds.subscribe,
+    copy_cmds.pull, copy_cmds.status, copy_cmds.check, copy_cmds.rollback,
+    fleet_cmds.fleet,
+    publish_cmds.publish, publish_cmds.squash, publish_cmds.keygen, publish_cmds.pin, publish_cmds.refresh_refs,
+    publish_cmds.cache,
+    relay_cmds.serve,
+    repo_cmds.log, repo_cmds.verify, repo_cmds.inspect, repo_cmds.gc,
+    rl_cmds.demo, rl_cmds.rl,
+)
+for _command in COMMANDS:
+    cli.add_command(_command)
 
 
 def main(argv: list[str] | None = None) -> None:

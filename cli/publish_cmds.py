@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
-from deltasync.cli._common import (
+from ..errors import DeltasyncError, UsageError
+from ._common import (
     cache_base,
-    cli,
     emit_json,
     json_option,
     mib,
@@ -25,8 +25,7 @@ from deltasync.cli._common import (
     show_progress,
     workers_option,
 )
-from deltasync.cli.fleet_cmds import fleet_url_of, version_digest_of, wait_for_fleet, wait_options
-from deltasync.errors import DeltasyncError, UsageError
+from .fleet_cmds import fleet_url_of, version_digest_of, wait_for_fleet, wait_options
 
 
 def _repo_key(repo: str) -> str:
@@ -59,7 +58,7 @@ def _parse_meta(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-@cli.command()
+@click.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @repo_option
 @click.option("--base", "base_dir", type=click.Path(path_type=Path), default=None,
@@ -101,7 +100,7 @@ def publish(
 
     Once the version is committed the command succeeds: a later problem (the publish cache
     cannot be refreshed, a squash cannot be written) is a warning on stderr."""
-    from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
+    from .. import PlanesZstdCodec, Publisher, PublisherConfig
 
     if checkpoint.is_file():
         # A version is a whole directory: one file of it would drop the config, tokenizer and
@@ -195,7 +194,7 @@ def _record_cache_owner(cache: Path, repo: str) -> None:
         owner.write_text(json.dumps({"repo": _repo_key(repo)}) + "\n")
 
 
-@cli.command()
+@click.command()
 @repo_option
 @click.option("--from", "a", type=click.IntRange(min=1), default=None, metavar="A", help="Older version (with --to).")
 @click.option("--to", "c", type=click.IntRange(min=1), default=None, metavar="C", help="Newer version (with --from).")
@@ -208,8 +207,8 @@ def _record_cache_owner(cache: Path, repo: str) -> None:
 def squash(repo: str, a: int | None, c: int | None, strides: tuple[int, ...], signing_key: Path | None,
            workers: int, quiet: bool) -> None:
     """Store version C once more as one delta from version A, so subscribers at A skip the versions between."""
-    from deltasync import PublisherConfig
-    from deltasync.publish.squash import write_squash, write_squashes
+    from .. import PublisherConfig
+    from ..publish.squash import write_squash, write_squashes
 
     if strides and (a is not None or c is not None):
         raise UsageError("give either --from and --to, or --stride")
@@ -226,18 +225,18 @@ def squash(repo: str, a: int | None, c: int | None, strides: tuple[int, ...], si
         click.echo(r.summary())
 
 
-@cli.command()
+@click.command()
 @click.option("--out", "prefix", required=True, metavar="PREFIX",
               help="Write PREFIX.key (private, mode 0600) and PREFIX.pub (public); never overwrites.")
 def keygen(prefix: str) -> None:
     """Create an ed25519 key pair: publish --signing-key PREFIX.key, pull --trusted-key PREFIX.pub."""
-    from deltasync.format.signing import generate_keypair
+    from ..format.signing import generate_keypair
 
     key, pub, kid = generate_keypair(prefix)
     click.echo(f"wrote {key} (private: keep it with the publisher) and {pub} (public: for subscribers), key id {kid.hex()}")
 
 
-@cli.command()
+@click.command()
 @repo_option
 @click.argument("version", type=click.IntRange(min=1), required=False)
 @click.option("--clear", is_flag=True, help="Remove the pin: subscribers follow the latest again.")
@@ -254,8 +253,8 @@ def pin(
     """Pin the version following subscribers serve, forward or back (e.g. after an evaluation gate fails); no VERSION: show it.
 
     With --wait, the command returns once the reporting engines serve it (fleet-wide confirmation)."""
-    from deltasync import Repository
-    from deltasync.repo.repository import DEFAULT_REF_TTL
+    from .. import Repository
+    from ..repo.repository import DEFAULT_REF_TTL
 
     r = Repository(repo, signing_key=signing_key, ref_ttl=ref_ttl or DEFAULT_REF_TTL)
     r.ensure_exists()
@@ -283,7 +282,7 @@ def pin(
         click.echo(f"pinned version {pinned}" if pinned is not None else f"not pinned: subscribers follow the latest ({latest})")
 
 
-@cli.command("refresh-refs")
+@click.command("refresh-refs")
 @repo_option
 @click.option("--signing-key", type=click.Path(path_type=Path, dir_okay=False), required=True, metavar="FILE",
               help="The publisher's ed25519 key (the one its versions are signed with).")
@@ -292,8 +291,8 @@ def pin(
 def refresh_refs(repo: str, signing_key: Path, ref_ttl: float | None) -> None:
     """Re-sign refs/latest and refs/pin with a new counter and expiry. Subscribers with --trusted-key refuse
     expired refs: a publisher with nothing new to publish runs this (cron) well within --ref-ttl."""
-    from deltasync import Repository
-    from deltasync.repo.repository import DEFAULT_REF_TTL
+    from .. import Repository
+    from ..repo.repository import DEFAULT_REF_TTL
 
     r = Repository(repo, signing_key=signing_key, ref_ttl=ref_ttl or DEFAULT_REF_TTL)
     latest, pinned = r.refresh_refs()
@@ -302,7 +301,7 @@ def refresh_refs(repo: str, signing_key: Path, ref_ttl: float | None) -> None:
     click.echo(f"signed refs/latest (version {latest}) and {pin_text}, valid until {expires}")
 
 
-@cli.command()
+@click.command()
 @click.option("--repo", default=None, metavar="URL", help="Only the cache of this repository.")
 @click.option("--clear", is_flag=True, help="Remove the listed caches (the next publish to a repository without "
                                             "one pulls its latest version again, or starts a snapshot with --no-cache).")
@@ -314,7 +313,7 @@ def cache(repo: str | None, clear: bool, as_json: bool) -> None:
     """
     import shutil
 
-    from deltasync.local.state import read_local_state
+    from ..local.state import read_local_state
 
     root = cache_base() / "publish"
     wanted = _default_cache(repo).name if repo is not None else None

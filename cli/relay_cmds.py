@@ -7,16 +7,15 @@ from pathlib import Path
 
 import click
 
-from deltasync.cli._common import (
+from ..errors import UsageError
+from ._common import (
     REPO_FORMS,
     WARNINGS,
-    cli,
     repo_url,
 )
-from deltasync.errors import UsageError
 
 
-@cli.command()
+@click.command()
 @click.option("--repo", required=True, metavar="URL",
               callback=repo_url, help=f"Upstream repository: {REPO_FORMS}; a relay's upstream may be another relay.")
 @click.option("--listen", required=True, metavar="HOST:PORT", help="Address to serve on (port 0: any free port).")
@@ -79,10 +78,10 @@ def serve(
     """Serve a repository to subscribers as a caching gRPC relay (grpc://HOST:PORT; relays chain)."""
     import logging
 
-    from deltasync.progress import human_bytes
-    from deltasync.relay import build_server, parse_size, run_until_signalled
-    from deltasync.relay.fleet import read_report_tokens
-    from deltasync.storage.wire import read_token, read_write_token
+    from ..progress import human_bytes
+    from ..relay import build_server, parse_size, run_until_signalled
+    from ..relay.fleet import read_report_tokens
+    from ..storage.wire import read_token, read_write_token
 
     logging.getLogger("deltasync").removeHandler(WARNINGS)  # the relay logs every line its own way
     logging.basicConfig(level=logging.INFO, format="deltasync relay: %(message)s")
@@ -114,12 +113,12 @@ def serve(
         click.echo(f"serving {server.upstream_url} on {server.address} (cache {server.cache_dir}{size}{writes}"
                    f"{reports}); SIGTERM stops")
         if metrics_port is not None:
-            from deltasync.metrics import MetricsServer
+            from ..metrics import MetricsServer
 
             metrics = MetricsServer(server.fleet.metrics, port=metrics_port, host=metrics_host)
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{metrics.port}/metrics")
         if http_listen is not None:
-            from deltasync.relay.page import FleetPage
+            from ..relay.page import FleetPage
 
             page = FleetPage(server.fleet, http_listen, token=server.config.token)
             click.echo(f"fleet page on {page.url}")

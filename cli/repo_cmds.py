@@ -9,8 +9,7 @@ from typing import Any
 
 import click
 
-from deltasync.cli._common import (
-    cli,
+from ._common import (
     emit_json,
     json_fields,
     json_option,
@@ -24,7 +23,7 @@ from deltasync.cli._common import (
 )
 
 
-@cli.command()
+@click.command()
 @repo_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
 @click.option(
@@ -34,8 +33,8 @@ from deltasync.cli._common import (
 )
 def log(repo: str, as_json: bool, trusted_keys: tuple[Path, ...]) -> None:
     """List versions: id, kind, parent (deltas), raw size, stored size, ratio, time, --meta given at publish."""
-    from deltasync import Repository
-    from deltasync.errors import SignatureError
+    from .. import Repository
+    from ..errors import SignatureError
 
     r = Repository(repo)
     r.ensure_exists()
@@ -106,7 +105,7 @@ def _ranges(ids: list[int]) -> str:
     return ", ".join(out)
 
 
-@cli.command()
+@click.command()
 @repo_option
 @click.option("--version", "version", type=click.IntRange(min=1), default=None,
               help="Verify one version [default: every version].")
@@ -117,8 +116,8 @@ def _ranges(ids: list[int]) -> str:
 def verify(repo: str, version: int | None, trusted_keys: tuple[Path, ...], workers: int, quiet: bool,
            as_json: bool) -> None:
     """Check every object, digest and chain of the repository."""
-    from deltasync import Repository
-    from deltasync.ops.verify import verify_repository
+    from .. import Repository
+    from ..ops.verify import verify_repository
 
     r = Repository(repo, trusted_keys=trusted_keys)
     report = verify_repository(r, version=version, workers=workers, progress=show_progress(quiet))
@@ -134,7 +133,7 @@ def verify(repo: str, version: int | None, trusted_keys: tuple[Path, ...], worke
     )
 
 
-@cli.command()
+@click.command()
 @repo_option
 @click.option("--version", "version", type=click.IntRange(min=1), default=None, help="[default: latest]")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, metavar="N",
@@ -143,8 +142,8 @@ def verify(repo: str, version: int | None, trusted_keys: tuple[Path, ...], worke
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: the version, its files and every tensor.")
 def inspect(repo: str, version: int | None, top: int, trusted_keys: tuple[Path, ...], as_json: bool) -> None:
     """Describe one version: lineage, codec, files, tensors and how their chunks are encoded."""
-    from deltasync import Repository
-    from deltasync.ops.describe import describe_version
+    from .. import Repository
+    from ..ops.describe import describe_version
 
     r = Repository(repo, trusted_keys=trusted_keys)
     if as_json:
@@ -164,8 +163,8 @@ def inspect(repo: str, version: int | None, top: int, trusted_keys: tuple[Path, 
 
 
 def _describe_json(r: Any, version: int | None) -> dict[str, Any]:
-    from deltasync.format.codec import ENCODING_NAMES
-    from deltasync.v1 import manifest_pb2 as pb
+    from ..format.codec import ENCODING_NAMES
+    from ..v1 import manifest_pb2 as pb
 
     v = r.resolve(version)
     m = r.manifest(v).pb
@@ -194,7 +193,7 @@ def _describe_json(r: Any, version: int | None) -> dict[str, Any]:
     }
 
 
-@cli.command()
+@click.command()
 @repo_option
 @click.option("--keep-last", type=int, required=True, metavar="N", help="Keep the N newest versions (N >= 1).")
 @click.option("--keep-every", type=int, default=None, metavar="M", help="Also keep every version whose id is a multiple of M.")
@@ -207,8 +206,8 @@ def gc(repo: str, keep_last: int, keep_every: int | None, grace: float, dry_run:
 
     A delta needs every version back to its snapshot: those are kept too, and named.
     """
-    from deltasync import Repository
-    from deltasync.ops.retention import collect
+    from .. import Repository
+    from ..ops.retention import collect
 
     r = Repository(repo)
     r.ensure_exists()

@@ -6,28 +6,27 @@ from pathlib import Path
 
 import click
 
-from deltasync.cli._common import (
+from ._common import (
     cache_base,
-    cli,
     quiet_option,
     show_progress,
 )
 
 
-@cli.command()
+@click.command()
 @click.option("--dir", "workdir", type=click.Path(path_type=Path), default=Path("deltasync-demo"), show_default=True)
 @click.option("--steps", type=click.IntRange(2, 50), default=5, show_default=True)
 @quiet_option
 def demo(workdir: Path, steps: int, quiet: bool) -> None:
     """Train a tiny transformer for a few steps, publish each checkpoint, pull and verify."""
-    from deltasync._extras import import_needing_extras
+    from .._extras import import_needing_extras
 
     # The demo trains with torch: without it, one line naming the extra, not a traceback.
     demo_module = import_needing_extras("deltasync.demo", "deltasync demo")
     demo_module.run_demo(workdir, steps=steps, echo=click.echo, progress=show_progress(quiet))
 
 
-@cli.group()
+@click.group()
 def rl() -> None:
     """Reference asynchronous RL loop whose weights move only through deltasync."""
 
@@ -73,7 +72,7 @@ def rl_run(config_file: Path | None, steps: int | None, workers: int | None, bac
     (0: workers served exactly the trainer's weights); then bytes stored per version and its ratio,
     and the time from publish to every worker serving it.
     """
-    from deltasync.rl_integration import load_config, run
+    from ..rl_integration import load_config, run
 
     config = load_config(
         config_file, steps=steps, seed=seed, repo=repo,
@@ -95,8 +94,8 @@ def rl_run(config_file: Path | None, steps: int | None, workers: int | None, bac
               show_default=True, help="PNG to write.")
 def rl_compare(runs: tuple[Path, ...], labels: tuple[str, ...], out_path: Path) -> None:
     """Plot several runs' reward curves, log-prob gaps and routing mismatch on one figure."""
-    from deltasync.rl_integration.metrics import read_metrics
-    from deltasync.rl_integration.plot import plot_compare
+    from ..rl_integration.metrics import read_metrics
+    from ..rl_integration.plot import plot_compare
 
     if labels and len(labels) != len(runs):
         raise click.UsageError(f"{len(labels)} --label for {len(runs)} runs")

@@ -4,7 +4,7 @@ Weights move only through a deltasync repository: the trainer publishes every up
 bf16 version, rollout workers serve it through the in-process engine, and the only other
 channel is a queue of rollouts. Run it with ``deltasync rl run`` or::
 
-    from deltasync.rl_integration import load_config, run
+    from . import load_config, run
 
     if __name__ == "__main__":  # local workers are spawned processes: they import this module
         result = run(load_config(steps=100))
@@ -23,10 +23,15 @@ Importing this package is cheap; torch is imported by the modules that need it.
 
 from __future__ import annotations
 
+# This folder is deltasync.rl_integration, reached through the link deltasync/rl_integration; imported from the
+# checkout root as plain `rl_integration` it would be a second copy of every module and class in it.
+if __name__ != "deltasync.rl_integration":
+    raise ImportError(f"import deltasync.rl_integration, not {__name__}: the folder rl_integration/ is the package "
+                      "deltasync.rl_integration (one module, one identity)")
+
 from typing import TYPE_CHECKING
 
-from deltasync import _lazy
-
+from .. import _lazy
 from .config import (
     GateConfig as GateConfig,
     LiveConfig as LiveConfig,

@@ -14,8 +14,7 @@ import queue
 import time
 from typing import Any, Protocol
 
-from deltasync.errors import UsageError
-
+from ..errors import UsageError
 from .worker import WorkerSpec, worker_main
 
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from deltasync.errors import UsageError
-
+from ..errors import UsageError
 from .task import VOCAB_SIZE
 
 #: Hugging Face model types the policy is saved as (dense, and with mixture-of-experts MLPs).

@@ -3,7 +3,7 @@ hierarchy these join (a worker failure is a DeltasyncError, bad feedback a Usage
 
 from __future__ import annotations
 
-from deltasync.errors import DeltasyncError, UsageError
+from ..errors import DeltasyncError, UsageError
 
 
 class WorkerError(DeltasyncError):

@@ -37,8 +37,7 @@ from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 
-from deltasync.errors import UsageError
-
+from ..errors import UsageError
 from .errors import FeedbackError
 from .task import VOCAB, AdditionTask
 from .worker import RolloutBatch

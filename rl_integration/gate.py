@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltasync.errors import ChecksumMismatchError
-
+from ..errors import ChecksumMismatchError
 from .config import GateConfig, ModelConfig
 from .serving import ServedPolicy
 from .task import AdditionTask

@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltasync import Repository, Subscriber
-from deltasync.errors import ChecksumMismatchError, DeltasyncError, UsageError
-
+from .. import Repository, Subscriber
+from ..errors import ChecksumMismatchError, DeltasyncError, UsageError
 from .backends import get_reports, make_backend
 from .config import RLConfig, to_dict
 from .errors import WorkerError

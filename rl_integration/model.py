@@ -37,8 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltasync.errors import CheckpointError, UsageError
-
+from ..errors import CheckpointError, UsageError
 from .config import ModelConfig
 
 CONFIG_FILE = "config.json"

@@ -9,8 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from deltasync.progress import human_bytes
-
+from ..progress import human_bytes
 from .gate import Evaluation
 from .metrics import MetricsLog, percentile
 

@@ -22,14 +22,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deltasync.engines import TorchEngine
-from deltasync.errors import UsageError
-from deltasync.format import dtypes
-from deltasync.format.digest import digest, version_digest
-from deltasync.format.manifest import ManifestInfo
-from deltasync.format.tensors import tensor_bits
-from deltasync.repo.repository import Repository
-
+from ..engines import TorchEngine
+from ..errors import UsageError
+from ..format import dtypes
+from ..format.digest import digest, version_digest
+from ..format.manifest import ManifestInfo
+from ..format.tensors import tensor_bits
+from ..repo.repository import Repository
 from .config import ModelConfig
 from .model import TinyTransformer
 from .sampling import Generation, generate, generate_kv

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from deltasync.errors import UsageError
+from ..errors import UsageError
 
 PLUS, EQUALS, BOS, EOS, PAD = 10, 11, 12, 13, 14
 VOCAB = "0123456789+=^$_"  # one character per token id: ^ BOS, $ EOS, _ PAD

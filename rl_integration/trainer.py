@@ -45,8 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deltasync import Publisher, PublisherConfig
-
+from .. import Publisher, PublisherConfig
 from .config import RLConfig
 from .model import TinyTransformer
 from .sampling import token_logprobs
@@ -162,7 +161,7 @@ class Trainer:
 
     def load(self, path: str | Path) -> None:
         """Take the weights of a checkpoint directory (fp32 master copy of its values)."""
-        from deltasync.errors import UsageError
+        from ..errors import UsageError
 
         loaded = TinyTransformer.from_pretrained(path, dtype=torch.float32)
         if loaded.config != self.config.model:

@@ -40,11 +40,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deltasync import Subscriber
-from deltasync.engines import VllmEngine
-from deltasync.errors import DeltasyncError, UsageError
-from deltasync.repo.repository import Repository
-
+from .. import Subscriber
+from ..engines import VllmEngine
+from ..errors import DeltasyncError, UsageError
+from ..repo.repository import Repository
 from .sampling import Generation
 from .serving import SwapReport, served_digest
 from .task import BOS, EOS, PAD, VOCAB

@@ -26,9 +26,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deltasync.errors import DeltasyncError, EmptyRepositoryError, RepositoryNotFoundError
-from deltasync.repo.repository import Repository
-
+from ..errors import DeltasyncError, EmptyRepositoryError, RepositoryNotFoundError
+from ..repo.repository import Repository
 from .config import ModelConfig
 from .sampling import Generation
 from .serving import ServedPolicy, SwapReport, serving_target

@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
+# This folder is deltasync.storage, reached through the link deltasync/storage; imported from the
+# checkout root as plain `storage` it would be a second copy of every module and class in it.
+if __name__ != "deltasync.storage":
+    raise ImportError(f"import deltasync.storage, not {__name__}: the folder storage/ is the package deltasync.storage "
+                      "(one module, one identity)")
+
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from deltasync import _lazy
-from deltasync.errors import UsageError
-
-from ._base import Store, WrappingStore, check_key
-from ._local import LocalStore
+from .. import _lazy
+from ..errors import UsageError
+from ._base import Store, WrappingStore, check_key, read_held, read_limit
+from ._local import LocalStore, TempFile, is_temp_name
 from ._memory import MemoryStore
 from ._throttle import ThrottledStore
 
-if TYPE_CHECKING:
-    from ._grpc import GrpcStore as GrpcStore, VersionWatch as VersionWatch
-    from ._s3 import S3Store as S3Store
-
 # GrpcStore, S3Store and VersionWatch are importable by name too (lazily, below), but are
 # left out of __all__: a star import must work where their extras are not installed.
-__all__ = ["LocalStore", "MemoryStore", "Store", "ThrottledStore", "WrappingStore", "check_key", "open_store"]
+__all__ = ["LocalStore", "MemoryStore", "Store", "TempFile", "ThrottledStore", "WrappingStore", "check_key", "is_temp_name",
+           "open_store", "read_held", "read_limit", "read_token", "read_write_token"]
 
 #: Backends whose dependencies are extras: imported on first use (``deltasync.storage.S3Store``).
-_LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc"}
+_LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc",
+                      # the relay's tokens (client and server), with the protocol's definitions
+                      "read_token": "_wire", "read_write_token": "_wire"}
 __getattr__, __dir__ = _lazy.exports(
     __name__, _LAZY, globals(), lambda name: "an s3:// repository" if name == "S3Store" else "a grpc:// repository"
 )
@@ -32,6 +36,7 @@ __getattr__, __dir__ = _lazy.exports(
 if TYPE_CHECKING:
     from ._grpc import GrpcStore as GrpcStore, VersionWatch as VersionWatch
     from ._s3 import S3Store as S3Store
+    from ._wire import read_token as read_token, read_write_token as read_write_token
 
 _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()

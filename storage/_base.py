@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-from deltasync.errors import ObjectRangeError, ObjectTooLargeError, StoreError, UsageError
+from ..errors import ObjectRangeError, ObjectTooLargeError, StoreError, UsageError
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
@@ -145,7 +145,7 @@ class Store(ABC):
         return self._total_bytes(prefix)
 
     def exists(self, key: str) -> bool:
-        from deltasync.errors import ObjectNotFoundError
+        from ..errors import ObjectNotFoundError
 
         try:
             self.size(key)
@@ -178,7 +178,7 @@ class Store(ABC):
     def _size(self, key: str) -> int: ...
 
     def _total_bytes(self, prefix: str) -> int:
-        from deltasync.errors import ObjectNotFoundError
+        from ..errors import ObjectNotFoundError
 
         total = 0
         for key in self.list(prefix):

@@ -19,9 +19,8 @@ from urllib.parse import urlparse
 
 import grpc
 
-from deltasync.errors import StoreError, UsageError
-from deltasync.v1 import fleet_pb2 as fpb
-
+from ..errors import StoreError, UsageError
+from ..v1 import fleet_pb2 as fpb
 from ._grpc import CHANNEL_OPTIONS, describe, parse_grpc_url
 from .wire import CA_ENV, read_token
 

@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl, urlparse
 
 import grpc
 
-from deltasync.errors import (
+from ..errors import (
     CorruptObjectError,
     DeltasyncError,
     ObjectExistsError,
@@ -35,9 +35,8 @@ from deltasync.errors import (
     StoreError,
     UsageError,
 )
-from deltasync.format.digest import digest
-from deltasync.v1 import relay_pb2 as pb
-
+from ..format.digest import digest
+from ..v1 import relay_pb2 as pb
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
 from .wire import (

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from deltasync.errors import ObjectExistsError, ObjectNotFoundError, ObjectRangeError, StoreError
-
+from ..errors import ObjectExistsError, ObjectNotFoundError, ObjectRangeError, StoreError
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
 

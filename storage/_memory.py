@@ -5,8 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from deltasync.errors import ObjectExistsError, ObjectNotFoundError
-
+from ..errors import ObjectExistsError, ObjectNotFoundError
 from ._base import Store, read_held
 
 

@@ -34,7 +34,7 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from deltasync.errors import (
+from ..errors import (
     DeltasyncError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -42,7 +42,6 @@ from deltasync.errors import (
     StoreError,
     UsageError,
 )
-
 from ..retry import Backoff
 from . import _base
 from ._base import Store, check_key, listing_too_long, read_limit, too_large

@@ -5,8 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from deltasync.errors import UsageError
-
+from ..errors import UsageError
 from ._base import Store, WrappingStore
 
 

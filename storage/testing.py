@@ -18,14 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from deltasync.errors import (
+from ..errors import (
     CorruptObjectError,
     ObjectExistsError,
     ObjectNotFoundError,
     ObjectTooLargeError,
     UsageError,
 )
-
 from ._base import Store, WrappingStore
 
 

@@ -7,6 +7,7 @@ import ast
 import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,3 +157,77 @@ def test_engines_use_only_the_public_face_of_local_copies() -> None:
                 if target.startswith("deltasync.local."):
                     reaching.append(f"{module}: from {target} import ...")
     assert not reaching, "\n".join(reaching)
+
+
+LINKED = ("storage", "cli", "rl_integration")
+
+
+@pytest.mark.parametrize("name", [*LINKED, "storage._local", "cli.main"])
+def test_a_linked_folder_is_not_a_second_package(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the checkout root, ``import storage`` would load every module of deltasync.storage a
+    second time, with classes that are not deltasync's (``storage.Store is not
+    deltasync.storage.Store``): it is refused, naming the import to use."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    top = name.partition(".")[0]
+    with pytest.raises(ImportError, match=rf"import deltasync\.{top}, not {top}"):
+        importlib.import_module(name)
+    assert not [m for m in list(sys.modules) if m == top or m.startswith(top + ".")]
+    assert importlib.import_module(f"deltasync.{name}").__name__ == f"deltasync.{name}"
+
+
+def _imports(path: Path) -> Iterator[ast.Import | ast.ImportFrom]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+
+
+def test_linked_folders_import_deltasync_relatively() -> None:
+    """What storage/, cli/ and rl_integration/ import of deltasync they import relatively, like the
+    rest of the package (at module level and inside functions)."""
+    absolute = []
+    for sub in LINKED:
+        for path in sorted((ROOT / sub).rglob("*.py")):
+            for node in _imports(path):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else (
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                absolute += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                             if n == "deltasync" or n.startswith("deltasync.")]
+    assert not absolute, "absolute imports of deltasync:\n" + "\n".join(absolute)
+
+
+#: (importing package, private module): the relay serves the protocol whose client is storage's
+#: grpc backend; the two share its definitions (_wire) and the store's offset limit (_base).
+SHARED_PRIVATE = {("deltasync.relay", "deltasync.storage._wire"), ("deltasync.relay", "deltasync.storage._base")}
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a name inside a module, not a module
+        return False
+
+
+def test_private_modules_stay_inside_their_package() -> None:
+    """A ``_``-module is its package's business: other packages use the package's public names
+    (at module level and inside functions)."""
+    crossing = []
+    for module, path in _modules():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in _imports(path):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, node.module] if node.module else base) if node.level else node.module or ""
+                targets = [target, *(f"{target}.{a.name}" for a in node.names)]
+            else:
+                targets = [a.name for a in node.names]
+            for t in targets:
+                parts = t.split(".")
+                private = next((i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")), None)
+                if not t.startswith("deltasync.") or private is None:
+                    continue
+                owner, priv = ".".join(parts[:private]), ".".join(parts[: private + 1])
+                inside = package == owner or package.startswith(owner + ".")
+                shared = any(package == p or package.startswith(p + ".") for p, m in SHARED_PRIVATE if m == priv)
+                if not inside and not shared and _is_module(priv):
+                    crossing.append(f"{module}: {priv}")
+    assert not crossing, "private modules of other packages:\n" + "\n".join(sorted(set(crossing)))

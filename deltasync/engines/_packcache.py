@@ -17,8 +17,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..format.digest import digest
-from ..storage import Store, WrappingStore, open_store
-from ..storage._base import read_held, read_limit
+from ..storage import Store, WrappingStore, open_store, read_held, read_limit
 
 log = logging.getLogger("deltasync.engines")
 

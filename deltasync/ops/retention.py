@@ -94,8 +94,7 @@ from ..progress import human_bytes
 from ..repo.history import history_key, record as history_record
 from ..repo.leases import read_leases
 from ..repo.repository import Repository, blob_key, squash_key
-from ..storage import Store
-from ..storage._local import LocalStore, TempFile, is_temp_name
+from ..storage import LocalStore, Store, TempFile, is_temp_name
 from ..v1 import manifest_pb2 as pb
 
 PENDING = "gc/pending.json"

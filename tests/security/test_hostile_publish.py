@@ -655,7 +655,7 @@ def _killed_mid_write(tmp_path: Path, ckpt: Path, url: str) -> None:
     """A publisher SIGKILLed after writing a pack's temp file, before renaming it."""
     code = textwrap.dedent(f"""
         import os, signal
-        import storage._local as local
+        import deltasync.storage._local as local
         real_fsync = os.fsync
         def fsync(fd):
             real_fsync(fd)
