@@ -398,13 +398,13 @@ def test_engine_registry_builds_a_registered_kind_lazily(url: str, tmp_path: Pat
     engine = build_engine("named@x:y", repo=url, pause_mode="wait")  # a vLLM option, dropped for others
     assert type(engine).__name__ == "NamedEngine" and seen == ["x:y"] and "my_engines" in sys.modules
     engine.update()
-    with pytest.raises(UsageError, match="named engine: .*colour"):
+    with pytest.raises(UsageError, match=r"named engine: .*colour"):
         build_engine("named@x", repo=url, colour="red")
     with pytest.raises(UsageError, match="already registered"):
         registry.register_engine(kind)
     with pytest.raises(UsageError, match="without ':' or '@'"):
         registry.register_engine(registry.EngineKind(name="a:b", module="m", cls="C", build=build, specs=()))
-    with pytest.raises(UsageError, match="unknown engine 'nam'.*named@WHERE"):
+    with pytest.raises(UsageError, match=r"unknown engine 'nam'.*named@WHERE"):
         build_engine("nam", repo=url)
     http = registry.parse_engine("http:generic@http://127.0.0.1:1")[0]
     assert http.loads_files and http.copy_option == "model_dir" and not http.in_process
