@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("publish version 2 (delta, base = step-1)",
              f"{imports}; deltasync.Publisher({str(repo)!r}).publish_dir({str(b)!r}, base_dir={str(a)!r})"),
             ("pull version 2 into an empty directory",
-             f"{imports}; deltasync.Subscriber({str(repo)!r}).pull_to_dir({str(out)!r}, 2)"),
+             f"{imports}; deltasync.Subscriber({str(repo)!r}).update_dir({str(out)!r}, 2)"),
         ]
         for label, code in phases:
             rss, secs = run_phase(code)

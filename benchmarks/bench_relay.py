@@ -18,7 +18,7 @@ First, time to first byte: one ``--object-mib`` object (a full pack) behind the 
 a client through a fresh chain of relays (depth 1 and 2): time to its first byte and to its
 last. Then versions: each agent is a process that watches the bottom relay (server-pushed
 version events) and brings its own directory to every new version with
-``Subscriber.pull_to_dir`` (every chunk verified). Per version it prints the time from commit
+``Subscriber.update_dir`` (every chunk verified). Per version it prints the time from commit
 to all agents holding verified bits and the bytes the relay read upstream, for the RL-like
 stream as deltas (``--lr``), and with ``--kinds delta,full`` as full checkpoints (every
 version a snapshot) over the same link.
@@ -56,7 +56,7 @@ def _agent(index: int, url: str, out: str, last: int, queue: Any) -> None:
     watch = store.watch(0)
     try:
         for v in watch:
-            sub.pull_to_dir(out, v)
+            sub.update_dir(out, v)
             queue.put((index, v, time.time()))
             if v >= last:
                 break

@@ -70,7 +70,7 @@ def run_demo(workdir: Path, *, steps: int = 5, echo: Callable[[str], None] = pri
              f"{human_bytes(r.raw_bytes)} raw, {human_bytes(r.stored_bytes)} stored ({r.ratio:.1f}x)")
 
     sub = Subscriber(str(repo_dir), progress=progress)
-    latest = sub.pull_to_dir(serving)
+    latest = sub.update_dir(serving).version
     for f in sorted(p for p in last_ckpt.iterdir()):
         if _sha256(f) != _sha256(serving / f.name):
             raise AssertionError(f"pulled {f.name} differs from the checkpoint")

@@ -424,7 +424,7 @@ class _RunState:
     def _pull_final(self, out: Path, version: int) -> Path:
         """``deltasync pull`` of the pinned version, loaded back as a model: the checkpoint round trip."""
         final = out / "final"
-        Subscriber(self.config.repo_url, workers=1, progress=False).pull_to_dir(final, version)
+        Subscriber(self.config.repo_url, workers=1, progress=False).update_dir(final, version)
         TinyTransformer.from_pretrained(final)
         return final
 

@@ -175,7 +175,7 @@ class Publisher:
         state = read_local_state(cache)
         if state is None or state.version != latest:
             # The cache is deltasync's own: files found in it that are not the version's go aside.
-            Subscriber(self.repo, progress=self.config.progress).pull_to_dir(cache, latest, move_aside=True)
+            Subscriber(self.repo, progress=self.config.progress).update_dir(cache, latest, move_aside=True)
         return cache
 
     def _dir_bases(self, reader: FileReader, root: Path, parent: ManifestInfo) -> dict[str, BaseTensor]:

@@ -137,9 +137,10 @@ class Subscriber:
         move_aside: bool = False,
         fsync: bool = False,
     ) -> int:
-        """Bring directory ``out`` to ``version`` (default: latest); returns the version.
+        """Alias of :meth:`update_dir` that returns only the version ``out`` now holds.
 
-        See :meth:`update_dir`, which also says what the update took."""
+        One operation, two spellings: ``update_dir`` is the name the library and docs use;
+        this one stays for the callers (docs/engines.md named it) that want the version alone."""
         return self.update_dir(out, version, stop=stop, move_aside=move_aside, fsync=fsync).version
 
     def update_dir(
