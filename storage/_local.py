@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from ..durable import fsync_dir, fsync_file
 from ..errors import ObjectExistsError, ObjectNotFoundError, ObjectRangeError, StoreError
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
@@ -126,8 +127,7 @@ class LocalStore(Store):
             with open(tmp, "wb") as f:
                 f.write(data)
                 if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    fsync_file(f)
             if if_absent:
                 # link() fails if the name exists: of racing writers exactly one wins.
                 try:
@@ -139,21 +139,13 @@ class LocalStore(Store):
             else:
                 os.replace(tmp, path)
             if self.fsync:
-                self._fsync_dir(path.parent)
+                fsync_dir(path.parent, strict=True)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             if e.errno == errno.ENOSPC:
                 raise StoreError(f"no space left writing {path}") from None
             raise StoreError(f"cannot write {path}: {e.strerror}") from None
-
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def _list(self, prefix: str) -> Iterator[str]:
         # Walk only the directory the prefix names, not the whole tree.

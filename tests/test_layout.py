@@ -23,7 +23,7 @@ PKG = Path(deltasync.__file__).resolve().parent  # the checkout's, or an install
 #: (docs/DESIGN.md, "Package map"): the publisher's cache is a local copy refreshed by a pull,
 #: and Subscriber.update_dir is the library's short way to fill a directory copy.
 FLOORS: list[set[str]] = [
-    {"errors", "_extras", "_lazy", "progress", "retry", "metrics", "v1", "format"},
+    {"errors", "_extras", "_lazy", "progress", "retry", "durable", "metrics", "v1", "format"},
     {"storage"},
     {"repo"},
     {"pull"},

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import zstandard
 
-from deltasync.storage import WrappingStore
-
+from ..durable import fsync_file
 from ..errors import DeltasyncError
 from ..format.digest import digest
 from ..format.manifest import ManifestInfo, manifest_key, parse_manifest, version_from_key
 from ..repo.repository import BLOB_PART_BYTES, blob_key
-from ..storage import Store
+from ..storage import Store, WrappingStore
 
 _WHOLE_PREFIXES = ("manifests/", "blobs/")
 _WHOLE = "whole"  # a pack kept whole (read whole by the pull)
@@ -119,8 +118,7 @@ class LocalCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                fsync_file(f)
             os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(OSError):

@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..durable import fsync_dir
 from ..errors import CheckpointError, DeltasyncError, UsageError
 from ..format.manifest import ManifestInfo, check_relpath, serialize
 from .state import (
@@ -49,7 +50,6 @@ from .state import (
     WorkInProgress,
     apply_legacy_journal,
     copy_lock,
-    fsync_dir,
     output_files,
 )
 

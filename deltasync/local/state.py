@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from ..durable import fsync_dir
 from ..errors import (
     CheckpointError,
     CopyInUseError as CopyInUseError,  # defined there; importable here too
@@ -466,16 +467,6 @@ class StateDB:
             txn.put(b"stats", json.dumps(current).encode())
 
         self._write(fn)
-
-
-def fsync_dir(d: Path) -> None:
-    """Flush a directory's entries (renames, links) to disk; best effort."""
-    with contextlib.suppress(OSError):
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _txn_json(txn: lmdb.Transaction, key: bytes) -> dict[str, Any]:
