@@ -239,3 +239,11 @@ class StaleUpdateError(EngineError):
 class GroupError(EngineError):
     """The rank group failed (a rank died or timed out); this engine cannot be used again."""
 
+
+class SparseVerifyError(DeltasyncError):
+    """A parameter a vLLM worker patched (or restored) does not hold the bits it should
+    (``engines/vllm/sparse.py``)."""
+
+
+class InjectedFailure(DeltasyncError):
+    """Raised by the vLLM backend's ``fail_after`` (tests): a load that fails part way."""

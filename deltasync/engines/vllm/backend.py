@@ -56,7 +56,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...errors import DeltasyncError, UsageError
+from ...errors import (
+    DeltasyncError,
+    InjectedFailure as InjectedFailure,  # defined there; importable here too
+    UsageError,
+)
 from ...format import dtypes
 from ...format.manifest import ManifestInfo
 from .cost import Choice, ModuleWork, Rates, choose, patch_cost, reload_cost
@@ -90,10 +94,6 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
 @dataclass
 class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
     request: UpdateRequest
-
-
-class InjectedFailure(DeltasyncError):
-    """Raised by ``fail_after`` (tests): a load that fails part way."""
 
 
 class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ...errors import DeltasyncError
+from ...errors import SparseVerifyError as SparseVerifyError  # defined there; importable here too
 from ...format.digest import digest
 from .weights import TensorChange, int_view
 
@@ -59,10 +59,6 @@ from .weights import TensorChange, int_view
 Patcher = Callable[[torch.nn.Module, str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor], None]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-class SparseVerifyError(DeltasyncError):
-    """A patched (or restored) parameter does not hold the bits it should."""
 
 
 @dataclass
