@@ -23,12 +23,10 @@ from ._throttle import ThrottledStore
 # GrpcStore, S3Store and VersionWatch are importable by name too (lazily, below), but are
 # left out of __all__: a star import must work where their extras are not installed.
 __all__ = ["LocalStore", "MemoryStore", "Store", "TempFile", "ThrottledStore", "WrappingStore", "check_key", "is_temp_name",
-           "open_store", "read_held", "read_limit", "read_token", "read_write_token"]
+           "open_store", "read_held", "read_limit"]
 
 #: Backends whose dependencies are extras: imported on first use (``deltasync.storage.S3Store``).
-_LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc",
-                      # the relay's tokens (client and server), with the protocol's definitions
-                      "read_token": "_wire", "read_write_token": "_wire"}
+_LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc"}
 __getattr__, __dir__ = _lazy.exports(
     __name__, _LAZY, globals(), lambda name: "an s3:// repository" if name == "S3Store" else "a grpc:// repository"
 )
@@ -36,7 +34,6 @@ __getattr__, __dir__ = _lazy.exports(
 if TYPE_CHECKING:
     from ._grpc import GrpcStore as GrpcStore, VersionWatch as VersionWatch
     from ._s3 import S3Store as S3Store
-    from ._wire import read_token as read_token, read_write_token as read_write_token
 
 _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()
