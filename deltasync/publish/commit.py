@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import CheckpointError, CommittedError, StoreError
 from ..format import dtypes
@@ -71,11 +72,19 @@ class Draft:
     """``time.monotonic()`` when its publish began (the result's ``seconds``)."""
 
 
+def encoded_manifest(encoded: Encoded, *, stored_extra: int = 0, **fields: Any) -> pb.Manifest:
+    """A manifest in the current format, created now, holding ``encoded`` (its tensors and packs,
+    raw bytes, stored bytes plus ``stored_extra``); ``fields`` say the rest (version, kind,
+    parent, snapshot, codec, files, metadata…). Commits and squashes both build theirs here."""
+    return pb.Manifest(format=FORMAT, tensors=encoded.tensors, packs=encoded.packs, raw_bytes=encoded.raw,
+                       stored_bytes=encoded.stored + stored_extra, created_unix=time.time(), **fields)
+
+
 def build_manifest(repo: Repository, codec: PlanesZstdCodec, draft: Draft, encoded: Encoded) -> pb.Manifest:
     """The manifest of ``draft`` made of ``encoded``, version digest included."""
     version, parent, is_snapshot = draft.version, draft.parent, draft.snapshot
-    manifest = pb.Manifest(
-        format=FORMAT,
+    manifest = encoded_manifest(
+        encoded,
         version=version,
         kind=pb.SNAPSHOT if is_snapshot else pb.DELTA,
         parent=parent or 0,
@@ -85,11 +94,7 @@ def build_manifest(repo: Repository, codec: PlanesZstdCodec, draft: Draft, encod
                            zstd_level=codec.zstd_level, chunk_bytes=codec.chunk_bytes,
                            full_zstd_level=codec.full_zstd_level),
         files=draft.files,
-        tensors=encoded.tensors,
-        packs=encoded.packs,
-        raw_bytes=encoded.raw,
-        stored_bytes=encoded.stored + draft.blob_bytes,
-        created_unix=time.time(),
+        stored_extra=draft.blob_bytes,
         metadata=dict(draft.metadata or {}),
     )
     manifest.version_digest = version_digest(c.target_digest for t in encoded.tensors for c in t.chunks)

@@ -46,7 +46,7 @@ from ..errors import (
 )
 from ..format import dtypes
 from ..format.codec import FULL, SAME
-from ..format.manifest import FORMAT, ManifestInfo, key_of
+from ..format.manifest import ManifestInfo, key_of
 from ..format.signing import PrivateKeyLike
 from ..pull.fetch import PackFetcher
 from ..pull.plan import Chain
@@ -55,6 +55,7 @@ from ..repo.leases import Lease
 from ..repo.repository import Repository, open_repository, squash_key
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
+from .commit import encoded_manifest
 from .config import PublisherConfig
 from .encode import BaseTensor, DeltaTooLarge, Reader, SourceTensor, abandon, encode
 
@@ -154,11 +155,9 @@ def _write(r: Repository, cfg: PublisherConfig, a: int, c: int, cinfo: ManifestI
         encoded = encode(r.store, cfg, sources, files, bases, label=f"squash {a}->{c}", limit=before - 1)
     except DeltaTooLarge:
         return SquashResult(a, c, "not smaller", 0, before, time.monotonic() - start)
-    manifest = pb.Manifest(
-        format=FORMAT, version=c, kind=pb.DELTA, parent=a, has_parent=True, snapshot=cinfo.pb.snapshot,
-        codec=cinfo.pb.codec, files=files, tensors=encoded.tensors, packs=encoded.packs,
-        raw_bytes=encoded.raw, stored_bytes=encoded.stored, created_unix=time.time(),
-        metadata=dict(cinfo.pb.metadata), version_digest=cinfo.pb.version_digest,
+    manifest = encoded_manifest(
+        encoded, version=c, kind=pb.DELTA, parent=a, has_parent=True, snapshot=cinfo.pb.snapshot,
+        codec=cinfo.pb.codec, files=files, metadata=dict(cinfo.pb.metadata), version_digest=cinfo.pb.version_digest,
     )
     try:
         r.put_squash(manifest)  # refuses a squash whose chunks are not exactly c's
