@@ -140,6 +140,8 @@ class DeltaTimes:
     decode_verify_cpu: float = 0.0
     decode_verify_copy_cpu: float = 0.0
     copy_1_cpu: float = 0.0
+    digests_cpu: float = 0.0
+    """The publisher's xxh3-128 of every chunk's base and target (beside the encode)."""
 
 
 @dataclass
@@ -203,7 +205,7 @@ class Bench:
         # and the first pass over fresh buffers also pays page faults for the codec's temporaries.
         repeats = self.repeats if timed else 1
         (t_encode, c_encode), encoded = _best_of(repeats, lambda: list(pool.map(enc, tasks)))
-        (t_digests, _), dig = _best_of(repeats, lambda: list(pool.map(digests, tasks)))
+        (t_digests, c_digests), dig = _best_of(repeats, lambda: list(pool.map(digests, tasks)))
 
         work = self.work(len(base))
 
@@ -233,7 +235,7 @@ class Bench:
         if timed:
             copy_1, copy_n, copy_1_cpu = self.memcpy(new.bits, repeats)
             times = DeltaTimes(t_encode, t_digests, t_decode, t_decode_copy, copy_1, copy_n,
-                               c_encode, c_decode, c_decode_copy, copy_1_cpu)
+                               c_encode, c_decode, c_decode_copy, copy_1_cpu, c_digests)
         return payload, manifest, dict(kinds), times
 
     def memcpy(self, src: npt.NDArray[np.uint16], repeats: int) -> tuple[float, float, float]:
@@ -451,6 +453,7 @@ class Throughput:
     decode_verify_cpu: float = 0.0
     decode_verify_copy_cpu: float = 0.0
     copy_1_cpu: float = 0.0
+    encode_digests_cpu: float = 0.0
 
 
 def throughput(res: StreamResult) -> Throughput:
@@ -468,6 +471,7 @@ def throughput(res: StreamResult) -> Throughput:
         decode_verify_cpu=gbps(lambda t: t.decode_verify_cpu),
         decode_verify_copy_cpu=gbps(lambda t: t.decode_verify_copy_cpu),
         copy_1_cpu=gbps(lambda t: t.copy_1_cpu),
+        encode_digests_cpu=gbps(lambda t: t.encode_cpu + t.digests_cpu),
     )
 
 
@@ -476,7 +480,7 @@ def throughput_table(tp: Throughput, workers: int) -> list[str]:
         ("memory copy: np.copyto, 1 thread", tp.copy_1, tp.copy_1_cpu),
         (f"memory copy: np.copyto, {workers} threads by chunk", tp.copy_n, None),
         (f"encode ({workers} threads)", tp.encode, tp.encode_cpu),
-        (f"encode + base/target xxh3-128 digests ({workers} threads)", tp.encode_digests, None),
+        (f"encode + base/target xxh3-128 digests ({workers} threads)", tp.encode_digests, tp.encode_digests_cpu),
         (f"decode in place + verify xxh3-128 ({workers} threads)", tp.decode_verify, tp.decode_verify_cpu),
         (f"decode into a buffer + verify xxh3-128 ({workers} threads)", tp.decode_verify_copy,
          tp.decode_verify_copy_cpu),
@@ -661,7 +665,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for lr, tp in per_thread:
         dec, dec_cpu = tp.decode_verify / tp.copy_1, tp.decode_verify_cpu / tp.copy_1_cpu
         enc, enc_cpu = tp.encode / tp.copy_1, tp.encode_cpu / tp.copy_1_cpu
-        print(f"  lr {lr:g}: decode in place + verify {dec:.3f} / {dec_cpu:.3f}; encode {enc:.3f} / {enc_cpu:.3f}")
+        pub, pub_cpu = tp.encode_digests / tp.copy_1, tp.encode_digests_cpu / tp.copy_1_cpu
+        print(f"  lr {lr:g}: decode in place + verify {dec:.3f} / {dec_cpu:.3f}; encode {enc:.3f} / {enc_cpu:.3f}; "
+              f"encode + the publisher's base/target digests {pub:.3f} / {pub_cpu:.3f}")
     wall = time.perf_counter() - wall0
     print(f"\nwall time: {wall:.1f} s; load average at end: {_load()} (other processes skew the timings)")
     results["checks"] = [{"target": t, "pass": ok} for t, ok in checks]
