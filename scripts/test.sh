@@ -43,7 +43,8 @@ echo "== ruff"
 echo "== mypy"
 "$PY" -m mypy
 if [[ "$vllm_ready" == 1 && $# -eq 0 ]]; then
-  # Unit tests that call vLLM's own code (its sparse patch function) run inside its environment;
+  # Unit tests that call vLLM's own code (its sparse patch function, its weight-transfer
+  # registry) run inside its environment: their names say `vllms_own` (elsewhere they skip);
   # the real-vLLM server tests run below, from the project's environment.
   echo "== pytest (inside .venv-vllm: tests that import vLLM itself)"
   .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm_weights.py -k "vllms_own"

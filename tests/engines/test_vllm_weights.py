@@ -650,7 +650,7 @@ def test_rates_calibrate_toward_what_was_measured() -> None:
     assert r.patch_element == pytest.approx(2 * before[1])
 
 
-def test_plugin_registers_through_vllms_public_registry() -> None:
+def test_plugin_registers_through_vllms_own_public_registry() -> None:
     """Registered with ``register_engine`` (loading the plugin twice is harmless), found by the
     factory by name (runs where vLLM is installed: .venv-vllm)."""
     factory = pytest.importorskip("vllm.distributed.weight_transfer.factory")
