@@ -49,7 +49,7 @@ def run(quick: bool, lr: float, steps: int, repo: str, background: bool = False)
 
     from deltasync.integrations.transformers import DeltasyncCallback
 
-    class Clock(TrainerCallback):  # type: ignore[misc]
+    class Clock(TrainerCallback):  # type: ignore[misc, unused-ignore]  # (untyped where transformers is absent)
         """Marks the time at ``on_step_begin`` (``at="begin"``) or at ``on_step_end``."""
 
         def __init__(self, marks: list[float], at: str) -> None:
@@ -63,7 +63,7 @@ def run(quick: bool, lr: float, steps: int, repo: str, background: bool = False)
             if self.at == "end":
                 self.marks.append(time.perf_counter())
 
-    class ChangeMeter(TrainerCallback):  # type: ignore[misc]
+    class ChangeMeter(TrainerCallback):  # type: ignore[misc, unused-ignore]
         """Changed bf16 elements per step, measured before the step's clock starts."""
 
         def __init__(self) -> None:

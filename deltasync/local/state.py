@@ -301,8 +301,7 @@ class StateDB:
     def set_wip(self, wip: WorkInProgress | None, *, manifest: bytes | None = None) -> None:
         def fn(txn: lmdb.Transaction) -> None:
             if wip is None:
-                txn.delete(b"wip")
-                txn.delete(b"wip_manifest")
+                _end_work(txn)
                 return
             txn.put(b"wip", json.dumps(asdict(wip)).encode())
             if manifest is not None:
@@ -331,8 +330,7 @@ class StateDB:
         def fn(txn: lmdb.Transaction) -> None:
             txn.put(b"state", json.dumps(state).encode())
             txn.put(b"manifest", raw_manifest)
-            txn.delete(b"wip")
-            txn.delete(b"wip_manifest")
+            _end_work(txn)
 
         self._write(fn)
         with contextlib.suppress(OSError):
@@ -353,8 +351,7 @@ class StateDB:
             stats = _txn_json(txn, b"stats")
             stats["engine"] = engine  # deltasync status: what this state is of
             txn.put(b"stats", json.dumps(stats).encode())
-            txn.delete(b"wip")
-            txn.delete(b"wip_manifest")
+            _end_work(txn)
 
         self._write(fn)
 
@@ -411,8 +408,7 @@ class StateDB:
                 txn.put(b"slot_manifest", slot_manifest)
             else:
                 txn.delete(b"slot_manifest")
-            txn.delete(b"wip")
-            txn.delete(b"wip_manifest")
+            _end_work(txn)
 
         self._write(fn)
         with contextlib.suppress(OSError):
@@ -467,6 +463,13 @@ class StateDB:
             txn.put(b"stats", json.dumps(current).encode())
 
         self._write(fn)
+
+
+def _end_work(txn: lmdb.Transaction) -> None:
+    """End the work in progress (its record and its target's manifest) in ``txn``: the commit
+    that records a version held ends the update that brought it."""
+    txn.delete(b"wip")
+    txn.delete(b"wip_manifest")
 
 
 def _txn_json(txn: lmdb.Transaction, key: bytes) -> dict[str, Any]:
