@@ -12,7 +12,7 @@
    0.5 s); ``--per-cluster`` nodes per cluster report to their cluster's relay through the
    reporters' own client code (:class:`deltasync.local.report.Reporter` over an agent state
    directory for ``--agents`` real `deltasync subscribe` processes per cluster; in-process
-   :class:`~deltasync.storage._fleet.FleetClient` reporters for the rest). A new version
+   :class:`~deltasync.storage.fleet.FleetClient` reporters for the rest). A new version
    is published; every node takes it (the real agents by pulling it, the others at a random
    moment within 0.5 s, reporting at once as the reporter does on a change), and the time from
    the last node taking it to the root's view showing every node at it is printed, against
@@ -50,7 +50,7 @@ def _report(node: str, cluster: str, version: int, error: bool = False) -> fpb.N
 def memory(nodes: int, repo: str) -> None:
     from deltasync.relay import build_server
     from deltasync.relay.fleet import FleetTable
-    from deltasync.storage._fleet import FleetClient
+    from deltasync.storage.fleet import FleetClient
 
     reports = [_report(f"host-{i:05d}.cluster-{i % 4}.example.com:agent", f"cluster-{i % 4}", 7, i % 10 == 0)
                for i in range(nodes)]
@@ -82,7 +82,7 @@ def freshness(clusters: int, per_cluster: int, agents: int, workdir: Path) -> No
 
     from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
     from deltasync.relay import build_server
-    from deltasync.storage._fleet import FleetClient
+    from deltasync.storage.fleet import FleetClient
 
     repo = workdir / "repo"
     pub = Publisher(str(repo), PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=1 << 16), workers=1, progress=False))

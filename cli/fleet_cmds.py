@@ -16,11 +16,11 @@ from ..errors import UsageError
 from ._common import emit_json, json_option
 
 if TYPE_CHECKING:
-    from ..storage._fleet import FleetView
+    from ..storage.fleet import FleetView
 
 
 def _client(url: str, timeout: float = 10.0) -> Any:
-    from ..storage._fleet import FleetClient
+    from ..storage.fleet import FleetClient
 
     if not url.lower().startswith(("grpc://", "grpcs://")):
         raise UsageError(f"the fleet view comes from a relay (grpc://HOST:PORT), not {url!r}: "
@@ -225,7 +225,7 @@ def start_hooks(agent: Any, state_dir: Path, *, repo: str, node: str | None, clu
     engine-first agent, the live checker and its control socket."""
     from ..local.engine_agent import EngineAgent
     from ..local.report import ReportConfig, Reporter, default_node, served_by
-    from ..storage._fleet import read_report_token
+    from ..storage.fleet import read_report_token
 
     hooks = FleetHooks()
     try:

@@ -195,13 +195,6 @@ def test_linked_folders_import_deltasync_relatively() -> None:
     assert not absolute, "absolute imports of deltasync:\n" + "\n".join(absolute)
 
 
-#: (importing package, private module): the relay serves the protocol whose client is storage's
-#: grpc backend; the two share its definitions (_wire: its tokens are read by `deltasync serve`
-#: too) and the store's offset limit (_base). (The relay's split makes _wire public as wire.py.)
-SHARED_PRIVATE = {("deltasync.relay", "deltasync.storage._wire"), ("deltasync.relay", "deltasync.storage._base"),
-                  ("deltasync.cli", "deltasync.storage._wire")}
-
-
 def _is_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -229,7 +222,6 @@ def test_private_modules_stay_inside_their_package() -> None:
                     continue
                 owner, priv = ".".join(parts[:private]), ".".join(parts[: private + 1])
                 inside = package == owner or package.startswith(owner + ".")
-                shared = any(package == p or package.startswith(p + ".") for p, m in SHARED_PRIVATE if m == priv)
-                if not inside and not shared and _is_module(priv):
+                if not inside and _is_module(priv):
                     crossing.append(f"{module}: {priv}")
     assert not crossing, "private modules of other packages:\n" + "\n".join(sorted(set(crossing)))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeltasyncError, UsageError
-from ..storage._fleet import MAX_ERROR_CHARS, FleetClient
+from ..storage.fleet import MAX_ERROR_CHARS, FleetClient
 from ..v1 import fleet_pb2 as fpb
 
 log = logging.getLogger(__name__)

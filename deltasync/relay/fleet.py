@@ -30,7 +30,7 @@ import grpc
 from ..errors import DeltasyncError, ObjectNotFoundError, UsageError
 from ..metrics import Metric
 from ..storage import GrpcStore, Store
-from ..storage._fleet import BATCH, MAX_REPORT_BYTES, REPORT_HEADER, FleetClient, report_path
+from ..storage.fleet import BATCH, MAX_REPORT_BYTES, REPORT_HEADER, FleetClient, report_path
 from ..v1 import fleet_pb2 as fpb
 
 log = logging.getLogger("deltasync.relay")

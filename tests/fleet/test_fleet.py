@@ -20,7 +20,7 @@ from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository
 from deltasync.errors import UsageError
 from deltasync.relay import build_server
 from deltasync.relay.fleet import FleetTable, classify, parse_report_tokens
-from deltasync.storage._fleet import FleetClient
+from deltasync.storage.fleet import FleetClient
 from deltasync.v1 import fleet_pb2 as fpb
 
 TOKEN = "report-secret-1"

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
-from deltasync.storage._fleet import FleetClient
+from deltasync.storage.fleet import FleetClient
 from deltasync.v1 import fleet_pb2 as fpb
 
 TOKEN = "page-report-token"
