@@ -136,7 +136,7 @@ def subscribe(
     if kind is not None and kind.in_process:
         # Before the factory is imported: a core-only install gets the extra to install, not a
         # traceback from inside the engine (or a factory's own `import torch`).
-        from deltasync._extras import require
+        from .._extras import require
 
         require("torch", f"--engine {engine_spec}")
     if packcast is not None and (state_dir is None or not from_factory):
