@@ -38,6 +38,11 @@ if [[ "$fast" == 0 ]]; then
     echo "== the verl environment could not be built: tests/integrations/ will skip"
   fi
 fi
+# A headless browser for the fleet page's test (tests/fleet/test_fleet_page.py): Debian's
+# chromium and playwright in .venv-browser; where it cannot be installed, that test skips.
+if [[ "$fast" == 0 ]]; then
+  bash scripts/install_browser.sh || echo "== the browser could not be installed: the fleet page's test will skip"
+fi
 echo "== ruff"
 "$PY" -m ruff check .
 echo "== mypy"
