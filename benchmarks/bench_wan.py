@@ -1,0 +1,340 @@
+"""Publishing and relay trees across a modelled long-haul link, at several round trips, in one run.
+
+    python -m benchmarks.bench_wan [--mib 256] [--fraction 0.2] [--mbps 800] [--rtts 2,50,200]
+        [--reps 3] [--rows publish,tree,publish2,tree2] [--shard-mbps 200]
+
+The link is :mod:`benchmarks.wan_link`: a userspace TCP proxy between loopback ports, in a
+process of its own, that paces each direction at ``--mbps`` and delays every byte by half the
+round trip; loopback TCP acknowledges at once, so only the application's flow-control windows
+and serial round trips limit a transfer through it (what is under test). The model: synthetic
+bf16 of ``--mib`` MiB (64 MiB tensors), ``--fraction`` of its elements moved by one ulp per
+version, so a version is a snapshot (v1) then a delta (v2). Rows:
+
+* ``publish``: ``deltasync.Publisher`` (this process) -> link -> a relay serving
+  ``--accept-writes`` in front of a local repository (its own process). Elapsed: the
+  ``publish()`` call.
+* ``tree``: publish into a local repository (not timed) -> root relay -> link -> cluster
+  relay -> an engine-first agent (``EngineAgent`` + ``TorchEngine``, following the cluster
+  relay). Elapsed: from the commit to the engine holding the version (every chunk verified).
+* ``publish2``/``tree2``: the same with two relays, each behind its own link of
+  ``--shard-mbps`` (``publish2``: two writable relays over one repository, the publisher
+  naming both; ``tree2``: two cluster relays, each over its own link to the root, the agent
+  naming both), next to ``publish1``/``tree1``: one relay over one such link. Printed: the
+  throughput of two over one.
+
+Per row and round trip: elapsed (every repetition and the median), the bytes that crossed
+the link (both ways), link time (the larger direction's bytes over the rate, plus 4 round
+trips) and elapsed / max(the same row at the smallest round trip, link time): the issue's
+target is <= 1.3 at 50 and 200 ms. Every engine is checked bit-exact against the published
+state. Everything shares this machine's cores (2 here, with other work): compare within a
+run, never across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.wan_link import LinkProcess
+
+WRITE_TOKEN = "bench-wan-write-token"
+TENSOR_MIB = 64
+
+
+# -- the model -----------------------------------------------------------------------------------
+
+
+def layout(mib: int) -> list[tuple[str, tuple[int, int]]]:
+    out, left, i = [], mib, 0
+    while left > 0:
+        size = min(TENSOR_MIB, left)
+        out.append((f"layers.{i}.weight", (size * 256, 2048)))  # size MiB of bf16
+        left -= size
+        i += 1
+    return out
+
+
+def first_state(shapes: list[tuple[str, tuple[int, int]]], seed: int = 0) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in shapes:
+        bits = (rng.normal(0, 0.02, shape[0] * shape[1]).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        out[name] = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    return out
+
+
+def step(state: dict[str, torch.Tensor], seed: int, fraction: float) -> None:
+    """One ulp at about ``fraction`` of the elements of every tensor, in place."""
+    rng = np.random.default_rng(seed)
+    for t in state.values():
+        ints = t.view(torch.int16).reshape(-1).numpy()
+        ints[rng.random(ints.size, dtype=np.float32) < fraction] += 1
+
+
+def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in state.items()}
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def _relay(upstream: str, cache: str, writable: bool, conn: Connection) -> None:
+    os.environ["DELTASYNC_RELAY_WRITE_TOKEN"] = WRITE_TOKEN
+    from deltasync.relay import build_server
+
+    options: dict[str, Any] = {"accept_writes": True, "write_token": WRITE_TOKEN} if writable else {}
+    server = build_server(upstream, "127.0.0.1:0", cache, **options).start()
+    conn.send(server.address)
+    conn.recv()
+    server.stop(grace=0)
+
+
+class Proc:
+    """A relay in a process of its own."""
+
+    def __init__(self, upstream: str, cache: Path, writable: bool = False) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, child), daemon=True)
+        self.proc.start()
+        self.address: str = self.conn.recv()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send("stop")
+        self.proc.join(timeout=20)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _agent(url: str, state_dir: str, shapes: list[tuple[str, tuple[int, int]]], conn: Connection) -> None:
+    from deltasync.engines import TorchEngine
+    from deltasync.local.agent import AgentConfig
+    from deltasync.local.engine_agent import EngineAgent
+
+    model = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
+    lock = threading.Lock()
+
+    class Timed(TorchEngine):
+        def swap(self, staged: Any) -> Any:
+            record = super().swap(staged)
+            with lock:
+                conn.send(("held", None, time.time()))
+            return record
+
+        def load(self, version: int | None = None) -> Any:
+            record = super().load(version)
+            with lock:
+                conn.send(("held", version, time.time()))
+            return record
+
+    def ready(_: Any) -> None:
+        with lock:
+            conn.send(("ready", None, time.time()))
+
+    agent = EngineAgent(Timed(model, url, workers=1), Path(state_dir), AgentConfig(workers=1, progress=False),
+                        on_ready=ready)
+    runner = threading.Thread(target=agent.run, kwargs={"follow": True}, daemon=True)
+    runner.start()
+    conn.recv()
+    agent.stop()
+    runner.join(timeout=30)
+    with lock:
+        conn.send(("digests", digests(model), 0.0))
+
+
+class Agent:
+    def __init__(self, url: str, state_dir: Path, shapes: list[tuple[str, tuple[int, int]]]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_agent, args=(url, str(state_dir), shapes, child), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(300) or self.conn.recv()[0] != "ready":
+            raise RuntimeError("the agent did not start")
+
+    def wait(self, timeout: float = 600) -> float:
+        """Unix time the engine next held a version."""
+        if not self.conn.poll(timeout):
+            raise TimeoutError("the agent held no new version")
+        kind, _, at = self.conn.recv()
+        assert kind == "held", kind
+        return float(at)
+
+    def finish(self) -> dict[str, str]:
+        self.conn.send("stop")
+        while True:
+            kind, payload, _ = self.conn.recv()
+            if kind == "digests":
+                self.proc.join(timeout=30)
+                return payload  # type: ignore[no-any-return]
+
+
+# -- rows ----------------------------------------------------------------------------------------
+
+
+def _publisher(url: str) -> Any:
+    import deltasync
+
+    return deltasync.Publisher(url, deltasync.PublisherConfig(progress=False, snapshot_every=1000))
+
+
+def row_publish(root: Path, states: list[dict[str, torch.Tensor]], rtt: float, mbps: float,
+                relays: int) -> list[tuple[float, int]]:
+    """(elapsed, bytes crossed) per version, published through ``relays`` writable relays each behind a link."""
+    repo = root / "repo"
+    repo.mkdir()
+    servers = [Proc(str(repo), root / f"cache-{i}", writable=True) for i in range(relays)]
+    links = [LinkProcess(s.address, rtt=rtt, mbps=mbps) for s in servers]
+    os.environ["DELTASYNC_RELAY_WRITE_TOKEN"] = WRITE_TOKEN
+    out: list[tuple[float, int]] = []
+    try:
+        pub = _publisher("grpc://" + ",".join(link.address for link in links))
+        for state in states:
+            before = [link.counts() for link in links]
+            start = time.perf_counter()
+            pub.publish(state)
+            elapsed = time.perf_counter() - start
+            after = [link.counts() for link in links]
+            crossed = max(sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
+                          sum(a[1] - b[1] for a, b in zip(after, before, strict=True)))
+            out.append((elapsed, crossed // relays))  # per link: each carries its share
+        got = _read_back(str(repo))
+        assert got == digests(states[-1]), "publish: the repository differs from the published state"
+    finally:
+        for link in links:
+            link.stop()
+        for s in servers:
+            s.stop()
+    return out
+
+
+def _read_back(repo: str) -> dict[str, str]:
+    import deltasync
+
+    sub = deltasync.Subscriber(repo, progress=False)
+    return digests(dict(sub.pull()))
+
+
+def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tuple[str, tuple[int, int]]],
+             rtt: float, mbps: float, relays: int) -> list[tuple[float, int]]:
+    """(commit -> engine holds it, bytes crossed) per version: root relay -> link(s) -> cluster relay(s) -> agent."""
+    from deltasync.repo.repository import Repository
+
+    repo = root / "origin"
+    pub = _publisher(str(repo))
+    Repository(str(repo)).create()  # the agent then waits on a repository (not backing off from a missing one)
+    top = Proc(str(repo), root / "cache-root")
+    links = [LinkProcess(top.address, rtt=rtt, mbps=mbps) for _ in range(relays)]
+    cluster = [Proc(f"grpc://{link.address}", root / f"cache-cluster-{i}") for i, link in enumerate(links)]
+    agent = Agent("grpc://" + ",".join(c.address for c in cluster), root / "agent", shapes)
+    out: list[tuple[float, int]] = []
+    try:
+        time.sleep(1.0)  # the agent's watch is open
+        for state in states:
+            before = [link.counts() for link in links]
+            pub.publish(state)
+            committed = time.time()
+            held = agent.wait()
+            after = [link.counts() for link in links]
+            crossed = max(sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
+                          sum(a[1] - b[1] for a, b in zip(after, before, strict=True)))
+            out.append((held - committed, crossed // relays))
+        got = agent.finish()
+        assert got == digests(states[-1]), "tree: the engine differs from the published state"
+    finally:
+        if agent.proc.is_alive():
+            agent.proc.kill()
+        for c in cluster:
+            c.stop()
+        for link in links:
+            link.stop()
+        top.stop()
+    return out
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=256, help="model size in MiB of bf16")
+    ap.add_argument("--fraction", type=float, default=0.2, help="fraction of elements moved per version")
+    ap.add_argument("--mbps", type=float, default=800, help="link rate, megabits per second each way")
+    ap.add_argument("--rtts", default="2,50,200", help="round trips in milliseconds, the first is the baseline")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per row and round trip (median printed)")
+    ap.add_argument("--rows", default="publish,tree", help="publish, tree, publish2, tree2")
+    ap.add_argument("--shard-mbps", type=float, default=200, help="link rate of each link in the two-relay rows")
+    args = ap.parse_args()
+
+    shapes = layout(args.mib)
+    states = [first_state(shapes)]
+    second = {n: t.clone() for n, t in states[0].items()}
+    step(second, 1, args.fraction)
+    states.append(second)
+    rtts = [float(r) / 1000 for r in args.rtts.split(",")]
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    print(f"model {args.mib} MiB bf16 ({len(shapes)} tensors), {args.fraction:.0%} of elements moved per version; "
+          f"link {args.mbps:g} Mbit/s each way ({args.shard_mbps:g} per link in the two-relay rows); "
+          f"round trips {args.rtts} ms; {args.reps} repetitions")
+    results: dict[tuple[str, str, float], list[tuple[float, int]]] = {}
+    plans: list[tuple[str, str, float, int]] = []
+    for row in rows:
+        if row in ("publish", "tree"):
+            plans.append((row, row, args.mbps, 1))
+        elif row in ("publish2", "tree2"):
+            plans += [(row[:-1] + "1", row[:-1], args.shard_mbps, 1), (row, row[:-1], args.shard_mbps, 2)]
+        else:
+            raise SystemExit(f"unknown row {row!r}")
+    for label, kind, mbps, relays in plans:
+        for rtt in rtts:
+            for rep in range(args.reps):
+                with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
+                    if kind == "publish":
+                        figures = row_publish(Path(tmp), states, rtt, mbps, relays)
+                    else:
+                        figures = row_tree(Path(tmp), states, shapes, rtt, mbps, relays)
+                for version, fig in zip(("snapshot", "delta"), figures, strict=True):
+                    results.setdefault((label, version, rtt), []).append(fig)
+                print(f"  {label:9} rtt {rtt * 1000:5.0f} ms rep {rep}: "
+                      + ", ".join(f"{v} {e:6.2f}s {b / 1e6:7.1f} MB" for v, (e, b) in zip(("snapshot", "delta"), figures,
+                                                                                              strict=True)), flush=True)
+    print()
+    print(f"{'row':9} {'version':8} {'rtt':>6} {'elapsed (each)':>24} {'median':>7} {'crossed':>9} {'link time':>9} "
+          f"{'ratio':>6}")
+    mbps_of = {label: mbps for label, _, mbps, _ in plans}
+    for label, _, _, _ in plans:
+        for version in ("snapshot", "delta"):
+            base = statistics.median(e for e, _ in results[(label, version, rtts[0])])
+            for rtt in rtts:
+                figs = results[(label, version, rtt)]
+                med = statistics.median(e for e, _ in figs)
+                crossed = statistics.median(b for _, b in figs)
+                link_time = crossed / (mbps_of[label] * 1e6 / 8) + 4 * rtt
+                ratio = med / max(base, link_time)
+                each = " ".join(f"{e:.2f}" for e, _ in figs)
+                print(f"{label:9} {version:8} {rtt * 1000:5.0f}ms {each:>24} {med:6.2f}s {crossed / 1e6:7.1f}MB "
+                      f"{link_time:8.2f}s {ratio:6.2f}")
+    for kind in ("publish", "tree"):
+        if f"{kind}2" in rows:
+            for version in ("snapshot", "delta"):
+                for rtt in rtts:
+                    one = statistics.median(e for e, _ in results[(f"{kind}1", version, rtt)])
+                    two = statistics.median(e for e, _ in results[(f"{kind}2", version, rtt)])
+                    print(f"two relays over one, {kind} {version} at {rtt * 1000:.0f} ms: throughput x{one / two:.2f}")
+
+
+if __name__ == "__main__":
+    main()
