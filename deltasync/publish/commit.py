@@ -102,12 +102,14 @@ def build_manifest(repo: Repository, codec: PlanesZstdCodec, draft: Draft, encod
 
 
 def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Encoded,
-           restore: Restore | None = None) -> PublishResult:
+           restore: Restore | None = None, after_commit: Callable[[], None] | None = None) -> PublishResult:
     """Commit ``encoded`` as ``draft.version`` (manifest, then the latest ref), or, with
     ``config.skip_unchanged`` and nothing different from the parent, commit nothing.
 
     Every object the version names must still exist (module docstring): ``restore`` stores
-    missing ones again; without it, or after :data:`COMMIT_ATTEMPTS` checks, StoreError."""
+    missing ones again; without it, or after :data:`COMMIT_ATTEMPTS` checks, StoreError.
+    ``after_commit`` (the publish lease's release) runs once the manifest is written, beside
+    the ref update and the check after the commit (one round trip for the three)."""
     version, parent, files, start = draft.version, draft.parent, draft.files, draft.start
     if config.skip_unchanged and parent is not None and same_version(
         repo.manifest(parent), files, encoded.tensors, draft.metadata
@@ -115,21 +117,40 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
         abandon(repo.store, encoded)
         return PublishResult(parent, kind="unchanged", parent=parent, raw_bytes=encoded.raw, stored_bytes=0,
                              seconds=time.monotonic() - start)
-    for attempt in range(1, COMMIT_ATTEMPTS + 1):
-        missing = missing_objects(repo.store, files, encoded)
-        if not missing:
-            break
-        if restore is None or attempt == COMMIT_ATTEMPTS:
-            raise deleted_error(version, missing, attempt)
-        log.warning("version %d: %s deleted before the commit (a gc with a --grace shorter than this publish?); "
-                    "storing it again (attempt %d of %d)", version, _some(missing), attempt + 1, COMMIT_ATTEMPTS)
-        encoded = restore(encoded, set(missing))
-    if not draft.snapshot and parent is not None and not repo.store.exists(manifest_key(parent)):
-        raise StoreError(f"version {version} not committed: its parent version {parent} was deleted while publishing "
-                         "(gc); nothing of it is visible, publish again (it will be a snapshot)")
+    # The parent's manifest is checked beside the packs and blobs (one round trip for all).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-check-parent") as pool:
+        parent_there = pool.submit(repo.store.exists, manifest_key(parent)) if not draft.snapshot and parent else None
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            missing = missing_objects(repo.store, files, encoded)
+            if not missing:
+                break
+            if restore is None or attempt == COMMIT_ATTEMPTS:
+                raise deleted_error(version, missing, attempt)
+            log.warning("version %d: %s deleted before the commit (a gc with a --grace shorter than this publish?); "
+                        "storing it again (attempt %d of %d)", version, _some(missing), attempt + 1, COMMIT_ATTEMPTS)
+            encoded = restore(encoded, set(missing))
+            if parent_there is not None:
+                parent_there = pool.submit(repo.store.exists, manifest_key(parent or 0))  # after the restore
+        if parent_there is not None and not parent_there.result():
+            raise StoreError(f"version {version} not committed: its parent version {parent} was deleted while "
+                             "publishing (gc); nothing of it is visible, publish again (it will be a snapshot)")
     manifest = build_manifest(repo, config.codec, draft, encoded)
-    repo.commit(manifest)
-    gone = missing_objects(repo.store, files, encoded)
+    # Once the manifest is written, the check that nothing it names was deleted at that moment
+    # and the caller's after-commit work run beside the ref update (Repository.alongside_commit).
+    checked: list[list[str] | BaseException] = []
+
+    def check_after() -> None:
+        try:
+            checked.append(missing_objects(repo.store, files, encoded))
+        except BaseException as e:  # raised below, on the publisher's thread
+            checked.append(e)
+
+    with repo.alongside_commit(check_after, *([after_commit] if after_commit is not None else [])):
+        repo.commit(manifest)
+    result = checked[0] if checked else missing_objects(repo.store, files, encoded)
+    if isinstance(result, BaseException):
+        raise result
+    gone = result
     if gone:
         # gc deleted it between the check above and the manifest write: say so, loudly.
         raise CommittedError(version, f"version {version} was committed but {_some(gone)} was deleted by a concurrent gc at that "
@@ -160,7 +181,7 @@ def missing_objects(store: Store, files: Sequence[pb.File], encoded: Encoded) ->
                   | {blob_key(part) for f in files if f.kind == pb.File.BLOB for part in f.blob_parts})
     if not keys:
         return []
-    with ThreadPoolExecutor(max_workers=min(16, len(keys)), thread_name_prefix="deltasync-check") as pool:
+    with ThreadPoolExecutor(max_workers=min(64, len(keys)), thread_name_prefix="deltasync-check") as pool:
         present = list(pool.map(store.exists, keys))
     return [k for k, ok in zip(keys, present, strict=True) if not ok]
 

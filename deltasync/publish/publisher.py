@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -149,7 +150,8 @@ class Publisher:
             if base_root is not None and parent is not None:
                 bases = self._dir_bases(reader, base_root, self.repo.manifest(parent))
             result = self._publish(
-                sources, self._dir_files(ckpt), bases, parent, version, metadata, blob_root=ckpt.root
+                sources, self._dir_files(ckpt), bases, parent, version, metadata, blob_root=ckpt.root,
+                known_latest=(parent,),
             )
             if result.kind == "unchanged":
                 return result
@@ -242,10 +244,43 @@ class Publisher:
         blob_root: Path | None = None,
         keep: dict[str, Bits] | None = None,
         base_arrays: dict[str, Bits] | None = None,
+        known_latest: tuple[int | None] | None = None,
     ) -> PublishResult:
+        """``known_latest``: (the latest version,) as the caller read it just now (not read again)."""
         start = time.monotonic()
-        self.repo.create()
-        latest = self.repo.latest()
+        self.repo.create()  # before the lease: a repository's first publish makes it one (later: no request)
+        # A gc reads the lease and deletes no pack or blob until the commit (repo/leases.py).
+        # It is written while the latest version is read (one round trip for both), and
+        # released beside the commit's last requests (publish/commit.py).
+        lease = Lease(self.repo.store, "publish of the next version")
+        try:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-lease") as pool:
+                leased = pool.submit(lease.__enter__)
+                try:
+                    latest = self.repo.latest() if known_latest is None else known_latest[0]
+                finally:
+                    leased.result()
+            return self._publish_leased(lease, start, latest, sources, files, bases, parent, version, metadata,
+                                        blob_root=blob_root, keep=keep, base_arrays=base_arrays)
+        finally:
+            lease.release()
+
+    def _publish_leased(
+        self,
+        lease: Lease,
+        start: float,
+        latest: int | None,
+        sources: list[SourceTensor],
+        files: list[pb.File],
+        bases: dict[str, BaseTensor],
+        parent: int | None,
+        version: int | None,
+        metadata: Mapping[str, str] | None,
+        *,
+        blob_root: Path | None = None,
+        keep: dict[str, Bits] | None = None,
+        base_arrays: dict[str, Bits] | None = None,
+    ) -> PublishResult:
         if version is None:
             version = (latest or 0) + 1
         elif version < 1:
@@ -263,20 +298,19 @@ class Publisher:
             chain = self.repo.chain(parent)
             if len(chain) < self.config.snapshot_every:
                 limit = int(self.config.max_delta_fraction * chain[0].pb.stored_bytes)
-        # A gc reads the lease and deletes no pack or blob until the commit (repo/leases.py).
-        with Lease(self.repo.store, f"publish of version {version}"):
-            blob_bytes = self._store_blobs(blob_root, files) if blob_root is not None else 0
-            draft = Draft(version=version, parent=parent, snapshot=not bases, files=files, metadata=metadata,
-                          blob_bytes=blob_bytes, start=start)
-            source = _Source(sources, bases, keep, base_arrays, blob_root)
-            if limit is not None:
-                try:
-                    return self._attempt(draft, source, limit)
-                except DeltaTooLarge:
-                    pass  # store this version as a snapshot instead
-            return self._attempt(replace(draft, snapshot=True), replace(source, bases={}), None)
+        lease.what = f"publish of version {version}"  # in the lease from its next renewal
+        blob_bytes = self._store_blobs(blob_root, files) if blob_root is not None else 0
+        draft = Draft(version=version, parent=parent, snapshot=not bases, files=files, metadata=metadata,
+                      blob_bytes=blob_bytes, start=start)
+        source = _Source(sources, bases, keep, base_arrays, blob_root)
+        if limit is not None:
+            try:
+                return self._attempt(draft, source, limit, lease)
+            except DeltaTooLarge:
+                pass  # store this version as a snapshot instead
+        return self._attempt(replace(draft, snapshot=True), replace(source, bases={}), None, lease)
 
-    def _attempt(self, draft: Draft, source: _Source, limit: int | None) -> PublishResult:
+    def _attempt(self, draft: Draft, source: _Source, limit: int | None, lease: Lease) -> PublishResult:
         encoded = encode(self.repo.store, self.config, source.tensors, draft.files, source.bases,
                          label=f"publish v{draft.version}", limit=limit, keep=source.keep, base_arrays=source.base_arrays)
 
@@ -286,7 +320,7 @@ class Publisher:
                 self._restore_blobs(source.blob_root, draft.files, missing)
             return restore_packs(self.repo.store, self.config, current, source.tensors, missing)
 
-        return commit(self.repo, self.config, draft, encoded, restore=restore)
+        return commit(self.repo, self.config, draft, encoded, restore=restore, after_commit=lease.release)
 
     def _restore_blobs(self, root: Path, files: list[pb.File], missing: set[str]) -> None:
         """Upload again the parts in ``missing`` of the blob ``files`` under ``root``."""

@@ -128,11 +128,18 @@ class Lease:
             except DeltasyncError as e:  # the next rewrite tries again; gc honours it LEASE_SKEW longer
                 log.warning("could not renew the publish lease %s (%s)", self.key, e)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def release(self) -> None:
+        """Stop renewing and delete the lease (once; a publish calls it right after its commit,
+        beside its other after-commit requests, and leaving the ``with`` does nothing more)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         with contextlib.suppress(DeltasyncError):  # left behind, it expires
             self.store.delete(self.key)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
 

@@ -63,7 +63,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -335,6 +336,8 @@ class Repository:
         self._lock = threading.Lock()
         self._identity: tuple[bytes | None] | None = None  # (identity,) once read
         self._assumed = False  # the identity was given (assume_identity), not read
+        self._created = False  # create() succeeded through this object: later calls cost no round trip
+        self._alongside: tuple[Callable[[], None], ...] = ()  # see alongside_commit
 
     # -- existence ---------------------------------------------------------------------------
 
@@ -394,6 +397,8 @@ class Repository:
         """Mark the store as a repository with a new identity (idempotent); a repository of
         older deltasync, without one, gets one here, and one whose marker was lost gets back
         the identity its manifests name (see the module doc)."""
+        if self._created:
+            return  # the marker is there (a publisher asks before every version: one round trip less)
         marker: dict[str, Any] = {"format": REPO_FORMAT}
         try:
             found = self._read_marker()
@@ -415,6 +420,7 @@ class Repository:
             if found is not None:
                 with self._lock:
                     self._identity, self._assumed = (found,), False
+                self._created = True
                 return
             versions = self.versions()
             # Racing publishers upgrading the same repository write the same identity.
@@ -426,6 +432,7 @@ class Repository:
         with self._lock:
             self._identity = None  # read again: what the store holds now
             self._assumed = False
+        self._created = True
 
     def _check_identity(self, info: ManifestInfo, what: str) -> None:
         """A manifest naming an identity must name this repository's (module doc)."""
@@ -452,12 +459,16 @@ class Repository:
         return self._listed_latest()
 
     def _listed_latest(self) -> int | None:
-        try:
-            hint = ref_hint(self.store.get(LATEST, max_bytes=MAX_REF_BYTES)) or 0
-        except (ObjectNotFoundError, ObjectTooLargeError):  # no hint, or none readable
-            hint = 0
+        # The ref and the listing are read together (one round trip, not two: a publisher
+        # asks before every version). A ref naming a version the listing missed was written
+        # after it, by a commit in between: listed again once, it is there.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-ref") as pool:
+            reading = pool.submit(self._ref_hint)
+            versions = self.versions()
+            hint = reading.result()
+        if hint and hint not in versions and (not versions or hint > versions[-1]):
+            versions = self.versions()
         # The ref is a hint: a publisher may die between manifest and ref. Manifests rule.
-        versions = self.versions()
         newest = versions[-1] if versions else None
         if newest is None:
             return None
@@ -468,6 +479,12 @@ class Repository:
             log.warning("refs/latest names version %d, whose manifest is missing (deleted or withheld?); the newest "
                         "listed is %d", hint, newest)
         return max(newest, hint) if hint in versions else newest
+
+    def _ref_hint(self) -> int:
+        try:
+            return ref_hint(self.store.get(LATEST, max_bytes=MAX_REF_BYTES)) or 0
+        except (ObjectNotFoundError, ObjectTooLargeError):  # no hint, or none readable
+            return 0
 
     def _trusted_latest(self) -> int | None:
         ref = self.read_ref("latest")  # before listing: a ref is written after its manifest
@@ -782,6 +799,17 @@ class Repository:
         out.reverse()
         return out
 
+    @contextlib.contextmanager
+    def alongside_commit(self, *work: Callable[[], None]) -> Iterator[None]:
+        """Within it, a successful :meth:`commit` runs ``work`` (functions that raise nothing)
+        on threads beside its ref update, once the manifest is written: a publisher's check
+        after the commit and its lease release cost no round trip of their own."""
+        self._alongside = work
+        try:
+            yield
+        finally:
+            self._alongside = ()
+
     def commit(self, manifest: pb.Manifest) -> ManifestInfo:
         """Commit a version whose packs and blobs are already durable.
 
@@ -802,16 +830,34 @@ class Repository:
         with self._lock:
             self._manifests[manifest.version] = info
             _trim(self._manifests)
-        # Committed: from here on nothing may fail the publish (the caller would remove packs
-        # a committed version needs). The ref is a hint; readers find the version by listing.
+        work, self._alongside = self._alongside, ()
+        with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="deltasync-commit") as pool:
+            for fn in work:
+                pool.submit(fn)
+            self.update_latest_ref(manifest.version)
+        return info
+
+    def update_latest_ref(self, version: int) -> None:
+        """After the commit of ``version``: point ``refs/latest`` at it unless a newer version
+        is committed. Never raises: the version is committed, and the caller would remove packs
+        it needs; the ref is a hint, readers find the version by listing."""
         try:
-            latest = self._listed_latest()
-            if latest is None or manifest.version >= latest:
-                self._write_ref("latest", manifest.version)
+            if self.signing_key is not None:
+                latest = self._listed_latest()
+                if latest is None or version >= latest:
+                    self._write_ref("latest", version)
+                return
+            # Unsigned: the ref is written while the manifests are listed (one round trip, not
+            # three); a newer version committed meanwhile (another publisher's) gets the ref back.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-ref") as pool:
+                listing = pool.submit(self.versions)
+                self._write_ref("latest", version)
+                versions = listing.result()
+            if versions and versions[-1] > version:
+                self._write_ref("latest", versions[-1])
         except DeltasyncError as e:
             log.warning("version %d is committed, but refs/latest was not updated (%s): readers find it by listing; "
-                        "the next publish, or `deltasync refresh-refs`, rewrites the ref", manifest.version, e)
-        return info
+                        "the next publish, or `deltasync refresh-refs`, rewrites the ref", version, e)
 
     def _seal_history(self, manifest: pb.Manifest) -> None:
         """The version follows the newest one committed below it (repo/history.py): its

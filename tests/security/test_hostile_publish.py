@@ -309,9 +309,9 @@ def test_gc_deleting_in_the_instant_before_the_manifest_write_is_reported_not_hi
     Publisher(url, config()).publish_dir(ckpts[0], cache_dir=tmp_path / "cache")
     original = Repository.commit
 
-    def commit_after_a_delete(self: Repository, manifest: Any) -> Any:
+    def commit_after_a_delete(self: Repository, manifest: Any, **options: Any) -> Any:
         self.store.delete(manifest.packs[0].key)
-        return original(self, manifest)
+        return original(self, manifest, **options)
 
     monkeypatch.setattr(Repository, "commit", commit_after_a_delete)
     with pytest.raises(StoreError, match=r"version 2 was committed but packs/.* deleted by a concurrent gc"):
