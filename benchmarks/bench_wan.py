@@ -52,6 +52,7 @@ from benchmarks.wan_link import LinkProcess
 
 WRITE_TOKEN = "bench-wan-write-token"
 TENSOR_MIB = 64
+UPLOAD_WINDOW = 16 << 20
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -96,7 +97,11 @@ def _relay(upstream: str, cache: str, writable: bool, conn: Connection) -> None:
     from deltasync.relay import build_server
 
     options: dict[str, Any] = {"accept_writes": True, "write_token": WRITE_TOKEN} if writable else {}
-    server = build_server(upstream, "127.0.0.1:0", cache, **options).start()
+    try:  # a relay taking uploads from across the link: windows that fill it (docs/cli.md, Across clusters)
+        server = build_server(upstream, "127.0.0.1:0", cache, **options,
+                              **({"upload_window": UPLOAD_WINDOW} if writable else {})).start()
+    except TypeError:  # the code before upload_window (a baseline run)
+        server = build_server(upstream, "127.0.0.1:0", cache, **options).start()
     conn.send(server.address)
     conn.recv()
     server.stop(grace=0)

@@ -45,8 +45,14 @@ from ._common import (
                    "[default: $DELTASYNC_RELAY_WRITE_TOKEN(_FILE) with --accept-writes].")
 @click.option("--max-object-bytes", default="256M", show_default=True, metavar="SIZE",
               help="Largest object a publisher may upload.")
+@click.option("--upload-window", default="64K", show_default=True, metavar="SIZE",
+              help="Bytes a publisher may have in flight per upload stream: about this per round trip per stream "
+                   "(a far publisher: 16M, memory permitting: see docs/cli.md, Across clusters).")
+@click.option("--upload-buffer", default="256M", show_default=True, metavar="SIZE",
+              help="Memory for uploads, all publishers together; uploads beyond it (and any over 4 MiB) are spooled "
+                   "to files in the cache directory as they arrive.")
 @click.option("--max-uploads", type=click.IntRange(1, 1024), default=8, show_default=True,
-              help="Uploads received at once (each held in memory until written); more wait.")
+              help="Uploads received at once (each held in memory or spooled until written); more wait.")
 @click.option("--write-quota", default=None, metavar="SIZE",
               help="Most bytes the upstream repository may hold (counted at start, then through this relay's writes); "
                    "uploads past it are refused [default: none].")
@@ -71,7 +77,8 @@ from ._common import (
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
     warm: bool, stream: bool, tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
-    write_token_file: Path | None, max_object_bytes: str, max_uploads: int, write_quota: str | None,
+    write_token_file: Path | None, upload_window: str, upload_buffer: str, max_object_bytes: str, max_uploads: int,
+    write_quota: str | None,
     report_token_file: Path | None, cluster: str, upstream_report_token_file: Path | None, report_interval: float,
     metrics_port: int | None, metrics_host: str, http_listen: str | None,
 ) -> None:
@@ -94,7 +101,8 @@ def serve(
         tls_cert=tls_cert, tls_key=tls_key, token=read_token(None, token_file),
         accept_writes=accept_writes,
         write_token=read_write_token(None, write_token_file) if accept_writes else None,
-        max_object_bytes=parse_size(max_object_bytes), max_uploads=max_uploads,
+        max_object_bytes=parse_size(max_object_bytes), max_uploads=max_uploads, upload_buffer=parse_size(upload_buffer),
+        upload_window=parse_size(upload_window),
         write_quota=parse_size(write_quota) if write_quota is not None else None,
         report_tokens=read_report_tokens(report_token_file) if report_token_file is not None else None,
         cluster=cluster, report_interval=report_interval,

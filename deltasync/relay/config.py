@@ -47,7 +47,12 @@ class RelayConfig:
     max_object_bytes: int = 256 << 20
     """Largest object a client may upload (a pack is 64 MiB by default)."""
     max_uploads: int = 8
-    """Uploads received at once (each is held in memory until written); more wait their turn."""
+    """Uploads received at once (each held in memory or spooled until written); more wait their turn."""
+    upload_window: int = 64 << 10
+    """Flow-control window of each upload stream (see ``uploads.UPLOAD_WINDOW_BYTES``)."""
+    upload_buffer: int = 256 << 20
+    """Bytes of uploads held in memory, all uploads together; an upload that does not fit (or
+    is over 4 MiB) is spooled to a file in the cache directory as it arrives."""
     write_quota: int | None = None
     """Most bytes the upstream repository may hold (counted when the relay starts, then through
     its own writes); uploads past it are refused."""
@@ -90,6 +95,10 @@ class RelayConfig:
             raise UsageError("a write token is given but the relay does not accept writes (--accept-writes)")
         if self.write_token is not None and self.write_token == self.token:
             raise UsageError("the write token must differ from the read token")
+        if not 64 << 10 <= self.upload_window <= 1 << 30:
+            raise UsageError(f"upload_window must be between 64 KiB and 1 GiB, got {self.upload_window}")
+        if self.upload_buffer < 0:
+            raise UsageError(f"upload_buffer must not be negative, got {self.upload_buffer}")
         if self.max_object_bytes < 1 or self.max_uploads < 1:
             raise UsageError("max_object_bytes and max_uploads must be positive")
         if self.warm_concurrency < 1:

@@ -33,7 +33,6 @@ from .cache import ObjectCache
 from .config import RelayConfig as RelayConfig, parse_size as parse_size  # deltasync.relay.server.* keeps working
 from .fleet import Forwarder, fleet_service, start_forwarding
 from .service import RelayService
-from .uploads import UPLOAD_WINDOW_BYTES
 
 log = logging.getLogger("deltasync.relay")
 
@@ -47,13 +46,10 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # allow clients' keepalive
     # Requests are small but for Put's pieces: 1 MiB of data plus its header.
     ("grpc.max_receive_message_length", CHUNK_BYTES + (64 << 10)),
-    # What a client may send on a stream before the relay reads from it. A Put waiting for an
-    # upload slot reads nothing, yet with BDP probing grpc grows every stream's window to
-    # megabytes, so each waiting uploader parked that much in the relay's memory (24 waiting:
-    # +150 MiB). A fixed 64 KiB window bounds a waiting stream; a stream being read still gets
-    # the window of the 1 MiB piece it asks for.
+    # What a client may send on a stream before the relay reads it. With BDP probing grpc
+    # grows every stream's window to megabytes, whatever the relay's memory (24 uploaders:
+    # +150 MiB); a fixed window (RelayConfig.upload_window, added in start()) is chosen.
     ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", UPLOAD_WINDOW_BYTES),
 ]
 
 
@@ -134,7 +130,8 @@ class RelayServer:
         config = self.config
         needs_check = config.token or config.write_token
         interceptors = [RequireToken(config.token, config.write_token)] if needs_check else []
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        options = [*SERVER_OPTIONS, ("grpc.http2.lookahead_bytes", self.config.upload_window)]
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         server.add_generic_rpc_handlers((service.handler(), self.fleet.handlers()))
         try:
             if self.config.tls_cert is not None and self.config.tls_key is not None:

@@ -2,7 +2,10 @@
 up to :data:`SPOOL_BYTES` and into a :class:`Spool` file beyond, checked whole (its size, the
 digest its header announced, :func:`content_problem`, :func:`missing_references`), and only
 then written with the upstream store's own atomic put; :class:`Quota` keeps the repository
-under ``write_quota``. At most ``max_uploads`` are received at once (:attr:`Uploads.turn`)."""
+under ``write_quota``. At most ``max_uploads`` are received at once (:attr:`Uploads.turn`);
+one that waits holds at most its stream's window (``upload_window``) in grpc's buffers. Small
+uploads are received into memory while they fit in one budget for all (``upload_buffer``,
+:class:`Budget`), any other into a :class:`Spool` file."""
 
 from __future__ import annotations
 
@@ -31,10 +34,36 @@ from .fetch import InThread
 _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
 
 
-#: Uploads larger than this are spooled to a file as they arrive rather than held in memory.
+#: Uploads larger than this are always spooled to a file as they arrive (a pack, typically).
 SPOOL_BYTES = 4 << 20
 UPLOAD_WINDOW_BYTES = 64 << 10
-"""Bytes a client may send on a stream the relay is not reading yet (an upload waiting for a slot)."""
+"""The default of ``upload_window``: bytes a client may have in flight on one upload stream
+(grpc's flow-control window, fixed: no BDP probing grows it). Over a long link a stream moves
+about this (plus the 1 MiB piece being read) per round trip: a relay taking uploads from far
+away raises it (``--upload-window 16M``: some 80 MiB/s per stream at 200 ms). An upload waiting
+for its turn holds up to one window in grpc's buffers: with many more uploaders than
+``max_uploads``, memory grows by a window per waiting uploader, the reason the default stays
+small (measured in docs/cli.md, Across clusters)."""
+
+
+class Budget:
+    """(Loop) Bytes of uploads held in memory, all uploads together (``upload_buffer``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve ``n`` bytes if they fit (True), else nothing (the upload is spooled)."""
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 class Spool:
@@ -160,6 +189,7 @@ class Uploads:
         self.in_thread = in_thread
         self.quota = Quota(upstream, config.write_quota) if config.write_quota is not None else None
         self.turn: asyncio.Semaphore | None = None  # made on the loop, in start()
+        self.budget = Budget(config.upload_buffer)
 
     def start(self) -> None:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
@@ -182,12 +212,15 @@ class Uploads:
         # Created and removed on the event loop itself (a file open and an unlink): an
         # executor job can be cancelled before it runs when the client cancels the
         # upload, which would leave the spool file behind.
-        spool = Spool(self.cache.root / "tmp") if size > SPOOL_BYTES else None
+        in_memory = size <= SPOOL_BYTES and self.budget.take(size)
+        spool = None if in_memory else Spool(self.cache.root / "tmp")
         try:
             await self._receive(key, size, first, requests, spool)
         finally:
             if spool is not None:
                 spool.close()
+            if in_memory:
+                self.budget.give(size)
 
     async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk],
                        spool: Spool | None) -> None:
