@@ -37,8 +37,9 @@ import struct
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -272,10 +273,13 @@ class ObjectCache:
     and objects found in the cache at start once more when first read (:meth:`intact`).
 
     Thread-safe. Not single-flight by itself: the relay makes sure one key is fetched once.
-    ``piece_bytes`` bounds the memory of a download: larger objects are read in ranges.
+    ``piece_bytes`` bounds the memory of a download: larger objects are read in ranges,
+    ``pieces_in_flight`` of them requested at once (a far upstream's round trip is paid once
+    per that many pieces, not once per piece), written and digested in order.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, piece_bytes: int = 8 << 20) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, piece_bytes: int = 8 << 20,
+                 pieces_in_flight: int = 4) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise UsageError(f"cache size limit must not be negative, got {max_bytes}")
         if piece_bytes < 1:
@@ -287,6 +291,7 @@ class ObjectCache:
         self.piece_bytes = piece_bytes
         self._checked: set[str] = set()  # keys whose file was checked (landed, or read once) in this process
         self._reserve = _DISK_RESERVE
+        self.pieces_in_flight = max(1, pieces_in_flight)
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._touched: set[str] = set()
@@ -393,12 +398,23 @@ class ObjectCache:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             with landing._lock:
                 landing._fd = fd
-            size = upstream.size(key)
+            # One read for an object up to a piece (a manifest, a blob): it says its own
+            # size, so a far upstream is asked once, not for the size and then the bytes.
+            # A larger one is refused unread, its size usually named in the refusal.
+            small: bytes | None = None
+            told: int | None = None
+            limit = self.piece_bytes if max_size is None else min(self.piece_bytes, max_size)
+            if not key.startswith("packs/"):  # (packs are mostly larger: their size first, as before)
+                try:
+                    small = upstream.get(key, max_bytes=limit)
+                except ObjectTooLargeError as e:
+                    told = e.size
+            size = len(small) if small is not None else told if told is not None else upstream.size(key)
             if max_size is not None and size > max_size:
                 raise ObjectTooLargeError(key, size, max_size)
             self._room_for(key, size)  # before readers learn the size and start streaming a prefix
             landing._update(size=size)
-            self._download(key, size, upstream, fd, landing)
+            self._download(key, size, upstream, fd, landing, small)
             try:
                 os.fsync(fd)
             except OSError as e:
@@ -430,22 +446,33 @@ class ObjectCache:
         landing._close()
         return entry
 
-    def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing) -> None:
+    def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing, small: bytes | None) -> None:
         # Checked before it lands (and before a reader streaming it gets its last piece): a
         # transiently corrupt manifest or blob from the upstream is never cached for good.
         check = ContentCheck(key)
-        if size <= self.piece_bytes:
-            data = upstream.get(key, max_bytes=size)  # the object may have been replaced meanwhile
+        if small is not None or size <= self.piece_bytes:
+            # (the object may have been replaced since its size was read)
+            data = small if small is not None else upstream.get(key, max_bytes=size)
             if len(data) != size:
                 raise CorruptObjectError(key, f"upstream sent {len(data)} bytes of a {size}-byte object")
             self._write(fd, data, 0, landing, check)
-        else:  # in pieces, each written (and readable) as it arrives
-            for offset in range(0, size, self.piece_bytes):
-                n = min(self.piece_bytes, size - offset)
-                data = upstream.get(key, (offset, n))
-                if len(data) != n:
-                    raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
-                self._write(fd, data, offset, landing, check)
+        else:  # in pieces, several requested at once, each written (and readable) in order
+            ranges = [(offset, min(self.piece_bytes, size - offset)) for offset in range(0, size, self.piece_bytes)]
+            with ThreadPoolExecutor(max_workers=self.pieces_in_flight, thread_name_prefix="relay-piece") as pool:
+                pending: deque[tuple[int, int, Future[bytes]]] = deque()
+                try:
+                    for index in range(len(ranges)):
+                        while len(pending) < self.pieces_in_flight and index + len(pending) < len(ranges):
+                            offset, n = ranges[index + len(pending)]
+                            pending.append((offset, n, pool.submit(upstream.get, key, (offset, n))))
+                        offset, n, piece = pending.popleft()
+                        data = piece.result()
+                        if len(data) != n:
+                            raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
+                        self._write(fd, data, offset, landing, check)
+                finally:
+                    for _, _, piece in pending:  # a failed piece ends the download: the rest are not waited for
+                        piece.cancel()
         problem = check.problem()
         if problem is not None:
             raise CorruptObjectError(key, f"upstream's bytes are not that object: {problem}")

@@ -32,6 +32,9 @@ class RelayConfig:
     """Seconds the upstream may stay unreachable before watchers are sent elsewhere."""
     fetch_piece_bytes: int = 8 << 20
     """Objects larger than this are fetched from the upstream in ranges of this size."""
+    fetch_pieces_in_flight: int = 4
+    """Ranged reads of one object requested from the upstream at once (a far upstream pays its
+    round trip once per this many pieces)."""
     workers: int = 32
     """Threads for upstream reads, cache file reads and index writes."""
     tls_cert: Path | None = None
@@ -83,6 +86,8 @@ class RelayConfig:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
         if self.cache_max_bytes is not None and self.cache_max_bytes < 0:
             raise UsageError(f"cache_max_bytes must not be negative, got {self.cache_max_bytes}")
+        if self.fetch_pieces_in_flight < 1:
+            raise UsageError(f"fetch_pieces_in_flight must be positive, got {self.fetch_pieces_in_flight}")
         if self.fetch_piece_bytes < 1 or self.workers < 2:
             raise UsageError("fetch_piece_bytes must be positive and workers at least 2")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -108,7 +108,8 @@ class RelayServer:
         self.cache_dir = self.config.cache_dir or Path(self._temp_dir or "")
         try:
             cache = ObjectCache(
-                self.cache_dir, max_bytes=self.config.cache_max_bytes, piece_bytes=self.config.fetch_piece_bytes
+                self.cache_dir, max_bytes=self.config.cache_max_bytes, piece_bytes=self.config.fetch_piece_bytes,
+                pieces_in_flight=self.config.fetch_pieces_in_flight,
             )
         except BaseException:
             self._remove_temp_dir()
