@@ -1,9 +1,12 @@
 """A repository through relays: ``grpc://host:port[,host2:port2…][?timeout=SECONDS][&write_token_file=PATH]``.
 
-Without a write token the store is read-only. Several relays may be named: a call goes to the
-one that answered last and, when it is unreachable (UNAVAILABLE, a deadline, a relay shutting
-down), to the next, so subscribers ride through the loss of a relay. A read cut off
-mid-stream resumes at the byte where it stopped on the next relay.
+Without a write token the store is read-only. Several relays may be named: a read of an
+immutable object (a pack, blob, manifest or squash) goes to the relay its key hashes to, so a
+version is read through all of them at once (a cluster's ingress is the sum of its relays'
+links); other calls go to the one that answered last. When a relay is unreachable
+(UNAVAILABLE, a deadline, a relay shutting down) the call goes to the next, so subscribers
+ride through the loss of a relay. A read cut off mid-stream resumes at the byte where it
+stopped on the next relay.
 
 With a write token (``?write_token_file=``, ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``) and relays
 serving with ``--accept-writes``, the store writes: each object is streamed to one relay in
@@ -78,6 +81,8 @@ FAILOVER_CODES = frozenset(
 #: For writes, RESOURCE_EXHAUSTED is the relay's answer (over its size cap or quota), not a
 #: reason to push the same bytes at the next relay of the same repository.
 WRITE_FAILOVER_CODES = FAILOVER_CODES - {grpc.StatusCode.RESOURCE_EXHAUSTED}
+#: Keys whose reads are spread over the relays named by their hash (immutable objects).
+_SHARDED_READS = ("packs/", "blobs/", "manifests/", "squashes/")
 #: Uploads a writable store keeps in flight per relay named (each holds one pack in memory).
 UPLOADS_PER_RELAY = 4
 
@@ -280,13 +285,22 @@ class GrpcStore(Store):
                 call.cancel()  # a refused stream (too large, too long) is not read to its end
             return download.result()
 
-        return self._failover("read", key, attempt)
+        return self._failover("read", key, attempt, start=self._read_shard(key))
 
     def _size(self, key: str) -> int:
         def attempt(relay: _Relay) -> int:
             return int(relay.stat(pb.StatRequest(key=key), timeout=self.timeout).size)
 
-        return self._failover("stat", key, attempt)
+        return self._failover("stat", key, attempt, start=self._read_shard(key))
+
+    def _read_shard(self, key: str) -> int | None:
+        """Where a read starts: an immutable object (pack, blob, manifest, squash) at the relay
+        its key hashes to, like uploads, so a version's objects are read through every relay
+        named at once (each relay fetching its share over its own link); anything else (refs)
+        at the relay that answered last. Either fails over to the next."""
+        if len(self._relays) > 1 and key.startswith(_SHARDED_READS):
+            return self._shard(key)
+        return None
 
     def _list(self, prefix: str) -> Iterator[str]:
         def attempt(relay: _Relay) -> list[str]:
