@@ -19,8 +19,9 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
 * ``publish2``/``tree2``: the same with two relays, each behind its own link of
   ``--shard-mbps`` (``publish2``: two writable relays over one repository, the publisher
   naming both; ``tree2``: two cluster relays, each over its own link to the root, the agent
-  naming both), next to ``publish1``/``tree1``: one relay over one such link. Printed: the
-  throughput of two over one.
+  naming both; ``--no-warm`` relays, each fetching its share), next to ``publish1``/``tree1``:
+  one relay over one such link (``tree1`` also ``--no-warm``). Printed: the throughput of two
+  over one.
 
 Per row and round trip: elapsed (every repetition and the median), the bytes that crossed
 the link (both ways), link time (the larger direction's bytes over the rate, plus 4 round
@@ -92,11 +93,12 @@ def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
 # -- processes -----------------------------------------------------------------------------------
 
 
-def _relay(upstream: str, cache: str, writable: bool, conn: Connection) -> None:
+def _relay(upstream: str, cache: str, writable: bool, warm: bool, conn: Connection) -> None:
     os.environ["DELTASYNC_RELAY_WRITE_TOKEN"] = WRITE_TOKEN
     from deltasync.relay import build_server
 
     options: dict[str, Any] = {"accept_writes": True, "write_token": WRITE_TOKEN} if writable else {}
+    options["warm"] = warm
     try:  # a relay taking uploads from across the link: windows that fill it (docs/cli.md, Across clusters)
         server = build_server(upstream, "127.0.0.1:0", cache, **options,
                               **({"upload_window": UPLOAD_WINDOW} if writable else {})).start()
@@ -110,10 +112,10 @@ def _relay(upstream: str, cache: str, writable: bool, conn: Connection) -> None:
 class Proc:
     """A relay in a process of its own."""
 
-    def __init__(self, upstream: str, cache: Path, writable: bool = False) -> None:
+    def __init__(self, upstream: str, cache: Path, writable: bool = False, warm: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, child), daemon=True)
+        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, warm, child), daemon=True)
         self.proc.start()
         self.address: str = self.conn.recv()
 
@@ -234,7 +236,7 @@ def _read_back(repo: str) -> dict[str, str]:
 
 
 def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tuple[str, tuple[int, int]]],
-             rtt: float, mbps: float, relays: int) -> list[tuple[float, int]]:
+             rtt: float, mbps: float, relays: int, shared: bool = False) -> list[tuple[float, int]]:
     """(commit -> engine holds it, bytes crossed) per version: root relay -> link(s) -> cluster relay(s) -> agent."""
     from deltasync.repo.repository import Repository
 
@@ -243,7 +245,10 @@ def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tup
     Repository(str(repo)).create()  # the agent then waits on a repository (not backing off from a missing one)
     top = Proc(str(repo), root / "cache-root")
     links = [LinkProcess(top.address, rtt=rtt, mbps=mbps) for _ in range(relays)]
-    cluster = [Proc(f"grpc://{link.address}", root / f"cache-cluster-{i}") for i, link in enumerate(links)]
+    # Two relays sharing a cluster's ingress fetch only what their share of reads asks for
+    # (warming, each would fetch the whole version over its link): docs/cli.md, Across clusters.
+    cluster = [Proc(f"grpc://{link.address}", root / f"cache-cluster-{i}", warm=not shared)
+               for i, link in enumerate(links)]
     agent = Agent("grpc://" + ",".join(c.address for c in cluster), root / "agent", shapes)
     out: list[tuple[float, int]] = []
     try:
@@ -310,7 +315,7 @@ def main() -> None:
                     if kind == "publish":
                         figures = row_publish(Path(tmp), states, rtt, mbps, relays)
                     else:
-                        figures = row_tree(Path(tmp), states, shapes, rtt, mbps, relays)
+                        figures = row_tree(Path(tmp), states, shapes, rtt, mbps, relays, shared=label != kind)
                 for version, fig in zip(("snapshot", "delta"), figures, strict=True):
                     results.setdefault((label, version, rtt), []).append(fig)
                 print(f"  {label:9} rtt {rtt * 1000:5.0f} ms rep {rep}: "
