@@ -48,8 +48,12 @@ does not verify is staged again from the relay, as for a corrupt piece.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
 import json
 import logging
+import secrets
+import socket
 import threading
 import time
 from collections import deque
@@ -152,6 +156,7 @@ class PackcastNode:
         prefix: str = "deltasync-packcast",
         spread: str = "chain",
         window: int = 4,
+        token: bytes | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -181,6 +186,12 @@ class PackcastNode:
         self.engine, self.cache, self.rank, self.world = engine, cache, rank, world
         self.timeout, self.piece_bytes, self.backend = timeout, piece_bytes, backend
         self.spread, self.window = spread, window
+        if token is not None and not token:
+            raise UsageError("the packcast token is empty: give a file holding a shared secret")
+        self._token = token
+        # This run's group: with a token, every record names it, so one of another run of
+        # node 0 (same token) is refused (the next record tells followers which one it is).
+        self._gid = secrets.token_hex(8) if rank == 0 else ""
         self.link_bytes = LinkBytes()  # bytes sent to and received from the group, over every round
         self.reports: list[RoundReport] = []
         if store is None:
@@ -188,11 +199,22 @@ class PackcastNode:
             host, _, port = master.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise UsageError(f"master must be host:port, got {master!r}")
+            listen: socket.socket | None = None
             try:
+                if rank == 0:
+                    # TCPStore alone listens on every interface whatever host it is given: bind
+                    # the socket where told and hand it over.
+                    listen = _listen(host, int(port))
+                    _warn_open(host, token)
                 store = dist.TCPStore(  # type: ignore[attr-defined]
-                    host, int(port), None, rank == 0, timeout=timedelta(seconds=timeout), wait_for_workers=False
+                    host, int(port), None, rank == 0, timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                    master_listen_fd=listen.fileno() if listen is not None else None,
                 )
-            except RuntimeError as e:  # torch's DistError is one
+                if listen is not None:
+                    listen.detach()  # the store owns the descriptor now
+            except (RuntimeError, OSError) as e:  # torch's DistError is one
+                if listen is not None:
+                    listen.close()
                 if rank == 0:
                     raise UsageError(f"packcast node 0 cannot listen on {master}: {e}") from None
                 raise GroupError(f"packcast node {rank}: node 0's store at {master} did not answer within "
@@ -210,16 +232,23 @@ class PackcastNode:
         self._holds_of: dict[int, Holds] = {}  # node 0: what each node holds, as it said when it joined
         self._started: tuple[int, threading.Thread, list[str], tuple[int, int]] | None = None  # start_round's
         self._joins_seen = 0
+        self._refused: set[tuple[str, bytes]] = set()  # records refused, logged once each
         if rank == 0:
-            self._store.set("next", "1")
+            self._put_next(1)
             self._fetchers = max(2, min(8, cache.io_concurrency))
             self._fetch_pool = ThreadPoolExecutor(self._fetchers, thread_name_prefix="deltasync-packcast")
         else:
             try:
                 self._store.wait(["next"], timedelta(seconds=timeout))
-                self._round = int(self._store.get("next")) - 1
-                self._store.set(f"holds/{rank}", json.dumps(self.holds(), sort_keys=True))
-                self._store.set(f"joined/{rank}", "1")  # node 0 waits for it from its next round
+                nxt = self._read_next()
+                if nxt is None:
+                    raise GroupError(f"packcast node {rank}: node 0's store at {master or 'the store given'} holds no "
+                                     "round counter this node can authenticate (a different --packcast-token-file?)")
+                # A counter naming a round never written (set from outside) is not followed:
+                # the next round written is found while waiting (next_round).
+                self._round = nxt - 1 if nxt == 1 or self._store.check([f"round/{nxt - 1}"]) else 0
+                self._put(f"holds/{rank}", "holds", rank, self.holds())
+                self._put(f"joined/{rank}", "joined", rank, 1)  # node 0 waits for it from its next round
                 self._store.add("joins", 1)  # and starts one soon, even at the version it holds
             except dist.DistError as e:
                 raise GroupError(f"packcast node {rank}: node 0's store at {master or 'the store given'} did not "
@@ -264,8 +293,8 @@ class PackcastNode:
         header: dict[str, Any] = {"version": target, "members": members, "epoch": self._epoch, "classes": classes}
         if note:
             header["note"] = dict(note)
-        self._store.set(f"round/{n}", json.dumps(header))
-        self._store.set("next", str(n + 1))  # the round a node starting now takes part in
+        self._put(f"round/{n}", "round", n, header)
+        self._put_next(n + 1)  # the round a node starting now takes part in
         for r in range(self.world) if n > 2 else ():  # what no node reads any more
             self._store.delete_key(f"ready/{n - 2}/{r}")
         if n > 2:
@@ -280,7 +309,7 @@ class PackcastNode:
     def close(self) -> None:
         """Node 0: tell the followers to return from :meth:`follow`."""
         if self.rank == 0:
-            self._store.set(f"round/{self._round + 1}", json.dumps({"stop": True}))
+            self._put(f"round/{self._round + 1}", "round", self._round + 1, {"stop": True})
             self._fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     def _gather_ready(self, n: int) -> tuple[tuple[int, ...], dict[int, int | None]]:
@@ -288,7 +317,8 @@ class PackcastNode:
         within the timeout; and any other node that already has. With the version each one's
         engine holds."""
         expected = set(self._members or range(self.world))  # the first round waits for every node
-        joined = [r for r in range(1, self.world) if self._store.check([f"joined/{r}"])]
+        joined = [r for r in range(1, self.world)
+                  if self._store.check([f"joined/{r}"]) and self._take(f"joined/{r}", "joined", r) is not None]
         for r in joined:  # waited for once: one that died since is not waited for again
             self._store.delete_key(f"joined/{r}")
             self._holds_of.pop(r, None)  # it may hold something else now
@@ -300,9 +330,9 @@ class PackcastNode:
         versions: dict[int, int | None] = {0: self.engine.version}
         for r in range(1, self.world):
             key = f"ready/{n}/{r}"
-            if self._store.check([key]):
+            said = self._take(key, f"ready/{n}", r) if self._store.check([key]) else None
+            if isinstance(said, dict):  # a member only once it says so with the group's token
                 ready.append(r)
-                said = json.loads(self._store.get(key))
                 versions[r] = said.get("version")
                 if not said.get("ok"):
                     self._rebuild = True  # its group broke last round
@@ -313,7 +343,7 @@ class PackcastNode:
             return self.holds()
         if r not in self._holds_of:
             key = f"holds/{r}"
-            self._holds_of[r] = json.loads(self._store.get(key)) if self._store.check([key]) else None
+            self._holds_of[r] = self._take(key, "holds", r) if self._store.check([key]) else None
         return self._holds_of[r]
 
     def _classes_for(self, sub: Any, target: int, members: tuple[int, ...],
@@ -410,29 +440,134 @@ class PackcastNode:
     def next_round(self, stop: Callable[[], bool] | None = None) -> tuple[int, dict[str, Any]] | None:
         """Say this node is ready and wait for the next round node 0 starts: ``(round, header)``
         (``header["stop"]``: node 0 closed); None once ``stop`` returns True (asked every 50 ms
-        while waiting). Raises GroupError when node 0's store is gone."""
+        while waiting). Raises GroupError when node 0's store is gone.
+
+        The store is shared with whoever reaches its port: a round counter that names a round
+        not written is not followed, a header that does not authenticate (with a token) is
+        refused and waited past, and a node that sees no round for ``2 * timeout`` goes back
+        to the round node 0's counter names (one forged far ahead does not hold it)."""
         import torch.distributed as dist
 
         n = self._round + 1
         try:
             # Rounds that went on while this node was busy (node 0 keeps only the last two):
             # take the newest one, as a member if it has not started, else catching up.
-            n = max(n, int(self._store.get("next")) - 1)
-            self._store.set(f"ready/{n}/{self.rank}", json.dumps({"ok": not self._rebuild, "version": self.engine.version}))
-            # Waiting is event driven (node 0's close is a round too); with ``stop``, the store
-            # is asked every 50 ms instead (a wait that times out has torch log a warning).
-            if stop is None:
-                self._store.wait([f"round/{n}"], timedelta(hours=24))
-            while stop is not None and not self._store.check([f"round/{n}"]):
-                if stop():
+            n = self._upcoming(n, back=False)
+            self._say_ready(n)
+            since = time.monotonic()
+            resync = since
+            while True:
+                if self._store.check([f"round/{n}"]):
+                    got = self._take(f"round/{n}", "round", n)
+                    if isinstance(got, dict):
+                        header: dict[str, Any] = got
+                        break
+                if stop is not None and stop():
                     return None
                 time.sleep(0.05)
-            header: dict[str, Any] = json.loads(self._store.get(f"round/{n}"))
+                now = time.monotonic()
+                if now - resync >= 1.0:
+                    resync = now
+                    m = self._upcoming(n, back=now - since >= 2 * self.timeout)
+                    if m != n:
+                        n, since = m, now
+                        self._say_ready(n)
         except dist.DistError as e:
             raise GroupError(f"packcast node {self.rank}: node 0's store is gone ({e})") from None
         if not header.get("stop"):
             self._round = n
         return n, header
+
+    def _say_ready(self, n: int) -> None:
+        self._put(f"ready/{n}/{self.rank}", f"ready/{n}", self.rank,
+                  {"ok": not self._rebuild, "version": self.engine.version})
+
+    def _upcoming(self, n: int, *, back: bool) -> int:
+        """The round to wait for: ``n``, or the newest one node 0's counter names when that
+        round was written and not taken (later than ``n``, or with ``back``, any)."""
+        nxt = self._read_next()
+        if nxt is None or nxt - 1 < 1 or nxt - 1 == n or nxt - 1 == self._round:
+            return n
+        if not self._store.check([f"round/{nxt - 1}"]):
+            return n  # a counter naming a round never written (set from outside, say): not followed
+        if nxt - 1 > n or back:
+            if nxt - 1 < n:
+                log.warning("packcast node %d: no round %d after %gs; node 0's counter says round %d: following it",
+                            self.rank, n, 2 * self.timeout, nxt - 1)
+            return nxt - 1
+        return n
+
+    # -- records in the store: authenticated with the token, when there is one ----------------------
+
+    def _mac(self, kind: str, n: int, body: Any, gid: str) -> str:
+        assert self._token is not None
+        canon = json.dumps([gid, kind, n, body], sort_keys=True, separators=(",", ":")).encode()
+        return hmac.new(self._token, canon, hashlib.sha256).hexdigest()
+
+    def _put(self, key: str, kind: str, n: int, body: Any) -> None:
+        """Write ``body`` at ``key``: with a token, with its MAC over the group, ``kind`` and
+        ``n`` (the round, or the rank), so a record cannot be replayed under another key."""
+        if self._token is None:
+            self._store.set(key, json.dumps(body, sort_keys=True))
+            return
+        self._store.set(key, json.dumps({"body": body, "mac": self._mac(kind, n, body, self._gid)}, sort_keys=True))
+
+    def _take(self, key: str, kind: str, n: int) -> Any:
+        """The body at ``key``; None (an error logged) when it does not authenticate."""
+        raw = bytes(self._store.get(key))
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            if (key, raw) not in self._refused:
+                self._refused.add((key, raw))
+                log.error("packcast node %d: %s in node 0's store is not a packcast record: refused", self.rank, key)
+            return None
+        if self._token is None:
+            return value
+        if not isinstance(value, dict) or not isinstance(value.get("mac"), str) or "body" not in value or \
+                not hmac.compare_digest(value["mac"], self._mac(kind, n, value["body"], self._gid)):
+            if (key, raw) in self._refused:
+                return None
+            if len(self._refused) > 1000:
+                self._refused.clear()
+            self._refused.add((key, raw))
+            log.error("packcast node %d: %s in node 0's store does not carry this group's token (written by another "
+                      "process, another run of node 0, or with another --packcast-token-file): refused", self.rank, key)
+            return None
+        return value["body"]
+
+    def _put_next(self, n: int) -> None:
+        body = {"next": n, "group": self._gid}
+        if self._token is None:
+            self._store.set("next", str(n))
+        else:
+            self._store.set("next", json.dumps({"body": body, "mac": self._mac("next", 0, body, "")}, sort_keys=True))
+
+    def _read_next(self) -> int | None:
+        """Node 0's round counter (with a token: authenticated, and the group learned from it);
+        None when it cannot be read or does not authenticate."""
+        raw = self._store.get("next")
+        if self._token is None:
+            try:
+                return int(raw)
+            except ValueError:
+                return None
+        try:
+            value = json.loads(raw)
+            body = value["body"]
+            ok = hmac.compare_digest(str(value["mac"]), self._mac("next", 0, body, ""))
+            n, gid = int(body["next"]), str(body["group"])
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError):
+            ok = False
+        if not ok:
+            if ("next", bytes(raw)) in self._refused:
+                return None
+            self._refused.add(("next", bytes(raw)))
+            log.error("packcast node %d: node 0's round counter does not carry this group's token: refused", self.rank)
+            return None
+        if gid != self._gid and self.rank != 0:
+            self._gid = gid
+        return n
 
     def take_round(self, n: int, header: dict[str, Any], apply: Apply | None = None) -> RoundReport:
         """Take part in round ``n`` (from :meth:`next_round`): as a member, receive and stage
@@ -777,6 +912,34 @@ class _Stream:
             self.out.send(length)
         else:
             self.node._broadcast(self.pg, self.piece[:length], 0, len(_group_ranks(self.ranks)))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket bound to ``host`` (its first address) only."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _warn_open(host: str, token: bytes | None) -> None:
+    if token is not None:
+        return
+    try:
+        loopback = all(ipaddress.ip_address(info[4][0]).is_loopback
+                       for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        loopback = False
+    if not loopback:
+        log.warning("packcast node 0 listens on %s without a token: anyone who reaches that port can move the "
+                    "followers to another version or stall them (give --packcast-token-file; docs/trust.md)", host)
 
 
 def _object_order(streams: Iterable[list[Segment]]) -> dict[str, int]:
