@@ -74,6 +74,11 @@ class FiniteSeconds(click.FloatRange):
               metavar="SECONDS",
               help="--packcast: how long a node waits for another (ready, a piece, node 0 at start) before going "
                    "on without it (it then catches up from the relay).")
+@click.option("--packcast-token-file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              envvar="DELTASYNC_PACKCAST_TOKEN_FILE",
+              help="--packcast: a file holding a secret shared by every node; every round and member record in "
+                   "node 0's store carries its HMAC, and what does not is refused (docs/trust.md). Without it, "
+                   "anyone who reaches HOST:PORT can move the followers. [env: DELTASYNC_PACKCAST_TOKEN_FILE]")
 @click.option("--follow", is_flag=True, help="Keep running: bring the directory to every new target (SIGTERM stops).")
 @click.option("--poll-interval", type=FiniteSeconds(0.01, 3600), default=0.5, show_default=True, metavar="SECONDS",
               help="How often the repository's latest and pin refs are read.")
@@ -113,6 +118,7 @@ def subscribe(
     trusted_keys: tuple[Path, ...], ref_grace: float, workers: int, quiet: bool, state_dir: Path | None,
     worker_repo: str | None,
     patterns: tuple[str, ...], shard: str | None, packcast: str | None, packcast_timeout: float,
+    packcast_token_file: Path | None,
     node_name: str | None, cluster: str, report_to: str | None, report_token_file: Path | None, report_interval: float,
     verify_every: float | None,
 ) -> None:
@@ -160,12 +166,13 @@ def subscribe(
         raise UsageError("--shard applies to torch:MODULE:FACTORY engines")
     node = None
     if packcast is not None:
-        from ..engines.packcast_agent import parse_packcast
+        from ..engines.packcast_agent import parse_packcast, read_token
 
         node = parse_packcast(packcast)
         if node[1] > MAX_PACKCAST_WORLD:
             raise UsageError(f"--packcast {packcast!r}: {node[1]} nodes is more than a group takes (at most "
                              f"{MAX_PACKCAST_WORLD}; a larger fleet is several groups, each behind a relay)")
+        token = read_token(packcast_token_file) if packcast_token_file is not None else None
         # torch's c10d logs every failed attempt to reach a store with a C++ stack trace; packcast
         # says what failed itself (one line, or a warning per round). Set it to see them.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -249,7 +256,8 @@ def subscribe(
 
         assert engine is not None and state_dir is not None
         agent = PackcastAgent(engine, state_dir, config, rank=node[0], world=node[1], master=node[2],
-                              timeout=packcast_timeout, trusted_keys=trusted_keys or None, on_update=report,
+                              timeout=packcast_timeout, token=token, trusted_keys=trusted_keys or None,
+                              on_update=report,
                               on_ready=ready, on_round=round_done)
     elif state_dir is not None:
         from ..local.engine_agent import EngineAgent

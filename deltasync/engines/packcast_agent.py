@@ -52,7 +52,9 @@ class PackcastAgent(EngineAgent):
     The engine is rebound to read its repository through a :class:`PackCache` (objects
     received from the group first; the one it reads through already, if it has one).
     ``master``: ``host:port`` where node 0 listens for the others (its ``torch.distributed``
-    key-value store). ``timeout``: seconds a node waits for another. ``on_round`` receives
+    key-value store). ``token``: a secret every node shares (records in the store carry its
+    HMAC; without it, whoever reaches ``master`` can move the followers: docs/trust.md).
+    ``timeout``: seconds a node waits for another. ``on_round`` receives
     each round's :class:`RoundReport` (bytes received from the group and read from the relay).
     Other arguments are :class:`EngineAgent`'s. Raises UsageError when node 0 cannot listen at
     ``master`` or another node finds no node 0 there within ``timeout``.
@@ -74,6 +76,7 @@ class PackcastAgent(EngineAgent):
         piece_bytes: int = 4 << 20,
         backend: str = "gloo",
         rejoin_interval: float = 10.0,
+        token: bytes | None = None,
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
         on_update: Callable[[Update], None] | None = None,
         on_ready: Callable[[Agent], None] | None = None,
@@ -95,6 +98,7 @@ class PackcastAgent(EngineAgent):
         self.rank, self.world, self.master = rank, world, master
         self.timeout, self.piece_bytes, self.backend = timeout, piece_bytes, backend
         self.rejoin_interval = rejoin_interval
+        self.token = token
         self.on_round = on_round
         self.last_round: RoundReport | None = None
         self._pending: tuple[int, dict[str, Any]] | None = None  # a follower's round to take
@@ -110,7 +114,7 @@ class PackcastAgent(EngineAgent):
         self._last_try = time.monotonic()
         assert self.engine is not None
         node = self.node_class(self.engine, self.packcast, rank=self.rank, world=self.world, master=self.master,
-                            timeout=timeout, piece_bytes=self.piece_bytes, backend=self.backend)
+                            timeout=timeout, piece_bytes=self.piece_bytes, backend=self.backend, token=self.token)
         node.timeout = self.timeout  # a short wait to connect, the usual one for the rounds
         return node
 
@@ -278,8 +282,22 @@ def parse_packcast(spec: str, environ: Mapping[str, str] | None = None) -> tuple
     return rank, world, f"{host}:{port}"
 
 
+def read_token(path: str | os.PathLike[str]) -> bytes:
+    """The shared secret in ``path`` (surrounding whitespace dropped); UsageError when it
+    cannot be read or is empty."""
+    try:
+        with open(path, "rb") as f:
+            token = f.read(1 << 16).strip()
+    except OSError as e:
+        raise UsageError(f"--packcast-token-file {os.fspath(path)}: {e.strerror or e}") from None
+    if not token:
+        raise UsageError(f"--packcast-token-file {os.fspath(path)} is empty: put a shared secret in it "
+                         "(e.g. `openssl rand -hex 32`)")
+    return token
+
+
 def _size(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-__all__ = ["PackcastAgent", "parse_packcast"]
+__all__ = ["PackcastAgent", "parse_packcast", "read_token"]

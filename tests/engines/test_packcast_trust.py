@@ -61,9 +61,9 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, queue: Any
         cache = PackCache(repo)
         held = {n: torch.zeros_like(t) for n, t in _states()[0].items()}
         engine = TorchEngine(held, cache, workers=1)
-        token = TOKEN if scenario == "forged_header" else None
+        extra: dict[str, Any] = {"token": TOKEN} if scenario == "forged_header" else {}
         node = PackcastNode(engine, cache, rank=rank, world=world, master=f"127.0.0.1:{port}", timeout=4.0,
-                            piece_bytes=256, **({"token": token} if token else {}))
+                            piece_bytes=256, **extra)
         if rank == 0 and scenario == "forged_counter":
             _outsider(port).set("next", str(10**9))  # before the followers join (they read it then)
         versions: list[int | None] = []
