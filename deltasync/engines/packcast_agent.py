@@ -30,10 +30,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DeltasyncError, GroupError, StoreError, UsageError
+from ..errors import DeltasyncError, GroupError, ObjectNotFoundError, StoreError, UsageError
 from ..format.signing import PublicKeyLike
 from ..local import Agent, AgentConfig, EngineAgent, PullStopped, Update
-from ..storage import WrappingStore
+from ..repo.repository import LATEST, MAX_REF_BYTES, PIN, Repository
+from ..storage import Store, WrappingStore
 from ._packcache import PackCache
 from .packcast import PackcastNode, RoundReport
 
@@ -154,15 +155,25 @@ class PackcastAgent(EngineAgent):
                 # read again at the next listing.
                 self._identity_read_at = time.monotonic()
                 log.warning("packcast node %d: repository identity not read (%s); taking node 0's rounds", self.rank, e)
+        # No round for a while (twice the timeout, at least a minute): this node reads the refs
+        # itself, and moves on its own if node 0 has fallen silent on a newer target.
+        idle = time.monotonic() + max(2 * self.timeout, 60.0)
         try:
-            got = self.node.next_round(self._stop.is_set)
+            got = self.node.next_round(lambda: self._stop.is_set() or time.monotonic() > idle)
         except GroupError as e:
             return self._detach(str(e), logging.WARNING)
         if got is None:
+            if not self._stop.is_set():
+                return self._own_target("no round from node 0 for a while")
             raise PullStopped(self.current() or 0)  # run() ends on it
         n, header = got
         if header.get("stop"):
             return self._detach(f"packcast node {self.rank}: node 0 at {self.master} closed the group", logging.INFO)
+        refused = self._refuse(int(header["version"]), header.get("note") or {})
+        if refused is not None:
+            log.error("packcast node %d: round %d names version %s: %s; refused, reading the refs itself",
+                      self.rank, n, header["version"], refused)
+            return self._own_target(refused)
         self._pending = n, header
         # Receiving starts now: the manifests the agent reads before the round come from the
         # group too (the stream starts with them), not once per node from the relay.
@@ -183,6 +194,62 @@ class PackcastAgent(EngineAgent):
                 f.stale_since_unix = now
         self._flush()
         return version
+
+    def _refuse(self, version: int, note: Mapping[str, Any]) -> str | None:
+        """With trusted keys: why the round's version is not what the signed refs node 0
+        forwarded say (checked as an agent reading the repository's refs: signature,
+        repository, expiry, no older than seen), None when it is. The pin names the version;
+        without one the version is at most the latest and, unless a signed pin says so, never
+        older than the one this node's engine holds."""
+        if self.trusted_keys is None:
+            return None
+        refs = note.get("refs")
+        if not isinstance(refs, dict):
+            return "node 0 forwarded no signed refs with it"
+        repo = self._repository()
+        repo = Repository(_Forwarded(repo.store, refs), trusted_keys=self.trusted_keys,
+                          ref_grace=self.config.ref_grace, ref_memory=self._state_db())
+        if self._identity is not None:
+            repo.assume_identity(self._identity[0])
+        try:
+            pin = repo.read_ref("pin")
+            latest = repo.read_ref("latest")
+            for ref in (pin, latest):
+                if ref is not None:
+                    repo.accept_ref(ref)
+        except (DeltasyncError, OSError) as e:
+            return f"the refs forwarded with it do not check ({e})"
+        if pin is not None and pin.version is not None:
+            return None if version == pin.version else f"the signed pin names version {pin.version}"
+        if latest is None or latest.version is None:
+            return "no signed refs/latest was forwarded with it"
+        if version > latest.version:
+            return f"the signed refs/latest names version {latest.version}"
+        current = self.current()
+        if current is not None and version < current:
+            return f"older than the version {current} held, and no signed pin names it"
+        return None
+
+    def _own_target(self, why: str) -> int | None:
+        """The target as this node reads the refs itself (node 0 silent, or its round refused)."""
+        try:
+            return super()._observe()
+        except (StoreError, OSError) as e:
+            log.warning("packcast node %d: %s, and the repository's refs could not be read (%s)", self.rank, why, e)
+            return self.current()
+
+    def _refs(self) -> dict[str, str | None]:
+        """Node 0: the refs as stored (signed ones checked by each follower with keys)."""
+        out: dict[str, str | None] = {}
+        for key in (LATEST, PIN):
+            try:
+                out[key] = self.store.get(key, max_bytes=MAX_REF_BYTES).decode("ascii", "replace")
+            except ObjectNotFoundError:
+                out[key] = None
+            except (StoreError, OSError) as e:
+                log.warning("packcast node 0: %s not read to forward (%s)", key, e)
+                out[key] = None
+        return out
 
     def _detach(self, why: str, level: int) -> int | None:
         log.log(level, "%s; following the repository until it is back", why)
@@ -226,7 +293,8 @@ class PackcastAgent(EngineAgent):
 
         self.last_round = None
         if self.rank == 0:
-            note = {"latest": self.figures.latest_version, "pinned": self.figures.pinned_version}
+            note = {"latest": self.figures.latest_version, "pinned": self.figures.pinned_version,
+                    "refs": self._refs()}
             report = node.update(target, apply=apply, note=note)
         else:
             pending, self._pending = self._pending, None
@@ -237,6 +305,23 @@ class PackcastAgent(EngineAgent):
         if self.on_round is not None:
             self.on_round(report)
         return report.record
+
+
+class _Forwarded(WrappingStore):
+    """The repository's store with the refs node 0 forwarded in place of the stored ones."""
+
+    def __init__(self, inner: Store, refs: Mapping[str, Any]) -> None:
+        super().__init__(inner)
+        self.refs = refs
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
+        if key in (LATEST, PIN):
+            raw = self.refs.get(key)
+            if not isinstance(raw, str):
+                raise ObjectNotFoundError(key)
+            data = raw.encode("ascii", "replace")
+            return data if byte_range is None else data[byte_range[0]: byte_range[0] + byte_range[1]]
+        return super()._get(key, byte_range)
 
 
 def parse_packcast(spec: str, environ: Mapping[str, str] | None = None) -> tuple[int, int, str]:

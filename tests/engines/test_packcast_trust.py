@@ -157,3 +157,101 @@ def test_a_member_without_the_token_is_not_taken_in(tmp_path: Any) -> None:
         assert report.members == (0,)
     finally:
         node0.close()
+
+
+# -- signed refs forwarded with each round: agents with --trusted-key ---------------------------------
+
+
+def _agent(rank: int, port: int, repo: str, pub: str, state: str, events: Any, queue: Any) -> None:
+    import threading
+    import time
+
+    from deltasync.engines import TorchEngine
+    from deltasync.engines.packcast_agent import PackcastAgent
+    from deltasync.local import AgentConfig
+
+    try:
+        torch.set_num_threads(1)
+        held = {n: torch.zeros_like(t) for n, t in _states()[0].items()}
+        engine = TorchEngine(held, repo, workers=1, trusted_keys=pub)
+        agent = PackcastAgent(engine, state, AgentConfig(poll_interval=0.05), rank=rank, world=2,
+                              master=f"127.0.0.1:{port}", timeout=4.0, trusted_keys=pub)
+        runner = threading.Thread(target=agent.run, kwargs={"follow": True}, daemon=True)
+        runner.start()
+        seen: list[int | None] = []
+        for want, ev in ((3, events[0]), (4, None)):
+            deadline = time.monotonic() + 60
+            while agent.current() != want and time.monotonic() < deadline:
+                seen.append(agent.current())
+                time.sleep(0.05)
+            if agent.current() != want or not _holds(held, want):
+                raise AssertionError(f"node {rank} holds {agent.current()}, not {want}")
+            if ev is not None and rank == 1:
+                ev.set()  # at 3: the test forges a round, waits, then publishes 4
+                while not events[1].is_set():
+                    seen.append(agent.current())
+                    time.sleep(0.02)
+        events[2].wait(60)
+        agent.stop()
+        runner.join(30)
+        queue.put((rank, {"seen": seen}, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.slow
+def test_a_trusting_follower_refuses_a_round_its_signed_refs_do_not_name(tmp_path: Any) -> None:
+    import multiprocessing as mp
+    import threading
+    import time
+
+    from deltasync.format.signing import generate_keypair
+
+    key, pub, _ = generate_keypair(tmp_path / "keys" / "k")
+    repo = str(tmp_path / "repo")
+    publisher = deltasync.Publisher(repo, deltasync.PublisherConfig(codec=PlanesZstdCodec(chunk_bytes=256)),
+                                    signing_key=key)
+    states = _states()
+    publisher.publish(states[0])
+    old_latest = (tmp_path / "repo" / "refs" / "latest").read_text()  # signed, naming version 1
+    for s in states[1:3]:
+        publisher.publish(s)
+    ctx = mp.get_context("spawn")
+    events = (ctx.Event(), ctx.Event(), ctx.Event())
+    result: dict[str, Any] = {}
+
+    def drive(port: int) -> None:
+        try:
+            if not events[0].wait(90):
+                return
+            store = _outsider(port)
+            n = int(store.get("next"))
+            forged = {"version": 1, "members": [0, 1], "epoch": 99, "classes": [],
+                      "note": {"latest": 1, "refs": {"refs/latest": old_latest, "refs/pin": None}}}
+            store.set(f"round/{n}", json.dumps(forged))  # a replayed signed ref naming version 1
+            time.sleep(3)
+            store.set(f"round/{n + 1}", json.dumps({**forged, "note": {}}))  # no refs at all
+            time.sleep(3)
+            publisher.publish(states[3])
+        except BaseException as e:
+            result["error"] = e
+        finally:
+            events[1].set()
+
+    ports: list[int] = []
+
+    def args(r: int, port: int, q: Any) -> tuple[Any, ...]:
+        if not ports:
+            ports.append(port)
+            threading.Thread(target=drive, args=(port,), daemon=True).start()
+        return (r, port, repo, str(pub), str(tmp_path / f"state{r}"), events, q)
+
+    def finish() -> None:
+        events[1].wait(120)
+        time.sleep(6)
+        events[2].set()
+
+    threading.Thread(target=finish, daemon=True).start()
+    out = spawn_ranks(_agent, 2, args, timeout=150)
+    assert "error" not in result, result
+    assert 1 not in out[1]["seen"] and 2 not in [v for v in out[1]["seen"][out[1]["seen"].index(3):]], out[1]["seen"]
