@@ -32,6 +32,13 @@ left out of the next group (a fresh gloo group over the members, built through t
 so it blocks the others for at most ``timeout`` seconds. A node left out catches up from the
 relay and says it is ready for the next round.
 
+Anyone who reaches node 0's store can write into it (node 0 binds it to the host it is given
+only). With a ``token`` (a secret every node shares) every record in it carries an HMAC over
+the record, its kind, its round or rank and node 0's run, and what does not authenticate is
+refused: a follower never takes a header node 0 did not write, and node 0 never takes in a
+member that does not hold the token. A round counter naming a round never written is not
+followed, token or not (docs/trust.md).
+
 Shard-aware: a node whose engine holds only some tensors or regions (``TorchEngine.holdings``:
 ``--tensors``, ``--shard I/N``, :class:`~deltasync.Slice` values) says so when it joins. Node
 0 groups the members by what they hold; each class gets its own stream, over its own group

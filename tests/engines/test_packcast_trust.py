@@ -255,3 +255,18 @@ def test_a_trusting_follower_refuses_a_round_its_signed_refs_do_not_name(tmp_pat
     out = spawn_ranks(_agent, 2, args, timeout=150)
     assert "error" not in result, result
     assert 1 not in out[1]["seen"] and 2 not in [v for v in out[1]["seen"][out[1]["seen"].index(3):]], out[1]["seen"]
+
+
+def test_the_token_file_is_read_or_refused_with_its_name(tmp_path: Any) -> None:
+    from deltasync.engines.packcast_agent import read_token
+    from deltasync.errors import UsageError
+
+    good = tmp_path / "token"
+    good.write_text("  s3cret\n")
+    assert read_token(good) == b"s3cret"
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(UsageError, match="empty"):
+        read_token(empty)
+    with pytest.raises(UsageError, match="missing"):
+        read_token(tmp_path / "missing")
