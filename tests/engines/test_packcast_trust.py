@@ -270,3 +270,18 @@ def test_the_token_file_is_read_or_refused_with_its_name(tmp_path: Any) -> None:
         read_token(empty)
     with pytest.raises(UsageError, match="missing"):
         read_token(tmp_path / "missing")
+
+
+def test_subscribe_reads_the_token_file_from_the_flag_or_the_environment(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").write_text("")
+    base = [sys.executable, "-m", "deltasync", "subscribe", "--repo", str(tmp_path / "repo"), "--state", "S",
+            "--engine", "torch:m:f", "--packcast", "0/2@127.0.0.1:1"]
+    for extra, env in ((["--packcast-token-file", "empty"], {}), ([], {"DELTASYNC_PACKCAST_TOKEN_FILE": "empty"})):
+        done = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                              env={**os.environ, **env})
+        assert done.returncode != 0 and "--packcast-token-file empty is empty" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
