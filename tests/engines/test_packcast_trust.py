@@ -116,6 +116,7 @@ def test_node_0_listens_only_where_told(tmp_path: Any) -> None:
         node.close()
 
 
+@pytest.mark.slow
 def test_a_header_written_from_outside_is_refused_with_a_token(tmp_path: Any,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     out = _run(tmp_path, "forged_header")
@@ -124,6 +125,7 @@ def test_a_header_written_from_outside_is_refused_with_a_token(tmp_path: Any,
         assert all(m == (0, 1, 2) for m in res["members"]), (rank, res["members"])
 
 
+@pytest.mark.slow
 def test_a_round_counter_forged_far_ahead_does_not_freeze_followers(tmp_path: Any) -> None:
     out = _run(tmp_path, "forged_counter")
     for rank, res in out.items():
