@@ -122,7 +122,9 @@ class RoundReport:
     error: str | None = None
     """Why the engine did not take ``version`` (a follower goes on to the next round)."""
     link_sent: int = 0
-    """Bytes this node sent to other nodes of its group this round (counted by the chain)."""
+    """Bytes this node sent to other nodes of its group this round: counted by the chain and the
+    tree as they send; with ``spread='broadcast'`` (gloo's own collective, which reports nothing)
+    computed from the binomial pattern it follows, not counted."""
     link_received: int = 0
     """Bytes this node received from another node of its group this round."""
 

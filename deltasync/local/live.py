@@ -105,7 +105,9 @@ class LiveChecker:
             return {"result": "error", "unix": now, "error": "the engine holds no version yet"}
         t0 = time.monotonic()
         try:
-            found = verify(version)
+            # no version named: the engine checks the version it holds under its own mutex (a swap
+            # landing between reading the agent's version and the check would show as drift)
+            found = verify()
         except (DeltasyncError, OSError) as e:
             return {"result": "error", "unix": now, "version": version, "error": str(e)}
         result: dict[str, Any] = {
@@ -121,7 +123,7 @@ class LiveChecker:
         if not repair:
             return result
         swap = self._restage(found.version)
-        after = verify(found.version)
+        after = verify()  # what the engine holds after the restage (a move that landed meanwhile included)
         result["repaired"] = after.ok
         result["result"] = "repaired" if after.ok else "drift"
         if swap is not None:

@@ -151,8 +151,7 @@ class Publisher:
                 bases = self._dir_bases(reader, base_root, self.repo.manifest(parent))
             result = self._publish(
                 sources, self._dir_files(ckpt), bases, parent, version, metadata, blob_root=ckpt.root,
-                known_latest=(parent,),
-            )
+            )  # latest is read again beside the lease: a commit during the base reads makes this a snapshot
             if result.kind == "unchanged":
                 return result
             result = self._squash(result, {s.key: s.read for s in sources})

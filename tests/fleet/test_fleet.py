@@ -204,7 +204,7 @@ def test_agents_report_and_pin_wait_names_the_node_held_back(
     start = time.monotonic()
     held = _cli("pin", "--repo", str(repo), "1", "--wait", "--fleet", url, "--timeout", "4")
     assert held.returncode == 1
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60  # --timeout 4 plus a CLI start on loaded cores
     assert "only 2/3 reporting engines serve version 1" in held.stderr, held.stderr
     assert "c0/n2: silent, version 2" in held.stderr, held.stderr
     # A quorum the two running nodes meet is confirmed.

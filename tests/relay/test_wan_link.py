@@ -35,13 +35,15 @@ def relay(tmp_path: Path) -> Iterator[object]:
         server.stop(grace=0)
 
 
-def _cut_when(link: Link, direction: int, at_bytes: int, cuts: list[float]) -> threading.Thread:
-    """Cut every connection once ``at_bytes`` more have crossed ``direction`` (0 up, 1 down)."""
+def _cut_when(link: Link, direction: int, at_bytes: int, cuts: list[float],
+              done: threading.Event) -> threading.Thread:
+    """Cut every connection once ``at_bytes`` more have crossed ``direction`` (0 up, 1 down),
+    unless ``done`` is set first (the transfer finished: a cut after it would test nothing)."""
     start = link.counts()[direction]
 
     def watch() -> None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not done.is_set():
             if link.counts()[direction] - start >= at_bytes:
                 link.cut()
                 cuts.append(time.monotonic())
@@ -59,16 +61,19 @@ def _state(seed: int, mib: int = 8) -> dict[str, torch.Tensor]:
 
 
 def test_a_publish_cut_mid_pack_retries_and_commits_one_whole_version(relay: object, tmp_path: Path) -> None:
-    link = Link(relay.address, rtt=0.02, mbps=200).start()  # type: ignore[attr-defined]
+    link = Link(relay.address, rtt=0.02, mbps=50).start()  # type: ignore[attr-defined]
     try:
         store = GrpcStore(f"grpc://{link.address}", write_token=TOKEN)
         pub = deltasync.Publisher(store, deltasync.PublisherConfig(progress=False))
         state = _state(1)
         cuts: list[float] = []
-        watcher = _cut_when(link, 0, 3 * MiB, cuts)  # the 8 MiB of incompressible bits: mid-pack
+        done = threading.Event()
+        watcher = _cut_when(link, 0, 3 * MiB, cuts, done)  # the 8 MiB of incompressible bits: mid-pack
         result = pub.publish(state)
+        finished = time.monotonic()
+        done.set()
         watcher.join()
-        assert cuts, "the link was never cut: the test did not test a cut"
+        assert cuts and cuts[0] < finished, "the link was not cut mid-publish: the test did not test a cut"
         assert int(result) == 1
     finally:
         link.stop()
@@ -84,14 +89,17 @@ def test_a_read_cut_mid_object_resumes_bit_exact(relay: object, tmp_path: Path) 
     data = np.random.default_rng(2).bytes(12 * MiB)
     key = f"packs/{digest(data).hex()}.pack"
     LocalStore(tmp_path / "repo").put(key, data)
-    link = Link(relay.address, rtt=0.02, mbps=200).start()  # type: ignore[attr-defined]
+    link = Link(relay.address, rtt=0.02, mbps=50).start()  # type: ignore[attr-defined]
     try:
         store = GrpcStore(f"grpc://{link.address}")
         cuts: list[float] = []
-        watcher = _cut_when(link, 1, 5 * MiB, cuts)
+        done = threading.Event()
+        watcher = _cut_when(link, 1, 5 * MiB, cuts, done)
         got = store.get(key)
+        finished = time.monotonic()
+        done.set()
         watcher.join()
-        assert cuts, "the link was never cut: the test did not test a cut"
+        assert cuts and cuts[0] < finished, "the link was not cut mid-read: the test did not test a cut"
         assert got == data
     finally:
         link.stop()
