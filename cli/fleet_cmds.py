@@ -234,7 +234,7 @@ def start_hooks(agent: Any, state_dir: Path, *, repo: str, node: str | None, clu
 
             if verify_every is not None and not callable(getattr(agent.engine, "verify", None)):
                 raise UsageError(f"--verify-every: the {getattr(agent.engine, 'kind', '')} engine cannot check its live weights "
-                                 "(torch engines can)")
+                                 "(torch and vllm engines can)")
             hooks.checker = LiveChecker(agent, every=verify_every).start()
             hooks.control = ControlServer(state_dir, hooks.checker)
         to = report_to or (repo if repo.lower().startswith(("grpc://", "grpcs://")) else None)

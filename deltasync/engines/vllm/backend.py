@@ -64,6 +64,7 @@ from ...errors import (
 from ...format import dtypes
 from ...format.manifest import ManifestInfo
 from .cost import Choice, ModuleWork, Rates, choose, patch_cost, reload_cost
+from .live import Found, LiveRecord, check_chunks, module_of
 from .sparse import Applied, Contract, Placement, apply_changes, undo_all, unwrap_reload_loaders
 from .weights import (
     MAPPED,
@@ -76,6 +77,7 @@ from .weights import (
     names_to_load,
     plan_update,
     read_changes,
+    tensor_chunks,
     tensor_signatures,
 )
 
@@ -120,6 +122,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self.contract = Contract(model)
         # What each way of loading costs here: calibrated by every update's measured times.
         self.rates = Rates()
+        # Digests of what the manifest cannot check (repacked forms...), recorded after each
+        # checked load (deltasync.engines.vllm.live); None until the first one.
+        self.record: LiveRecord | None = None
 
     # -- vLLM's interface -------------------------------------------------------------------------
 
@@ -160,6 +165,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         # The plan made when this update was staged holds still (nothing loaded since: any
         # other update drops the staging); else it is made now.
         plan = self._staged_plan(held, target) or plan_update(held, target, packed, self._contract_reason)
+        repaired: dict[str, str] = {}
+        if req.repair and not req.stage:
+            repaired = self._drifted_tensors(target, packed)
         if req.stage:
             t_plan = time.perf_counter() - started - t_manifests
             self._start_staging(source, held, target, plan, req.stage_max_bytes)
@@ -183,6 +191,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             refused.update(more_refused)
         # Values that cannot travel sparse (another shape or dtype): their modules reload whole.
         plan.demote(refused, target, packed)
+        if repaired:  # a repair: the modules whose live bits drifted reload whole from the target
+            plan.demote(repaired, target, packed)
         choice = self._choose(plan, changes, target, packed, tensors)
         log.info("deltasync: version %d: %s", target.version, choice.summary())
         if choice.whole:
@@ -243,6 +253,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             raise
         MAPPED.forget()
         self.held = target
+        self._record_after_load(target)
         self.rates.calibrate("reload", choice.reload_estimate, t_reload)
         self.rates.calibrate("patch", choice.patch_estimate, t_patch)
         self.last = {
@@ -255,6 +266,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             "estimate_s": round(choice.estimate, 4), "measured_s": round(t_reload + t_patch, 4),
             "patch_s": round(t_patch, 4), "reload_s": round(t_reload, 4),
             "seconds": round(time.perf_counter() - started, 4),
+            "repaired": sorted({group_key(n, packed) for n in repaired}),
         }
         log.info("deltasync: version %d loaded (%s)", target.version, self.last)
         measured = t_reload + t_patch
@@ -467,6 +479,80 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             return None
         return staging
 
+    # -- live check -------------------------------------------------------------------------------
+
+    def _direct(self, info: ManifestInfo, found: Found | None) -> set[int]:
+        """Check (into ``found``) every checkpoint tensor of ``info`` held whole in one parameter
+        in its own dtype against the manifest's chunk digests; returns those parameters' ids
+        (the record leaves them out)."""
+        direct: set[int] = set()
+        sigs = tensor_signatures(info)
+        for name, sig in sigs.items():
+            chunks = tensor_chunks(info, name)
+            if not chunks:
+                continue
+            shape, dtype = tuple(int(x) for x in sig[1]), dtypes.to_torch(sig[0])
+            place = self.contract.check(name, shape, dtype)
+            if not (isinstance(place, Placement) and place.whole and place.n == math.prod(shape)
+                    and place.param.dtype == dtype and place.param.numel() == place.n):
+                continue
+            direct.add(id(place.param))
+            if found is not None:
+                check_chunks(place.region(), chunks, name, found)
+        return direct
+
+    def _record_after_load(self, info: ManifestInfo) -> None:
+        """Record the digests of what the manifest cannot check, right after a load of
+        ``info`` whose every tensor was checked against its digests (best effort: a failure
+        only leaves the check without a record, which it says)."""
+        try:
+            self.record = LiveRecord.record(self.model, info, self._direct(info, None))
+        except Exception as e:  # never fail an update that loaded for want of a record
+            self.record = None
+            log.warning("deltasync: recording the live digests of version %d failed (%s)", info.version, e)
+
+    def live_check(self) -> dict[str, Any]:
+        """Hash what this worker holds now against the version it holds (see
+        :mod:`deltasync.engines.vllm.live`). ``baseline``: no record matched the held version
+        (a server started from a copy, never updated since), so one was recorded now and
+        only the manifest's chunks were checked."""
+        held = self.held
+        if held is None:
+            return {"error": "this worker holds no known version (started from a model deltasync did not write, "
+                             "or a failed update left it mixed)"}
+        found = Found()
+        direct = self._direct(held, found)
+        record = self.record
+        baseline = record is None or record.key != bytes(held.pb.version_digest)
+        if baseline:
+            self.record = LiveRecord.record(self.model, held, direct)
+        else:
+            assert record is not None
+            record.check(self.model, direct, found)
+        return {"version": held.version, "held_digest": held.pb.version_digest.hex(), "baseline": baseline,
+                **found.as_dict()}
+
+    def _drifted_tensors(self, target: ManifestInfo, packed: dict[str, list[str]]) -> dict[str, str]:
+        """For a repair: the tensors of ``target`` whose runtime modules drifted from the held
+        version (a live check now), name → why; every tensor when a drifted item maps to no
+        checkpoint module (or no version is held: the update loads everything anyway)."""
+        if self.held is None:
+            return {}
+        found = self.live_check()
+        drifted = found.get("drifted") or []
+        if not drifted:
+            return {}
+        groups = {group_key(n, packed) if idx >= 0 else module_of(n) for n, idx in drifted}
+        names = list(tensor_signatures(target))
+        by_group = [n for n in names if group_key(n, packed) in groups]
+        if {group_key(n, packed) for n in by_group} != groups:
+            log.warning("deltasync: drifted %s maps to no checkpoint module; reloading every module",
+                        sorted(groups - {group_key(n, packed) for n in by_group}))
+            by_group = names
+        log.warning("deltasync: repair: %d drifted item(s) (%s); reloading %d tensor(s)", len(drifted),
+                    ", ".join(f"{n}#{i}" for n, i in drifted[:4]), len(by_group))
+        return {n: "its live bits drifted" for n in by_group}
+
     def shutdown(self) -> None:
         """Nothing held open between updates."""
 
@@ -479,7 +565,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             "patches": len(st.changes),
             "error": None if st.error is None else str(st.error),
         }
-        return {"held": None if self.held is None else self.held.version, "staging": staging,
+        return {"held": None if self.held is None else self.held.version, "staging": staging, "last": self.last,
                 "held_digest": None if self.held is None else self.held.pb.version_digest.hex()}
 
     # -- loading ----------------------------------------------------------------------------------

@@ -44,9 +44,9 @@ from ...format.manifest import ManifestInfo
 from ...format.signing import PublicKeyLike
 from ...repo.repository import Repository
 from ...storage import Store
-from ..base import EngineError, Staged, SwapRecord
+from ..base import EngineError, LiveCheck, Staged, SwapRecord
 from ..http_engine import Call, HttpEngine, HttpPreset, HttpStaged
-from .weights import DEFAULT_STAGE_MAX_BYTES, names_to_load
+from .weights import DEFAULT_STAGE_MAX_BYTES, group_key, names_to_load
 
 PAUSE_MODES = ("keep", "wait", "abort")
 
@@ -116,6 +116,7 @@ class VllmEngine(HttpEngine):
         self.pause_mode = pause_mode
         self.stage_max_bytes = stage_max_bytes
         self._held_info: ManifestInfo | None = None
+        self._repair = False  # in a forced update: the workers also reload what drifted
 
     # -- what the server holds -------------------------------------------------------------------
 
@@ -145,6 +146,43 @@ class VllmEngine(HttpEngine):
         except EngineError:
             return False
 
+    def verify(self, version: int | None = None) -> LiveCheck:
+        """The live check (``deltasync check --state``, ``--verify-every``): every worker hashes
+        the parameters it holds now (``/collective_rpc`` ``deltasync_verify``, see
+        :mod:`deltasync.engines.vllm.live`): tensors held whole in one parameter against the
+        manifest's chunk digests, the rest (fused, sharded, converted parameters and the
+        repacked kernel copies) against digests recorded right after the last checked load.
+        Drifted items are named ``(tensor, chunk)``, or ``(runtime name, -1)`` for a recorded
+        one (``...qkv_proj#repacked``: a module's kernel copy). Holds the engine's mutex (no
+        update interleaves); the server serves meanwhile (vLLM runs the call between steps)."""
+        self._check_open()
+        with self._mutex:
+            target = self._version if version is None else version
+            if target is None:
+                raise UsageError("the engine holds no known version to check")
+            key = self.subscriber.repo.manifest(target).pb.version_digest.hex()
+            answer = self._post("/collective_rpc", {"method": "deltasync_verify"}, "live check")
+            results = answer.get("results") if isinstance(answer, dict) else None
+            if not isinstance(results, list) or not results:
+                raise EngineError("the vLLM server returned no live check (is deltasync its weight-transfer backend?)")
+            drifted: list[tuple[str, int]] = []
+            checked = 0
+            for rank, r in enumerate(results):
+                if not isinstance(r, dict):
+                    raise EngineError(f"worker {rank} runs no deltasync backend: its live weights cannot be checked")
+                if r.get("error"):
+                    raise EngineError(f"worker {rank}: {r['error']}")
+                if r.get("version") != target or r.get("held_digest") != key:
+                    # the worker holds another version: every chunk of the target is in question
+                    raise EngineError(f"worker {rank} holds version {r.get('version')} "
+                                      f"(digest {r.get('held_digest')}), not version {target}")
+                checked += int(r.get("chunks_checked", 0)) + int(r.get("recorded_checked", 0))
+                for item in r.get("drifted", []):
+                    name, idx = str(item[0]), int(item[1])
+                    if (name, idx) not in drifted:
+                        drifted.append((name, idx))
+            return LiveCheck(version=target, chunks_checked=checked, drifted=drifted)
+
     def update(self, version: int | None = None, *, force: bool = False) -> SwapRecord | None:
         """As :meth:`Engine.update`; an engine that knows no version first asks the server
         (:meth:`server_state`): one already serving the target, every worker holding its
@@ -155,9 +193,14 @@ class VllmEngine(HttpEngine):
         if self._version is None and (version is None or (isinstance(version, int) and version >= 1)):
             with self._mutex:
                 target = self._resolve(version)
-                if self._adopt(target):
+                # adopted: nothing to swap, unless forced (a restage checks the live bits too)
+                if self._adopt(target) and not force:
                     return None
-        return super().update(version, force=force)
+        self._repair = force
+        try:
+            return super().update(version, force=force)
+        finally:
+            self._repair = False
 
     def _adopt(self, target: int) -> bool:
         try:
@@ -287,12 +330,40 @@ class VllmEngine(HttpEngine):
 
     def _write(self, staged: Staged) -> int:
         update = self._update_info(staged.version)
+        if self._repair:
+            # A forced update (the agent's restage, a live check's repair): each worker checks
+            # its live bits first and reloads the modules that drifted, whole (a vLLM module
+            # reloads as one: its kernel copy is rebuilt from all of its checkpoint tensors).
+            update["repair"] = True
         # On failure the workers restore the version they held, and vLLM closes the update
         # (its worker ends it on any error; a finish now would fail there as unmatched, and one
         # left open is closed by the next start). The engine serves the held version.
         self._post("/update_weights", {"update_info": update}, "update weights")
         self._post("/finish_weight_update", {"weight_version": str(staged.version)}, "finish weight update")
+        if self._repair:
+            self._count_repair(staged)
         return staged.bytes_to_write
+
+    def _count_repair(self, staged: Staged) -> None:
+        """What a repair rewrote, as the workers measured it: the chunks of the tensors they
+        reloaded (the swap record's ``chunks_changed``), and which modules (``extra``)."""
+        try:
+            states = self._post("/collective_rpc", {"method": "deltasync_status"}, "worker status").get("results")
+        except (EngineError, AttributeError):
+            return
+        info = self.subscriber.repo.manifest(staged.version)
+        modules: set[str] = set()
+        for s in states if isinstance(states, list) else []:
+            last = s.get("last") if isinstance(s, dict) else None
+            if isinstance(last, dict) and last.get("version") == staged.version:
+                modules.update(str(m) for m in last.get("repaired") or [])
+        if not modules:
+            return
+        packed = COMMON_PACKED  # the agent's estimate of the model's fusing (see names_to_load)
+        reloaded = [t for t in info.pb.tensors if group_key(t.name, packed) in modules]
+        staged.chunks_changed = max(staged.chunks_changed, sum(len(t.chunks) for t in reloaded))
+        staged.bytes_to_write = max(staged.bytes_to_write, sum(t.nbytes for t in reloaded))
+        staged.extra = {**staged.extra, "repaired_modules": sorted(modules)}
 
     def _after_swap(self, staged: Staged) -> None:
         super()._after_swap(staged)

@@ -87,7 +87,9 @@ class UpdateRequest:
     during the update. ``version_digest``: the hex version digest of the version to load, as
     the agent's repository has it: a manifest (of the copy or the repository) with another
     one under that number is another repository's version and is refused (None: the number
-    decides, as from older agents). ``fail_after``: testing only — fail after loading that
+    decides, as from older agents). ``repair``: also reload the modules whose live bits
+    drifted from the held version (a live check in the worker first; the agent's forced
+    restage). ``fail_after``: testing only — fail after loading that
     many tensors (0: never).
     """
 
@@ -100,13 +102,14 @@ class UpdateRequest:
     stage: bool = False
     stage_max_bytes: int = DEFAULT_STAGE_MAX_BYTES
     version_digest: str | None = None
+    repair: bool = False
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> UpdateRequest:
         if not isinstance(raw, Mapping):
             raise UsageError(f"deltasync update_info must be a JSON object, got {type(raw).__name__}")
         known = {"version", "copy", "repo", "trusted_keys", "from_version", "fail_after", "stage", "stage_max_bytes",
-                 "version_digest"}
+                 "version_digest", "repair"}
         extra = sorted(set(raw) - known)
         if extra:
             raise UsageError(f"deltasync update_info: unknown field(s) {', '.join(extra)}; expected {', '.join(sorted(known))}")
@@ -138,7 +141,10 @@ class UpdateRequest:
         if wanted is not None and (not isinstance(wanted, str) or len(wanted) != 32
                                    or not all(c in "0123456789abcdef" for c in wanted)):
             raise UsageError(f"deltasync update_info: version_digest must be 32 hex digits, got {wanted!r}")
-        return cls(version, copy, repo, tuple(keys), held, fail_after, stage, limit, wanted)
+        repair = raw.get("repair", False)
+        if not isinstance(repair, bool):
+            raise UsageError(f"deltasync update_info: repair must be true or false, got {repair!r}")
+        return cls(version, copy, repo, tuple(keys), held, fail_after, stage, limit, wanted, repair)
 
 
 # -- which tensors ---------------------------------------------------------------------------------
