@@ -71,6 +71,9 @@ def test_drift_in_a_vllm_worker_is_found_and_its_module_alone_reloaded(tmp_path:
             first = checker.check(repair=False)
             assert first["result"] == "ok", first
             assert first["chunks_checked"] > 0
+            worker = server.call("/collective_rpc", {"method": "deltasync_verify"})["results"][0]
+            # every repacked linear readable (oneDNN's handle through the identity probe), none left out
+            assert worker["unreadable"] == [] and worker["recorded_checked"] > 0 and not worker["baseline"], worker
 
             # a tensor the manifest checks chunk by chunk: named with its chunk
             poke(server, "model.embed_tokens.weight", 5)
