@@ -193,8 +193,8 @@ class VllmEngine(HttpEngine):
         if self._version is None and (version is None or (isinstance(version, int) and version >= 1)):
             with self._mutex:
                 target = self._resolve(version)
-                # adopted: nothing to swap, unless forced (a restage checks the live bits too)
-                if self._adopt(target) and not force:
+                # adopted as it serves, with no swap (its live bits: the live check's job)
+                if self._adopt(target):
                     return None
         self._repair = force
         try:
