@@ -504,7 +504,13 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
     def _record_after_load(self, info: ManifestInfo) -> None:
         """Record the digests of what the manifest cannot check, right after a load of
         ``info`` whose every tensor was checked against its digests (best effort: a failure
-        only leaves the check without a record, which it says)."""
+        only leaves the check without a record, which it says).
+
+        Only once live checks are in use (a first check recorded a baseline): recording hashes
+        every parameter and runs each repacked linear layer once, about a prefill's worth of
+        work, which a server nobody checks should not pay on every update."""
+        if self.record is None:
+            return
         try:
             self.record = LiveRecord.record(self.model, info, self._direct(info, None))
         except Exception as e:  # never fail an update that loaded for want of a record
