@@ -37,6 +37,8 @@ class PublishWhileGcDeletes(WrappingStore):
         self._lock = threading.RLock()
 
     def _hook(self, key: str) -> None:
+        if not key.startswith(("packs/", "blobs/", PENDING)):
+            return  # e.g. the publish's lease, released on its own commit thread: never waits here
         with self._lock:
             if self.action is not None and not self.fired and key.startswith(("packs/", "blobs/", PENDING)):
                 self.fired = True
