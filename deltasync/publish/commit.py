@@ -70,6 +70,10 @@ class Draft:
     """Bytes of blobs stored for it (added to the manifest's stored bytes)."""
     start: float
     """``time.monotonic()`` when its publish began (the result's ``seconds``)."""
+    latest: tuple[int | None] | None = None
+    """(the latest version,) as the publish listed it before encoding; None: not known. When
+    the version is the one after it, the commit takes its history parent from it instead of
+    listing the manifests again (Repository.commit)."""
 
 
 def encoded_manifest(encoded: Encoded, *, stored_extra: int = 0, **fields: Any) -> pb.Manifest:
@@ -136,7 +140,7 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
                              "publishing (gc); nothing of it is visible, publish again (it will be a snapshot)")
     manifest = build_manifest(repo, config.codec, draft, encoded)
     # Once the manifest is written, the check that nothing it names was deleted at that moment
-    # and the caller's after-commit work run beside the ref update (Repository.alongside_commit).
+    # and the caller's after-commit work run beside the ref update (Repository.commit's alongside).
     checked: list[list[str] | BaseException] = []
 
     def check_after() -> None:
@@ -145,8 +149,8 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
         except BaseException as e:  # raised below, on the publisher's thread
             checked.append(e)
 
-    with repo.alongside_commit(check_after, *([after_commit] if after_commit is not None else [])):
-        repo.commit(manifest)
+    repo.commit(manifest, alongside=[check_after, *([after_commit] if after_commit is not None else [])],
+                known_latest=draft.latest)
     result = checked[0] if checked else missing_objects(repo.store, files, encoded)
     if isinstance(result, BaseException):
         raise result

@@ -300,7 +300,7 @@ class Publisher:
         lease.what = f"publish of version {version}"  # in the lease from its next renewal
         blob_bytes = self._store_blobs(blob_root, files) if blob_root is not None else 0
         draft = Draft(version=version, parent=parent, snapshot=not bases, files=files, metadata=metadata,
-                      blob_bytes=blob_bytes, start=start)
+                      blob_bytes=blob_bytes, start=start, latest=(latest,))
         source = _Source(sources, bases, keep, base_arrays, blob_root)
         if limit is not None:
             try:

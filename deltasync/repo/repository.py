@@ -63,7 +63,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -83,6 +83,7 @@ from ..errors import (
     RepositoryIdentityError,
     RepositoryNotFoundError,
     SignatureError,
+    StoreError,
     UsageError,
     VersionConflictError,
     VersionNotFoundError,
@@ -112,6 +113,7 @@ from ..format.signing import (
 )
 from ..storage import Store, open_store
 from ..v1 import manifest_pb2 as pb
+from .history import _read_record, history_key
 
 REPO_FORMAT = 1
 MARKER = "deltasync.json"
@@ -337,7 +339,6 @@ class Repository:
         self._identity: tuple[bytes | None] | None = None  # (identity,) once read
         self._assumed = False  # the identity was given (assume_identity), not read
         self._created = False  # create() succeeded through this object: later calls cost no round trip
-        self._alongside: tuple[Callable[[], None], ...] = ()  # see alongside_commit
 
     # -- existence ---------------------------------------------------------------------------
 
@@ -799,25 +800,24 @@ class Repository:
         out.reverse()
         return out
 
-    @contextlib.contextmanager
-    def alongside_commit(self, *work: Callable[[], None]) -> Iterator[None]:
-        """Within it, a successful :meth:`commit` runs ``work`` (functions that raise nothing)
-        on threads beside its ref update, once the manifest is written: a publisher's check
-        after the commit and its lease release cost no round trip of their own."""
-        self._alongside = work
-        try:
-            yield
-        finally:
-            self._alongside = ()
-
-    def commit(self, manifest: pb.Manifest) -> ManifestInfo:
+    def commit(self, manifest: pb.Manifest, *, alongside: Sequence[Callable[[], None]] = (),
+               known_latest: tuple[int | None] | None = None) -> ManifestInfo:
         """Commit a version whose packs and blobs are already durable.
 
         Of racing publishers of the same id exactly one succeeds; the others get
         VersionConflictError and nothing of theirs becomes visible.
+
+        ``alongside``: functions (that raise nothing) a successful commit runs on threads beside
+        its ref update, once the manifest is written: a publisher's check after the commit and
+        its lease release cost no round trip of their own. Given per call, so that threads
+        committing through one Repository never run each other's.
+
+        ``known_latest``: (the latest version,) as the caller listed it before this commit
+        began. When the version is the one after it, the history parent is that version, read
+        without listing the manifests again (see :meth:`_seal_history`).
         """
         manifest.repository_id = self.identity() or b""
-        self._seal_history(manifest)
+        self._seal_history(manifest, known_latest)
         if self.signing_key is not None:
             sign_manifest(manifest, self.signing_key)
         data = seal(manifest)  # last: the whole-manifest digest covers the signature too
@@ -830,9 +830,8 @@ class Repository:
         with self._lock:
             self._manifests[manifest.version] = info
             _trim(self._manifests)
-        work, self._alongside = self._alongside, ()
-        with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="deltasync-commit") as pool:
-            for fn in work:
+        with ThreadPoolExecutor(max_workers=max(1, len(alongside)), thread_name_prefix="deltasync-commit") as pool:
+            for fn in alongside:
                 pool.submit(fn)
             self.update_latest_ref(manifest.version)
         return info
@@ -859,26 +858,49 @@ class Repository:
             log.warning("version %d is committed, but refs/latest was not updated (%s): readers find it by listing; "
                         "the next publish, or `deltasync refresh-refs`, rewrites the ref", version, e)
 
-    def _seal_history(self, manifest: pb.Manifest) -> None:
+    def _seal_history(self, manifest: pb.Manifest, known_latest: tuple[int | None] | None = None) -> None:
         """The version follows the newest one committed below it (repo/history.py): its
-        history fields name that version and extend its history digest."""
-        for v in reversed([v for v in self.versions() if v < manifest.version]):
-            try:
-                try:
-                    before = self.manifest(v).pb
-                except SignatureError:  # unsigned (before a key): its history is still its own
-                    raw = self.store.get(manifest_key(v), max_bytes=MAX_MANIFEST_BYTES)
-                    before = parse_manifest(raw, expect_version=v).pb
-            except (VersionNotFoundError, ObjectNotFoundError):
-                continue  # deleted meanwhile (gc): the one before it is the newest now
-            except CorruptObjectError as e:
-                log.warning("version %d follows version %d, whose manifest is damaged (%s): its history is "
-                            "unknown to followers", manifest.version, v, e)
-                seal_history(manifest, v, b"")
-                return
-            seal_history(manifest, v, before.history_digest)
+        history fields name that version and extend its history digest.
+
+        Which one that is: when ``known_latest`` (the caller's listing, before the commit) is
+        the version just below this one, that one, without listing again: a version committed
+        since then is either this id (our conditional put then fails) or below it. Otherwise
+        the newest listed below this one.
+
+        A version found so whose manifest is gone by the time it is read (a concurrent
+        deletion) is still the one this version follows: its history comes from gc's record
+        of it. Without one the commit fails: linking past the version would show every
+        follower holding it a fork, and they would refuse every later version."""
+        version = manifest.version
+        if known_latest is not None and (known_latest[0] or 0) + 1 == version:
+            below = known_latest[0]
+        else:
+            below = max((v for v in self.versions() if v < version), default=None)
+        if below is None:
+            seal_history(manifest, None, b"")
             return
-        seal_history(manifest, None, b"")
+        try:
+            try:
+                before = self.manifest(below).pb
+            except SignatureError:  # unsigned (before a key): its history is still its own
+                raw = self.store.get(manifest_key(below), max_bytes=MAX_MANIFEST_BYTES)
+                before = parse_manifest(raw, expect_version=below).pb
+        except (VersionNotFoundError, ObjectNotFoundError):
+            link = _read_record(self.store, below)
+            if link is None:
+                raise StoreError(
+                    f"version {version} not committed: version {below}, the newest before it, was deleted while "
+                    f"publishing, and no readable history record of it ({history_key(below)}) was left: committing "
+                    f"past it would show every follower holding version {below} a fork; nothing of version {version} "
+                    "is visible, publish again") from None
+            seal_history(manifest, below, link.digest)
+            return
+        except CorruptObjectError as e:
+            log.warning("version %d follows version %d, whose manifest is damaged (%s): its history is "
+                        "unknown to followers", version, below, e)
+            seal_history(manifest, below, b"")
+            return
+        seal_history(manifest, below, before.history_digest)
 
     # -- squashes: extra edges A -> C of the version graph, never commits ---------------------
 
