@@ -100,7 +100,7 @@ def referenced_keys(url: str) -> set[str]:
 def crash_a_publish(pub: Publisher, state: State, monkeypatch: pytest.MonkeyPatch) -> None:
     """A publisher killed after its packs are durable, before its manifest."""
 
-    def killed(self: Repository, manifest: pb.Manifest) -> Any:
+    def killed(self: Repository, manifest: pb.Manifest, **kwargs: Any) -> Any:
         raise KeyboardInterrupt("publisher killed before its manifest")
 
     with monkeypatch.context() as m:
@@ -304,10 +304,10 @@ def test_a_publish_in_flight_within_the_grace_period_survives(repo_url: str, mon
     reached_commit, release = threading.Event(), threading.Event()
     original = Repository.commit
 
-    def slow_commit(self: Repository, manifest: pb.Manifest) -> Any:
+    def slow_commit(self: Repository, manifest: pb.Manifest, **kwargs: Any) -> Any:
         reached_commit.set()
         assert release.wait(30)
-        return original(self, manifest)
+        return original(self, manifest, **kwargs)
 
     monkeypatch.setattr(Repository, "commit", slow_commit)
     result: list[int] = []

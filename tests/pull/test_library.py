@@ -723,9 +723,9 @@ def race(url: str, states: list[State], monkeypatch: pytest.MonkeyPatch) -> tupl
     barrier = threading.Barrier(len(states), timeout=30)
     original = Repository.commit
 
-    def commit_together(self: Repository, manifest: pb.Manifest) -> Any:
+    def commit_together(self: Repository, manifest: pb.Manifest, **kwargs: Any) -> Any:
         barrier.wait()  # every publisher has chosen its version id and uploaded its packs
-        return original(self, manifest)
+        return original(self, manifest, **kwargs)
 
     monkeypatch.setattr(Repository, "commit", commit_together)
     results: list[int | None] = [None] * len(states)
@@ -816,7 +816,7 @@ def test_interrupted_publish_leaves_nothing_visible(repo_url: str, monkeypatch: 
     repo = Repository(repo_url)
     packs_before = set(repo.store.list("packs/"))
 
-    def killed(self: Repository, manifest: pb.Manifest) -> Any:
+    def killed(self: Repository, manifest: pb.Manifest, **kwargs: Any) -> Any:
         raise KeyboardInterrupt("publisher killed before its manifest")
 
     monkeypatch.setattr(Repository, "commit", killed)
