@@ -109,9 +109,10 @@ def test_the_agent_refuses_it_and_keeps_its_version(forged_repo: tuple[str, list
 
 def test_relays_refuse_it(forged_repo: tuple[str, list[Path]], tmp_path: Path) -> None:
     url, _ = forged_repo
-    # A read relay passes the bytes on; its subscribers refuse them.
+    # A read relay checks a manifest before it caches or serves its last bytes (issue 33, item 4):
+    # its subscribers get the refusal, naming the object.
     with build_server(url, "127.0.0.1:0", poll_interval=0.05) as relay, pytest.raises(
-        CorruptObjectError, match=r"manifest 2: .*no whole-manifest digest"
+        CorruptObjectError, match=r"manifests/0+2\.pb: .*no whole-manifest digest"
     ):
         Subscriber(relay.url).pull_to_dir(tmp_path / "via-relay")
     assert not (tmp_path / "via-relay" / "bonfig.json").exists()
