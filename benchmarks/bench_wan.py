@@ -49,33 +49,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.bench_engine_agent import first_state, layout
 from benchmarks.wan_link import LinkProcess
 
 WRITE_TOKEN = "bench-wan-write-token"
-TENSOR_MIB = 64
 UPLOAD_WINDOW = 16 << 20
 
 
 # -- the model -----------------------------------------------------------------------------------
-
-
-def layout(mib: int) -> list[tuple[str, tuple[int, int]]]:
-    out, left, i = [], mib, 0
-    while left > 0:
-        size = min(TENSOR_MIB, left)
-        out.append((f"layers.{i}.weight", (size * 256, 2048)))  # size MiB of bf16
-        left -= size
-        i += 1
-    return out
-
-
-def first_state(shapes: list[tuple[str, tuple[int, int]]], seed: int = 0) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in shapes:
-        bits = (rng.normal(0, 0.02, shape[0] * shape[1]).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-        out[name] = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(shape)
-    return out
 
 
 def step(state: dict[str, torch.Tensor], seed: int, fraction: float) -> None:
