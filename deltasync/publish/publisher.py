@@ -243,9 +243,7 @@ class Publisher:
         blob_root: Path | None = None,
         keep: dict[str, Bits] | None = None,
         base_arrays: dict[str, Bits] | None = None,
-        known_latest: tuple[int | None] | None = None,
     ) -> PublishResult:
-        """``known_latest``: (the latest version,) as the caller read it just now (not read again)."""
         start = time.monotonic()
         self.repo.create()  # before the lease: a repository's first publish makes it one (later: no request)
         # A gc reads the lease and deletes no pack or blob until the commit (repo/leases.py).
@@ -256,7 +254,7 @@ class Publisher:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-lease") as pool:
                 leased = pool.submit(lease.__enter__)
                 try:
-                    latest = self.repo.latest() if known_latest is None else known_latest[0]
+                    latest = self.repo.latest()
                 finally:
                     leased.result()
             return self._publish_leased(lease, start, latest, sources, files, bases, parent, version, metadata,
