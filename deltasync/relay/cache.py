@@ -537,22 +537,8 @@ class ObjectCache:
     def _make_room(self, need: int, keep: str) -> bool:
         """Evict least recently used objects (not held, not ``keep``) until ``need`` bytes are
         freed; whether that many were."""
-        freed = 0
         with self._lock:
-            victims = sorted((e.atime, k) for k, e in self._entries.items() if k != keep and k not in self._held)
-            with self._env.begin(write=True) as txn:
-                for _, k in victims:
-                    if freed >= need:
-                        break
-                    entry = self._entries.pop(k)
-                    self._total -= entry.size
-                    self._touched.discard(k)
-                    self._checked.discard(k)
-                    txn.delete(k.encode())
-                    with contextlib.suppress(FileNotFoundError):
-                        entry.path.unlink()
-                    self.evictions += 1
-                    freed += entry.size
+            freed = self._evict_lru(keep, lambda freed: freed >= need)
         if freed:
             log.warning("relay cache: the disk under %s is full: evicted %s bytes", self.root, f"{freed:,}")
         return freed >= need
@@ -561,10 +547,16 @@ class ObjectCache:
         if self.max_bytes is None or self._total <= self.max_bytes:
             return
         goal = int(self.max_bytes * _LOW_WATER)
+        self._evict_lru(keep, lambda _freed: self._total <= goal)
+
+    def _evict_lru(self, keep: str | None, enough: Callable[[int], bool]) -> int:
+        """Under the lock: evict least recently used objects (not held, not ``keep``) until
+        ``enough(bytes freed so far)``; the bytes freed."""
+        freed = 0
         victims = sorted((e.atime, k) for k, e in self._entries.items() if k != keep and k not in self._held)
         with self._env.begin(write=True) as txn:
             for _, key in victims:
-                if self._total <= goal:
+                if enough(freed):
                     break
                 entry = self._entries.pop(key)
                 self._total -= entry.size
@@ -575,6 +567,8 @@ class ObjectCache:
                 with contextlib.suppress(FileNotFoundError):
                     entry.path.unlink()
                 self.evictions += 1
+                freed += entry.size
+        return freed
 
     def _reconcile(self) -> None:
         """Keep index entries whose file is intact; delete files nothing indexes."""
