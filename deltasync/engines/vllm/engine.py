@@ -116,7 +116,7 @@ class VllmEngine(HttpEngine):
         self.pause_mode = pause_mode
         self.stage_max_bytes = stage_max_bytes
         self._held_info: ManifestInfo | None = None
-        self._repair = False  # in a forced update: the workers also reload what drifted
+        self._repair = False  # in a forced update: the workers also repair what drifted
 
     # -- what the server holds -------------------------------------------------------------------
 
@@ -332,8 +332,8 @@ class VllmEngine(HttpEngine):
         update = self._update_info(staged.version)
         if self._repair:
             # A forced update (the agent's restage, a live check's repair): each worker checks
-            # its live bits first and reloads the modules that drifted, whole (a vLLM module
-            # reloads as one: its kernel copy is rebuilt from all of its checkpoint tensors).
+            # its live bits first and writes back, in place, the chunks that drifted; only a
+            # module vLLM keeps as a repacked kernel copy that cannot be patched reloads whole.
             update["repair"] = True
         # On failure the workers restore the version they held, and vLLM closes the update
         # (its worker ends it on any error; a finish now would fail there as unmatched, and one
@@ -345,25 +345,38 @@ class VllmEngine(HttpEngine):
         return staged.bytes_to_write
 
     def _count_repair(self, staged: Staged) -> None:
-        """What a repair rewrote, as the workers measured it: the chunks of the tensors they
-        reloaded (the swap record's ``chunks_changed``), and which modules (``extra``)."""
+        """What a repair rewrote, as the workers measured it (the swap record's
+        ``chunks_changed`` and ``bytes_to_write``): the chunks they wrote back in place (each
+        checkpoint chunk once, whatever number of workers hold a part of it) and every chunk
+        of the tensors of the modules they reloaded whole; ``extra`` names the modules
+        (``repaired_modules``, of which ``reloaded_modules``) and the chunks (``rewritten``:
+        tensor → chunk indices)."""
         try:
             states = self._post("/collective_rpc", {"method": "deltasync_status"}, "worker status").get("results")
         except (EngineError, AttributeError):
             return
         info = self.subscriber.repo.manifest(staged.version)
         modules: set[str] = set()
+        reloaded: set[str] = set()
+        chunks: dict[str, set[int]] = {}
+        written = 0
         for s in states if isinstance(states, list) else []:
             last = s.get("last") if isinstance(s, dict) else None
-            if isinstance(last, dict) and last.get("version") == staged.version:
-                modules.update(str(m) for m in last.get("repaired") or [])
+            if not isinstance(last, dict) or last.get("version") != staged.version:
+                continue
+            modules.update(str(m) for m in last.get("repaired") or [])
+            reloaded.update(str(m) for m in last.get("repair_reloaded") or [])
+            for name, what in (last.get("rewritten") or {}).items():
+                chunks.setdefault(str(name), set()).update(int(i) for i in what.get("chunks") or [])
+                written += int(what.get("bytes") or 0)
         if not modules:
             return
         packed = COMMON_PACKED  # the agent's estimate of the model's fusing (see names_to_load)
-        reloaded = [t for t in info.pb.tensors if group_key(t.name, packed) in modules]
-        staged.chunks_changed = max(staged.chunks_changed, sum(len(t.chunks) for t in reloaded))
-        staged.bytes_to_write = max(staged.bytes_to_write, sum(t.nbytes for t in reloaded))
-        staged.extra = {**staged.extra, "repaired_modules": sorted(modules)}
+        whole = [t for t in info.pb.tensors if group_key(t.name, packed) in reloaded]
+        staged.chunks_changed = sum(len(c) for c in chunks.values()) + sum(len(t.chunks) for t in whole)
+        staged.bytes_to_write = written + sum(t.nbytes for t in whole)
+        staged.extra = {**staged.extra, "repaired_modules": sorted(modules), "reloaded_modules": sorted(reloaded),
+                        "rewritten": {n: sorted(c) for n, c in sorted(chunks.items())}}
 
     def _after_swap(self, staged: Staged) -> None:
         super()._after_swap(staged)

@@ -69,6 +69,13 @@ def repacked_digest(module: torch.nn.Module) -> bytes | None:
     """A digest of what ``module``'s kernel multiplies with (see the module doc); None when it
     cannot be read (no tensor in reach and no input size known)."""
     fn: Any = module.cpu_linear
+    if getattr(fn, "deltasync_stale", False):
+        # A copy marked stale after a patch (sparse.defer_rebuild) is rebuilt from the weight
+        # first, as its first use would: hashed in the form it then takes, the same form
+        # whether it was recorded or checked before or after that use.
+        with torch.no_grad():
+            module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr, operator]
+        fn = module.cpu_linear
     held = _kernel_tensors(fn)
     h = xxhash.xxh3_128()
     if held:
