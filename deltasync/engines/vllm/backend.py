@@ -266,7 +266,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             raise
         MAPPED.forget()
         self.held = target
-        self._record_after_load(target)
+        t0 = time.perf_counter()
+        recorded = self._record_after_load(target)
+        t_record = time.perf_counter() - t0
         self.rates.calibrate("reload", choice.reload_estimate, t_reload)
         self.rates.calibrate("patch", choice.patch_estimate, t_patch)
         self.last = {
@@ -279,6 +281,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             "estimate_s": round(choice.estimate, 4), "measured_s": round(t_reload + t_patch, 4),
             "patch_s": round(t_patch, 4), "reload_s": round(t_reload, 4),
             "seconds": round(time.perf_counter() - started, 4),
+            # the live check's record after the load (0: live checks are not in use)
+            "record_s": round(t_record, 4) if recorded else 0.0,
             "repaired": [] if repair is None else repair.modules(packed),
             "repair_reloaded": sorted({group_key(n, packed) for n in repaired}),
             "rewritten": {} if repair is None else repair.rewritten,
@@ -517,21 +521,23 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                 check_chunks(place.region(), chunks, name, found)
         return direct
 
-    def _record_after_load(self, info: ManifestInfo) -> None:
+    def _record_after_load(self, info: ManifestInfo) -> bool:
         """Record the digests of what the manifest cannot check, right after a load of
         ``info`` whose every tensor was checked against its digests (best effort: a failure
         only leaves the check without a record, which it says).
 
         Only once live checks are in use (a first check recorded a baseline): recording hashes
         every parameter and runs each repacked linear layer once, about a prefill's worth of
-        work, which a server nobody checks should not pay on every update."""
+        work, which a server nobody checks should not pay on every update. It runs inside
+        the update, so in the pause. Returns whether one was recorded (or tried)."""
         if self.record is None:
-            return
+            return False
         try:
             self.record = LiveRecord.record(self.model, info, self._direct(info, None))
         except Exception as e:  # never fail an update that loaded for want of a record
             self.record = None
             log.warning("deltasync: recording the live digests of version %d failed (%s)", info.version, e)
+        return True
 
     def live_check(self) -> dict[str, Any]:
         """Hash what this worker holds now against the version it holds (see
