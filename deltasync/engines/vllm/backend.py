@@ -136,6 +136,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         # Digests of what the manifest cannot check (repacked forms...), recorded after each
         # checked load (deltasync.engines.vllm.live); None until the first one.
         self.record: LiveRecord | None = None
+        # The record after a load is made in a thread, while the server serves again.
+        self._recorder: threading.Thread | None = None
+        self._recorder_stop = threading.Event()
 
     # -- vLLM's interface -------------------------------------------------------------------------
 
@@ -166,6 +169,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
         req = update_info.request
         started = time.perf_counter()
+        # A record of the version held still being made is of no use once the weights move
+        # (or are about to: staging): stopped, the next load records again.
+        self._stop_recording(cancel=True)
         source = Source(req.copy, req.repo, req.trusted_keys)
         target = self._manifest(source, req.version, req.version_digest)
         held = self.held
@@ -266,9 +272,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             raise
         MAPPED.forget()
         self.held = target
-        t0 = time.perf_counter()
-        recorded = self._record_after_load(target)
-        t_record = time.perf_counter() - t0
+        recording = self._record_after_load(target)
         self.rates.calibrate("reload", choice.reload_estimate, t_reload)
         self.rates.calibrate("patch", choice.patch_estimate, t_patch)
         self.last = {
@@ -281,8 +285,8 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
             "estimate_s": round(choice.estimate, 4), "measured_s": round(t_reload + t_patch, 4),
             "patch_s": round(t_patch, 4), "reload_s": round(t_reload, 4),
             "seconds": round(time.perf_counter() - started, 4),
-            # the live check's record after the load (0: live checks are not in use)
-            "record_s": round(t_record, 4) if recorded else 0.0,
+            # the live check's record of this version, made after the update (in a thread)
+            "recording": recording,
             "repaired": [] if repair is None else repair.modules(packed),
             "repair_reloaded": sorted({group_key(n, packed) for n in repaired}),
             "rewritten": {} if repair is None else repair.rewritten,
@@ -524,20 +528,50 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
     def _record_after_load(self, info: ManifestInfo) -> bool:
         """Record the digests of what the manifest cannot check, right after a load of
         ``info`` whose every tensor was checked against its digests (best effort: a failure
-        only leaves the check without a record, which it says).
+        only leaves the check without a record, which it says). Returns whether a record is
+        being made.
 
         Only once live checks are in use (a first check recorded a baseline): recording hashes
         every parameter and runs each repacked linear layer once, about a prefill's worth of
-        work, which a server nobody checks should not pay on every update. It runs inside
-        the update, so in the pause. Returns whether one was recorded (or tried)."""
+        work, which a server nobody checks should not pay on every update. It runs in a
+        thread, started here, so not in the pause: the update returns and the server resumes
+        while the worker records (serving only reads the weights). A live check waits for it;
+        the next update stops it (that update records again)."""
         if self.record is None:
             return False
-        try:
-            self.record = LiveRecord.record(self.model, info, self._direct(info, None))
-        except Exception as e:  # never fail an update that loaded for want of a record
-            self.record = None
-            log.warning("deltasync: recording the live digests of version %d failed (%s)", info.version, e)
+        direct = self._direct(info, None)
+        self._recorder_stop = stop = threading.Event()
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                made = LiveRecord.record(self.model, info, direct, stop)
+            except Exception as e:  # never fail an update that loaded for want of a record
+                made = None
+                log.warning("deltasync: recording the live digests of version %d failed (%s)", info.version, e)
+            took = time.perf_counter() - t0
+            if made is None:
+                # a record of another version: the next check records a baseline, the next load records
+                return
+            self.record = made
+            if self.last.get("version") == info.version:
+                self.last["record_s"] = round(took, 4)
+            log.info("deltasync: recorded the live digests of version %d in %.3f s (after the update, while "
+                     "serving: %d items, %d unreadable)", info.version, took, len(made.digests), len(made.unreadable))
+
+        self._recorder = threading.Thread(target=work, name="deltasync-live-record", daemon=True)
+        self._recorder.start()
         return True
+
+    def _stop_recording(self, *, cancel: bool) -> None:
+        """Wait for the record being made (``cancel``: stop it first)."""
+        thread = self._recorder
+        if thread is None:
+            return
+        if cancel:
+            self._recorder_stop.set()
+        thread.join()
+        self._recorder = None
 
     def live_check(self) -> dict[str, Any]:
         """Hash what this worker holds now against the version it holds (see
@@ -548,6 +582,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         if held is None:
             return {"error": "this worker holds no known version (started from a model deltasync did not write, "
                              "or a failed update left it mixed)"}
+        self._stop_recording(cancel=False)  # a record after the last load: finished first
         found = Found()
         direct = self._direct(held, found)
         record = self.record

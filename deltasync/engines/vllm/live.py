@@ -22,6 +22,7 @@ weight's input size per module, so a check of a large model reads like a long pr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,11 +121,15 @@ class LiveRecord:
     unreadable: list[str]
 
     @classmethod
-    def record(cls, model: torch.nn.Module, info: ManifestInfo, direct: set[int]) -> LiveRecord:
+    def record(cls, model: torch.nn.Module, info: ManifestInfo, direct: set[int],
+               stop: threading.Event | None = None) -> LiveRecord | None:
         """Record every parameter not checked directly (``direct``: ids of parameters the
-        manifest checks) and every repacked form."""
+        manifest checks) and every repacked form; None when ``stop`` was set meanwhile
+        (checked between items)."""
         digests, unreadable = {}, []
         for name, item in _recorded_items(model, direct):
+            if stop is not None and stop.is_set():
+                return None
             d = item()
             if d is None:
                 unreadable.append(name)
