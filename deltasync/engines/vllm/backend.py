@@ -647,7 +647,9 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
                     if want is not None:
                         want.add(idx)
             elif name.endswith("#repacked"):
-                place = self._kernel_source(target, modules.get(group), members.get(group, []))
+                # (its own checkpoint tensors first; a tied LM head's weight is another module's)
+                place = (self._kernel_source(target, modules.get(group), members.get(group, []))
+                         or self._kernel_source(target, modules.get(group), names))
                 if place is None:
                     out.why.setdefault(group, "vLLM's repacked kernel copy of its weight cannot be patched "
                                               "(the weight lives only there): rebuilt by a module reload")
