@@ -210,8 +210,11 @@ def _cuts(n: int, count: int, least: int) -> list[tuple[int, int]]:
 def apply_writes(plan: WritePlan, pool: Executor | None = None, workers: int = 1) -> int:
     """Write every change, then wait for the devices; on failure write the old values back.
 
-    With ``pool`` (``workers`` threads), every write is cut into pieces written at once by
-    the pool's threads: the pause is written on every core, as decoding was."""
+    With ``pool`` (``workers`` threads), every write is cut into pieces and the pieces are
+    dealt into ``workers`` batches of about equal bytes: the calling thread writes one batch,
+    the pool's threads the others, all at once (one hand-off per thread, not per piece: a
+    pause of many small tensors would otherwise spend more on hand-offs than on writing).
+    The pause is written on every core, as decoding was."""
     done = WritePlan()
     try:
         for f in plan.fused:
@@ -223,9 +226,12 @@ def apply_writes(plan: WritePlan, pool: Executor | None = None, workers: int = 1
                 w.apply()
         else:
             done.writes = list(plan.writes)  # pieces of any of them may have landed: all are undone
-            futures: list[Future[None]] = [pool.submit(w.apply_part, *part)
-                                           for w in plan.writes for part in w.parts(workers)]
-            wait_all(futures)  # every piece has stopped before an undo writes over them
+            batches = deal([(w, part) for w in plan.writes for part in w.parts(workers)], workers)
+            futures: list[Future[None]] = [pool.submit(_write_batch, b) for b in batches[1:]]
+            try:
+                _write_batch(batches[0])
+            finally:
+                wait_all(futures)  # every piece has stopped before an undo writes over them
             for fut in futures:
                 fut.result()
         plan.synchronize()
@@ -237,6 +243,26 @@ def apply_writes(plan: WritePlan, pool: Executor | None = None, workers: int = 1
                               "the weights are now a mix: reload them") from e
         raise
     return plan.nbytes
+
+
+Piece = tuple[TensorWrite, tuple[str, int, int, int]]
+
+
+def deal(pieces: list[Piece], count: int) -> list[list[Piece]]:
+    """``pieces`` in ``count`` batches of about equal words (largest first, each to the
+    lightest batch so far); always ``count`` batches, some maybe empty."""
+    batches: list[list[Piece]] = [[] for _ in range(max(1, count))]
+    load = [0] * len(batches)
+    for piece in sorted(pieces, key=lambda p: p[1][3] - p[1][2], reverse=True):
+        j = load.index(min(load))
+        batches[j].append(piece)
+        load[j] += piece[1][3] - piece[1][2]
+    return batches
+
+
+def _write_batch(batch: list[Piece]) -> None:
+    for w, part in batch:
+        w.apply_part(*part)
 
 
 @dataclass
@@ -312,6 +338,29 @@ def build_writes(runs: Iterable[Run], words: Mapping[str, torch.Tensor], geometr
         if w.idx is not None or w.dense:
             out.append(w)
     return out
+
+
+def build_all(changes: VersionChanges, words: Mapping[str, torch.Tensor], geometry: Mapping[str, Geometry],
+              mirror: HostMirror | None, pool: Executor | None) -> tuple[list[TensorWrite], list[MirrorUpdate], int]:
+    """The writes of every changed tensor (:func:`build_writes`, or :func:`build_mirror_writes`
+    for a mirrored one), tensor by tensor on ``pool``'s threads where there is one: joining a
+    tensor's changes and reading its old values is work per changed byte, and it would
+    otherwise run on one core between the parallel decode and the parallel pause. Returns the
+    writes, the mirror's updates and the bytes sent, in the order of ``changes``."""
+    by_name: dict[str, list[EntryChanges]] = {}
+    for e in changes.entries.values():
+        by_name.setdefault(e.tensor.name, []).append(e)
+
+    def one(name: str) -> tuple[list[TensorWrite], list[MirrorUpdate], int]:
+        runs = list(runs_of(by_name[name]))
+        if mirror is not None and name in mirror:
+            return build_mirror_writes(runs, words, geometry, mirror)
+        return build_writes(runs, words, geometry), [], 0
+
+    results = list(pool.map(one, by_name)) if pool is not None and len(by_name) > 1 else [one(n) for n in by_name]
+    writes = [w for r in results for w in r[0]]
+    updates = [u for r in results for u in r[1]]
+    return writes, updates, sum(r[2] for r in results)
 
 
 #: A mirrored tensor's writes, for its host mirror: (name, positions, values, dense blocks).
@@ -516,18 +565,11 @@ class TorchEngine(Engine):
             self.subscriber, version, held_version=self._version, read=self._read_factory(info, edges),
             keys=keys, dense_fraction=self.dense_fraction, copy=self.copy, chunks=chunks,
         )
-        runs = list(runs_of(changes.entries.values()))
-        mirror = self._mirror
-        writes = build_writes([r for r in runs if mirror is None or r.name not in mirror], self._words, self._geometry)
-        updates: list[MirrorUpdate] = []
-        if mirror is not None:
-            more, updates, sent = build_mirror_writes([r for r in runs if r.name in mirror], self._words,
-                                                      self._geometry, mirror)
-            writes += more
-            self.h2d_bytes += sent
-        plan = WritePlan.of(writes)
         if self._writers is None and self.subscriber.workers > 1:  # started before the pause, not in it
             self._writers = ThreadPoolExecutor(self.subscriber.workers, thread_name_prefix="deltasync-write")
+        writes, updates, sent = build_all(changes, self._words, self._geometry, self._mirror, self._writers)
+        self.h2d_bytes += sent
+        plan = WritePlan.of(writes)
         staged = TorchStaged(version, plan=plan, changes=changes if edges else None, edges=edges, mirror=updates)
         return fill_staged(staged, changes, plan.nbytes)
 
