@@ -504,10 +504,10 @@ class TorchEngine(Engine):
         rewritten whole (one copy) rather than scattered. ``copy``: the directory an agent
         keeps at the versions this engine is given (``deltasync subscribe``'s OUT); changed
         chunks are then read from it, verified, instead of fetched and decoded again.
-        ``host_mirror``: keep a host copy of the bits of whole tensors on a device, so that
-        staging reads no chunk back from the device and sends it only what changed, positions
-        compacted (engines/_mirror.py); None (default): for tensors off the CPU; True: for
-        every whole tensor (a CPU "device", to measure it); False: none."""
+        ``host_mirror``: keep a host copy of the bits of tensors on a device (whole tensors
+        and :class:`Slice` regions), so that staging reads no chunk back from the device and
+        sends it only what changed, positions compacted (engines/_mirror.py); None (default):
+        for tensors off the CPU; True: for every tensor (a CPU "device", to measure it); False: none."""
         super().__init__(version=version)
         if not 0.0 <= dense_fraction <= 1.0:
             raise UsageError(f"dense_fraction must be in [0, 1], got {dense_fraction}")
@@ -528,8 +528,8 @@ class TorchEngine(Engine):
             for name, w in self._bytes().items()
         }
         self._writers: ThreadPoolExecutor | None = None  # the pause's threads: as many as decode's
-        mirrored = {n: w for n, w in self._words.items() if n not in self._sliced
-                    and (host_mirror or (host_mirror is None and w.device.type != "cpu"))}
+        mirrored = {n: w for n, w in self._words.items()
+                    if host_mirror or (host_mirror is None and w.device.type != "cpu")}
         self._mirror = HostMirror(mirrored) if mirrored else None
         for name in mirrored:
             self._host[name] = None  # a full pass in place (load) would leave the mirror behind: it updates
@@ -708,13 +708,19 @@ class TorchEngine(Engine):
             # A slice entry (published by several ranks), or a region held of a larger entry:
             # gather the chunk's words from the tensor, or from the kept edge chunk.
             width = dtypes.element_width(t.dtype)
-            pos = torch.arange(off // width, (off + length) // width, device=self._words[t.name].device)
+            mirrored = not device and self._mirror is not None and t.name in self._mirror
+            at = "cpu" if mirrored else self._words[t.name].device
+            pos = torch.arange(off // width, (off + length) // width, device=at)
             inside, local = map_words(pos, src, dst)
             if inside is not None and not bool(inside.all()):
                 if edges is not None:
                     edges.add((key, off, length))
                 kept = self._edges.get((key, off))
                 return kept if kept is not None and kept.nbytes == length else None
+            if mirrored:  # the region's words gathered on the host: nothing read back from the device
+                assert self._mirror is not None
+                gathered: np.ndarray = self._mirror.array(t.name)[local.numpy()]
+                return gathered.view(np.uint8)
             picked: np.ndarray = self._words[t.name][local].cpu().numpy()
             return picked.view(np.uint8)
 
