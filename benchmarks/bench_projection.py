@@ -128,8 +128,11 @@ def measure_trainer(work: Path, mib: float, fraction: float, seed: int) -> dict[
     out: dict[str, float] = {}
     for world in (1, 2):
         repo = str(work / f"trainer-{seed}-{fraction:g}-{world}")
-        got = spawn_ranks(trainer_rank, world, lambda r, port, q, w=world, repo=repo: (r, w, port, repo, mib, fraction,
-                                                                                        seed, q), timeout=600)
+
+        def args(r: int, port: int, q: Any, w: int = world, repo: str = repo) -> tuple[Any, ...]:
+            return (r, w, port, repo, mib, fraction, seed, q)
+
+        got = spawn_ranks(trainer_rank, world, args, timeout=600)
         out[f"wall{world}"] = max(g["wall"] for g in got.values())
         out[f"cpu{world}"] = sum(g["cpu"] for g in got.values())
         out[f"rate{world}"] = min(g["bytes"] / g["cpu"] for g in got.values())  # bytes per CPU second, slowest rank
@@ -286,7 +289,7 @@ def main() -> None:
             for k in shards:
                 rows = [project(m, a, k) for m in runs]
                 print(f"\n  holding: {'the whole model on every node' if k == 1 else f'a shard of 1/{k} per node'} "
-                      f"({a.model_tb * 1e3 / k:.0f} GB per node, {max(1, a.nodes // k)} nodes per shard's chain)")
+                      f"({a.model_tb * 1e3 / k:.0f} GB per node, {max(1, a.nodes // k)} node(s) per shard's chain)")
                 print(f"  | {'row (' + format(a.model_tb, 'g') + ' TB)':<56} | {'median s':>9} | "
                       f"{'spread of ' + str(a.runs) + ' runs':>20} |")
                 print(f"  |{'-' * 58}|{'-' * 11}|{'-' * 22}|")

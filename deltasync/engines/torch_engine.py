@@ -708,8 +708,8 @@ class TorchEngine(Engine):
             # A slice entry (published by several ranks), or a region held of a larger entry:
             # gather the chunk's words from the tensor, or from the kept edge chunk.
             width = dtypes.element_width(t.dtype)
-            mirrored = not device and self._mirror is not None and t.name in self._mirror
-            at = "cpu" if mirrored else self._words[t.name].device
+            from_mirror = not device and self._mirror is not None and t.name in self._mirror
+            at = "cpu" if from_mirror else self._words[t.name].device
             pos = torch.arange(off // width, (off + length) // width, device=at)
             inside, local = map_words(pos, src, dst)
             if inside is not None and not bool(inside.all()):
@@ -717,7 +717,7 @@ class TorchEngine(Engine):
                     edges.add((key, off, length))
                 kept = self._edges.get((key, off))
                 return kept if kept is not None and kept.nbytes == length else None
-            if mirrored:  # the region's words gathered on the host: nothing read back from the device
+            if from_mirror:  # the region's words gathered on the host: nothing read back from the device
                 assert self._mirror is not None
                 gathered: np.ndarray = self._mirror.array(t.name)[local.numpy()]
                 return gathered.view(np.uint8)
