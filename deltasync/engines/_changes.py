@@ -35,6 +35,7 @@ import numpy.typing as npt
 from ..errors import CheckpointError, ChecksumMismatchError, DeltasyncError
 from ..format import dtypes
 from ..format.checkpoint import FileReader
+from ..format.codec import changed_within
 from ..format.digest import digest
 from ..format.manifest import ManifestInfo, key_of
 from ..local import CopyInUseError, StateDB, copy_lock, placements, read_placed, slot_dir
@@ -296,12 +297,14 @@ def _diff(t: pb.Tensor, off: int, data: Bits, old: Bits | None, dense_fraction: 
     new = data.view(word)
     if old is None:
         return DenseRun(start, new)
-    idx = np.flatnonzero(new != old.view(word))
+    found = changed_within(data, old, width, int(dense_fraction * new.size))
+    if found is None:  # more than dense_fraction of the words changed
+        return DenseRun(start, new)
+    idx, values = found
     if idx.size == 0:
         return None
-    if idx.size > dense_fraction * new.size:
-        return DenseRun(start, new)
-    return (idx + start).astype(np.int64, copy=False), new[idx]
+    idx += start
+    return idx, values.view(word)
 
 
 # -- geometry: where an entry's words sit in a holder's words -----------------------------------
