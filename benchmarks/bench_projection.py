@@ -1,40 +1,58 @@
 """Commit -> every engine serving for 1 TB across clusters, from rates measured in this run and
-the mechanisms built, nothing else; the hardware counts are the only assumptions, printed.
+the mechanisms built, nothing else; the hardware and deployment counts are the only
+assumptions, printed.
 
-    python -m benchmarks.bench_projection [--runs 3] [--rate-mib 64] [--fractions 0.01,0.07]
+    python -m benchmarks.bench_projection [--runs 3] [--rate-mib 64] [--fractions 0.01,0.07] [--shards 1,8,32]
 
 Measured here, per run and per stream (``--fractions`` of the bf16 elements moved by one ulp
 at random: 1% is the lr 1e-6 stream, 7% lr 1e-5), on a ``--rate-mib`` model (16 MiB tensors):
 
-* the trainer's side: ``Publisher.publish`` on one thread (encode, digests, packs and the
-  manifest written: what each rank of a ``DistributedPublisher`` does for its shard);
+* the trainer's side through the code path ``DistributedPublisher`` ranks run (each rank
+  encodes, digests and stores its shard; rank 0 commits): a real gloo group of 1 rank and of
+  2 ranks (processes, one thread each), the second version's publish timed on every rank,
+  wall and CPU. The per-core rate is the 2-rank run's slowest rank (its shard's bytes ÷ its
+  CPU seconds): ranks are processes, so they really run at once; the 1 -> 2 rank wall ratio
+  is printed beside it;
 * the stored delta ÷ the model (what crosses the WAN, the relay's link and every chain link);
-* one node's engine path, ``TorchEngine.update`` from the previous version (fetch, decode,
-  verify, stage; then the pause), with 1 worker and with 2, bit-exact, best of 3 each after
-  one warm-up; its scaling from 1 to 2 workers is carried to the node's cores as
-  ``ratio ** log2(cores)`` with the ratio held within 1..2 (measured scaling, not a linear
-  assumption: on a busy machine the ratio, and so the projection, is poor);
-* the share of 64-byte lines of the model holding a change: the memory-bandwidth floor of
-  the in-place apply (each such line read and written at ``--mem-gbs``).
+* one node's engine path, ``TorchEngine`` staging (fetch, decode, verify, diff, build the
+  writes) then the pause, with 1 worker and with 2, bit-exact, best of 3 each after a
+  warm-up: wall, and CPU split into the calling thread's (serial: one core whatever the
+  node has) and the rest (the workers' slots: every CPU step of a chunk holds one, and the
+  kernels they call let go of the GIL, so they run at once; bench_apply_cores checks the
+  wall on free cores). On a node of C cores staging takes ``serial + parallel / C`` (the
+  2-worker run's CPU seconds, contention included), never less than its memory floor;
+* the share of 64-byte lines of the model holding a change: the pause's memory floor
+  (each such line read and written).
+
+What a node holds (``--shards``, a deployment count): k = 1, the whole model on every node;
+k > 1, a shard of 1/k of the tensors per node (``--shard I/N``, ``TorchEngine`` holding some
+tensors or ``Slice``s): packcast groups the nodes by shard, node 0 reads the union from the
+relay once and sends each class its ranges, so a node fetches, decodes, verifies and writes
+only its 1/k (engines/packcast.py). Memory floors, from the code as built: staging passes
+over the held bytes ``STAGE_PASSES`` times (the held chunk's digest, decode's copy of it into
+a new buffer, read and write, the target's digest, the diff reading both) at ``--mem-gbs``;
+the pause of a CPU engine reads and writes each touched line at ``--mem-gbs``; on GPU
+engines (``--gpus-per-node``, ``--hbm-gbs``) the pause is a scatter in device memory, its
+floor the touched lines at HBM bandwidth per GPU, with the host mirror's staging on the host
+(its floor as above), outside the pause; no GPU was measured here, so that row is a floor only.
 
 Mechanisms as built: the trainer commits before anything moves (the relay serves a version
 once its manifest is written); one relay per cluster on the packcast path (node 0 reads one
 relay, so the relays per cluster beyond one do not shorten it; printed); node 0's stream goes
-down the pipelined chain (engines/_chain.py: every link carries it once, fill (N-2) pieces);
-every node decodes only from the bytes received; stages overlap at pack granularity; the
-pause is the slower of the measured write rate scaled and the memory floor. Three runs'
-spread (min-max) is printed for every row.
+down the pipelined chain (engines/_chain.py: every link carries it once, fill N/k - 1
+pieces); stages overlap at pack granularity. Three runs' spread (min-max) is printed for every row.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import resource
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,83 +62,174 @@ from deltasync.engines import TorchEngine
 
 ELEMS = 8 << 20  # 16 MiB bf16 tensors
 LINE = 64
+#: Passes staging makes over the bytes a node holds (see the module doc).
+STAGE_PASSES = 6
 
 
-def measure(work: Path, mib: float, fraction: float, seed: int) -> dict[str, float]:
+def model_of(mib: float, seed: int) -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(seed)
-    model = {f"layers.{i}.weight": torch.from_numpy(
+    return {f"layers.{i}.weight": torch.from_numpy(
         (rng.normal(0, 0.02, ELEMS).astype(np.float32).view(np.uint32) >> 16).astype(np.int16)
     ).view(torch.bfloat16) for i in range(max(1, int(mib / 16)))}
-    raw = sum(t.numel() * 2 for t in model.values())
-    repo = str(work / f"repo-{seed}-{fraction:g}")
-    pub = Publisher(repo, PublisherConfig(codec=PlanesZstdCodec(), workers=1, progress=False))
-    base = {n: t.clone() for n, t in model.items()}
-    pub.publish(base)
-    lines = 0
-    for t in model.values():
-        bits = t.view(torch.int16).numpy()
+
+
+def moved(model: dict[str, torch.Tensor], fraction: float, seed: int) -> tuple[dict[str, torch.Tensor], int]:
+    """The model with ``fraction`` of its elements moved by one ulp, and the 64-byte lines touched."""
+    rng = np.random.default_rng(seed + 1000)
+    out, lines = {}, 0
+    for n, t in model.items():
+        bits = t.view(torch.int16).numpy().copy()
         pos = np.unique(rng.integers(0, bits.size, max(1, int(bits.size * fraction))))
         bits[pos] += 1
         lines += np.unique(pos * 2 // LINE).size
-    t0 = time.perf_counter()
-    res = pub.publish(model)
-    publish_s = time.perf_counter() - t0
-    out: dict[str, float] = {"raw": raw, "publish": publish_s, "stored": res.stored_bytes / raw,
-                             "lines": lines * LINE / raw}
-    best: dict[int, tuple[float, float, int]] = {}
-    for workers in (1, 1, 2, 1, 2, 1, 2):  # the first pays one-time costs; then best of 3 each, alternating
-        held = {n: t.clone() for n, t in base.items()}
-        engine = TorchEngine(held, repo, version=1, workers=workers)
-        t0 = time.perf_counter()
-        record = engine.update(int(res))
-        total = time.perf_counter() - t0
-        engine.close()
-        assert record is not None
-        for n, t in model.items():
-            if not torch.equal(held[n].view(torch.int16), t.view(torch.int16)):
-                raise AssertionError(f"{n} differs with {workers} workers")
-        got = (total, record.pause_s, record.bytes_written)
-        best[workers] = got if workers not in best else min(best[workers], got)
-    for workers, (total, pause, written) in best.items():
-        out[f"path{workers}"], out[f"pause{workers}"], out["written"] = total, pause, written
+        out[n] = torch.from_numpy(bits).view(torch.bfloat16)
+    return out, lines
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def trainer_rank(rank: int, world: int, port: int, repo: str, mib: float, fraction: float, seed: int,
+                 queue: Any) -> None:
+    """One ``DistributedPublisher`` rank: its share of the model (every ``world``-th tensor),
+    two versions; the second's publish timed (wall, this process's CPU)."""
+    import torch.distributed as dist
+
+    from deltasync import DistributedPublisher
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        base = model_of(mib, seed)
+        target, _ = moved(base, fraction, seed)
+        names = sorted(base)[rank::world]
+        pub = DistributedPublisher(repo, PublisherConfig(codec=PlanesZstdCodec(), workers=1, progress=False))
+        pub.publish({n: base[n] for n in names})
+        dist.barrier()
+        t0, c0 = time.perf_counter(), _cpu()
+        res = pub.publish({n: target[n] for n in names})
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        mine = sum(target[n].numel() * 2 for n in names)
+        queue.put((rank, {"wall": wall, "cpu": cpu, "bytes": mine, "stored": res.stored_bytes}, None))
+    except BaseException:
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def measure_trainer(work: Path, mib: float, fraction: float, seed: int) -> dict[str, float]:
+    from deltasync.testing import spawn_ranks
+
+    out: dict[str, float] = {}
+    for world in (1, 2):
+        repo = str(work / f"trainer-{seed}-{fraction:g}-{world}")
+
+        def args(r: int, port: int, q: Any, w: int = world, repo: str = repo) -> tuple[Any, ...]:
+            return (r, w, port, repo, mib, fraction, seed, q)
+
+        got = spawn_ranks(trainer_rank, world, args, timeout=600)
+        out[f"wall{world}"] = max(g["wall"] for g in got.values())
+        out[f"cpu{world}"] = sum(g["cpu"] for g in got.values())
+        out[f"rate{world}"] = min(g["bytes"] / g["cpu"] for g in got.values())  # bytes per CPU second, slowest rank
+        out[f"trainer_stored{world}"] = got[0]["stored"] / sum(g["bytes"] for g in got.values())
     return out
 
 
-def project(m: dict[str, float], a: argparse.Namespace) -> dict[str, float]:
-    """Seconds per row for a ``a.model_tb`` TB model from one run's measurements ``m``."""
+def measure(work: Path, mib: float, fraction: float, seed: int) -> dict[str, float]:
+    base = model_of(mib, seed)
+    target, lines = moved(base, fraction, seed)
+    raw = sum(t.numel() * 2 for t in base.values())
+    repo = str(work / f"repo-{seed}-{fraction:g}")
+    pub = Publisher(repo, PublisherConfig(codec=PlanesZstdCodec(), workers=1, progress=False))
+    pub.publish(base)
+    res = pub.publish(target)
+    out: dict[str, float] = {"raw": raw, "stored": res.stored_bytes / raw, "lines": lines * LINE / raw,
+                             "chunk_bytes": PlanesZstdCodec().chunk_bytes}
+    out.update(measure_trainer(work, mib, fraction, seed))
+    quarter = sorted(base)[: max(1, len(base) // 4)]
+    runs: dict[str, list[dict[str, float]]] = {"1": [], "2": [], "q": []}
+    engine_run(repo, base, target, list(base), 1, int(res))  # pays one-time costs
+    for _ in range(3):
+        runs["1"].append(engine_run(repo, base, target, list(base), 1, int(res)))
+        runs["2"].append(engine_run(repo, base, target, list(base), 2, int(res)))
+        runs["q"].append(engine_run(repo, base, target, quarter, 2, int(res)))
+    for tag, got in runs.items():  # best of 3: the least of each figure (contention only ever adds)
+        out.update({f"{k}{tag}": min(g[k] for g in got) for k in got[0]})
+    return out
+
+
+def engine_run(repo: str, base: dict[str, torch.Tensor], target: dict[str, torch.Tensor], names: list[str],
+               workers: int, version: int) -> dict[str, float]:
+    """A ``TorchEngine`` holding ``names`` of the model at version 1 (a shard when not all:
+    ``strict=False``, only those tensors fetched and decoded) staged then swapped to
+    ``version``, bit-exact; wall and CPU seconds (calling thread; the rest)."""
+    held = {n: base[n].clone() for n in names}
+    engine = TorchEngine(held, repo, version=1, workers=workers, strict=False)
+    t0, c0, m0 = time.perf_counter(), _cpu(), time.thread_time()
+    staged = engine.stage(version)
+    t1, c1, m1 = time.perf_counter(), _cpu(), time.thread_time()
+    record = engine.swap(staged)
+    t2, c2 = time.perf_counter(), _cpu()
+    engine.close()
+    for n, t in held.items():
+        if not torch.equal(t.view(torch.int16), target[n].view(torch.int16)):
+            raise AssertionError(f"{n} differs with {workers} workers")
+    return {"path": t2 - t0, "stage": t1 - t0, "pause": record.pause_s, "written": record.bytes_written,
+            "serial": m1 - m0, "parallel": (c1 - c0) - (m1 - m0), "pause_cpu": c2 - c1,
+            "held": float(sum(t.numel() * 2 for t in held.values()))}
+
+
+def fit(m: dict[str, float], key: str) -> tuple[float, float]:
+    """``key``'s seconds as ``fixed + per_byte * held``, from the 2-worker runs holding the
+    whole model and a quarter of it (per byte held 0 when the two do not rise: noise)."""
+    per_byte = max(0.0, (m[f"{key}2"] - m[f"{key}q"]) / (m["held2"] - m["heldq"]))
+    return max(0.0, m[f"{key}2"] - per_byte * m["held2"]), per_byte
+
+
+def project(m: dict[str, float], a: argparse.Namespace, k: int) -> dict[str, float]:
+    """Seconds per row for a ``a.model_tb`` TB model, every node holding 1/``k`` of it, from one
+    run's measurements ``m``."""
     model = a.model_tb * 1e12
+    held = model / k
     delta = model * m["stored"]
-    wan, lan = a.wan_gbps * 1e9 / 8, a.lan_gbps * 1e9 / 8
-    # 1 -> 2 workers, carried to every doubling; below 1 taken as 1 (the engine would write on
-    # one thread), above 2 as 2 (two threads cannot do more; a higher figure is noise).
-    ratio = m["path1"] / m["path2"]
-    speedup = min(2.0, max(1.0, ratio)) ** math.log2(a.node_cores)
-    pause_ratio = min(2.0, max(1.0, m["pause1"] / m["pause2"])) if m["pause2"] > 0 else 1.0
-    written = model * m["written"] / m["raw"]
+    wan, lan, mem = a.wan_gbps * 1e9 / 8, a.lan_gbps * 1e9 / 8, a.mem_gbs * 1e9
+    per_class = max(1, a.nodes // k)  # nodes holding the same shard: one chain each
+    scale = held / m["raw"]
+    # staging on C cores: the calling thread's CPU does not divide; the workers' does (2-worker
+    # runs, a fixed part per version and a part per byte held, from the whole and a quarter)
+    (s0, s1), (p0, p1) = fit(m, "serial"), fit(m, "parallel")
+    stage_cpu = s0 + s1 * held + (p0 + p1 * held) / a.node_cores
+    stage_floor = STAGE_PASSES * held / mem
+    # the pause of a CPU engine: its CPU (one thread at 1 worker) spread over the pool's C threads
+    pause_cpu = scale * m["pause_cpu1"] / a.node_cores
+    pause_floor = 2 * held * m["lines"] / mem
     rows = {
-        "trainer: encode + digests": model / (a.trainer_cores * m["raw"] / m["publish"]),
+        "trainer: encode + digests (DistributedPublisher ranks)": model / (a.trainer_cores * m["rate2"]),
         "WAN: the relay reads the delta": delta / wan,
-        "relay -> node 0": delta / lan,
-        "chain: node 0 -> every node": delta / lan + (a.nodes - 2) * a.piece_bytes / lan,
-        "decode + verify + stage, per node": model * (m["path1"] - m["pause1"]) / m["raw"] / speedup,
-        "pause (measured write, scaled)": written * m["pause1"] / max(1.0, m["written"])
-        / pause_ratio ** math.log2(a.node_cores),
-        "pause floor (memory bandwidth)": 2 * model * m["lines"] / (a.mem_gbs * 1e9),
+        "relay -> node 0 (the union of the shards, once)": delta / lan,
+        "chain: node 0 -> every node of its shard": delta / lan + (per_class - 1) * a.piece_bytes / lan,
+        "stage per node: CPU (serial + parallel / cores)": stage_cpu,
+        "stage per node: memory floor": stage_floor,
+        "pause, CPU engine: CPU / cores": pause_cpu,
+        "pause, CPU engine: memory floor": pause_floor,
+        "pause, GPU engine: HBM floor (not measured)": 2 * held / a.gpus_per_node * m["lines"] / (a.hbm_gbs * 1e9),
     }
-    flow = [rows["WAN: the relay reads the delta"], rows["relay -> node 0"], rows["chain: node 0 -> every node"],
-            rows["decode + verify + stage, per node"]]
+    stage = max(stage_cpu, stage_floor)
+    flow = [rows["WAN: the relay reads the delta"], rows["relay -> node 0 (the union of the shards, once)"],
+            rows["chain: node 0 -> every node of its shard"], stage]
     pack = a.pack_mib * 2**20
     slowest = max(flow)
     through = sum(f * pack / delta for f in flow) - slowest * pack / delta  # one pack through the others
-    pause = max(rows["pause (measured write, scaled)"], rows["pause floor (memory bandwidth)"])
-    rows["pause (the slower of the two)"] = pause
+    pause = max(pause_cpu, pause_floor)
+    rows["pause, CPU engine (the slower of the two)"] = pause
     rows["commit -> serving, overlapped"] = slowest + through + pause
-    rows["trainer's step -> serving (encode + overlapped)"] = rows["trainer: encode + digests"] + \
+    rows["trainer's step -> serving (encode + overlapped)"] = rows["trainer: encode + digests (DistributedPublisher ranks)"] + \
         rows["commit -> serving, overlapped"]
-    rows["_ratio"] = ratio
-    rows["_pause_ratio"] = m["pause1"] / m["pause2"] if m["pause2"] > 0 else float("nan")
-    rows["_stored"] = m["stored"]
-    rows["_lines"] = m["lines"]
     return rows
 
 
@@ -132,8 +241,11 @@ def main() -> None:
     ap.add_argument("--model-tb", type=float, default=1.0)
     ap.add_argument("--clusters", type=int, default=4)
     ap.add_argument("--nodes", type=int, default=32, help="nodes per cluster")
+    ap.add_argument("--shards", default="1,8,32", help="deployment counts k: each node holds 1/k of the model")
     ap.add_argument("--node-cores", type=int, default=32)
     ap.add_argument("--mem-gbs", type=float, default=100.0, help="host memory bandwidth per node, GB/s")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="device memory bandwidth per GPU, GB/s")
     ap.add_argument("--lan-gbps", type=float, default=25.0, help="each node's link, Gbit/s")
     ap.add_argument("--wan-gbps", type=float, default=10.0, help="each relay's WAN link, Gbit/s")
     ap.add_argument("--relays", type=int, default=4, help="relays per cluster")
@@ -142,39 +254,55 @@ def main() -> None:
     ap.add_argument("--piece-bytes", type=int, default=4 << 20, help="packcast's piece (its default)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    shards = [int(k) for k in a.shards.split(",")]
     print(f"hardware counts (the only assumptions): {a.clusters} clusters x {a.nodes} nodes, {a.node_cores} cores and "
-          f"{a.mem_gbs:g} GB/s host memory per node, {a.lan_gbps:g} Gbit/s node links, {a.wan_gbps:g} Gbit/s WAN per "
-          f"relay, {a.relays} relays per cluster (1 on the packcast path as built: node 0 reads one relay), a trainer "
-          f"of {a.trainer_cores} cores; model {a.model_tb:g} TB bf16, packs {a.pack_mib:g} MiB, pieces "
-          f"{a.piece_bytes >> 20} MiB")
-    print(f"measured on this machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+          f"{a.mem_gbs:g} GB/s host memory per node, {a.gpus_per_node} GPUs of {a.hbm_gbs:g} GB/s HBM per node (GPU "
+          f"rows), {a.lan_gbps:g} Gbit/s node links, {a.wan_gbps:g} Gbit/s WAN per relay, {a.relays} relays per cluster "
+          f"(1 on the packcast path as built: node 0 reads one relay), a trainer of {a.trainer_cores} cores; model "
+          f"{a.model_tb:g} TB bf16, packs {a.pack_mib:g} MiB, pieces {a.piece_bytes >> 20} MiB; deployment counts: "
+          f"each node holds 1/k of the model, k in {shards} (k nodes per replica of the model)")
+    print(f"measured on this machine: {len(os.sched_getaffinity(0))} cores usable, load average "
+          f"{os.getloadavg()[0]:.1f} at start")
     with tempfile.TemporaryDirectory(prefix="bench-projection-") as d:
         for fraction in (float(f) for f in a.fractions.split(",")):
             runs = [measure(Path(d), a.rate_mib, fraction, seed) for seed in range(a.runs)]
-            rows = [project(m, a) for m in runs]
-            stored = ", ".join(f"{r['_stored']:.4f}" for r in rows)
-            lines = ", ".join(f"{r['_lines']:.1%}" for r in rows)
-            ratios = ", ".join(f"{r['_ratio']:.2f}" for r in rows)
-            pauses = ", ".join(f"{r['_pause_ratio']:.2f}" for r in rows)
-            print(f"\n{fraction:.0%} of elements changed: stored delta {stored} x the model; 64-byte lines touched "
-                  f"{lines}; engine path 1 worker / 2 workers {ratios}, its pause {pauses} (each carried to "
-                  f"{a.node_cores} cores as ratio^{math.log2(a.node_cores):g}, the ratio held within 1..2)")
+            print(f"\n{fraction:.0%} of elements changed: stored delta "
+                  f"{', '.join(format(m['stored'], '.4f') for m in runs)} x the model; 64-byte lines touched "
+                  f"{', '.join(format(m['lines'], '.1%') for m in runs)}; load {os.getloadavg()[0]:.1f}")
             for m in runs:
-                print(f"  run: publish {m['publish'] * 1e3:.0f} ms ({m['raw'] / m['publish'] / 1e9:.3f} GB/s of model "
-                      f"per core), engine path {m['path1'] * 1e3:.0f} ms with 1 worker ({m['raw'] / m['path1'] / 1e9:.2f}"
-                      f" GB/s), {m['path2'] * 1e3:.0f} ms with 2; pause {m['pause1'] * 1e3:.2f} / "
-                      f"{m['pause2'] * 1e3:.2f} ms for {m['written'] / 1e3:.0f} kB")
-            print(f"| {'row (1 TB)':<48} | {'median s':>9} | {'spread of ' + str(a.runs) + ' runs':>20} |")
-            print(f"|{'-' * 50}|{'-' * 11}|{'-' * 22}|")
-            for key in (k for k in rows[0] if not k.startswith("_")):
-                vals = [r[key] for r in rows]
-                print(f"| {key:<48} | {statistics.median(vals):>9.1f} | {min(vals):>8.1f} - {max(vals):<9.1f} |")
-            total = [r["trainer's step -> serving (encode + overlapped)"] for r in rows]
-            pause = [r["pause (the slower of the two)"] for r in rows]
+                print(f"  run: trainer 1 rank {m['wall1'] * 1e3:.0f} ms wall ({m['cpu1'] * 1e3:.0f} ms CPU), 2 ranks "
+                      f"{m['wall2'] * 1e3:.0f} ms wall ({m['cpu2'] * 1e3:.0f} ms CPU), wall 1/2 "
+                      f"{m['wall1'] / m['wall2']:.2f}, per core {m['rate2'] / 1e9:.3f} GB/s of model (2-rank slowest); stored "
+                      f"{m['trainer_stored2']:.4f} x the model (a delta, as above)")
+                print(f"       engine path: 1 worker {m['path1'] * 1e3:.0f} ms wall (stage CPU {m['serial1'] * 1e3:.0f} "
+                      f"serial + {m['parallel1'] * 1e3:.0f} workers), 2 workers {m['path2'] * 1e3:.0f} ms wall (stage "
+                      f"CPU {m['serial2'] * 1e3:.0f} serial + {m['parallel2'] * 1e3:.0f} workers); wall 1/2 "
+                      f"{m['path1'] / m['path2']:.2f}, CPU-bound 1/2 "
+                      f"{(m['serial1'] + m['parallel1']) / (m['serial2'] + m['parallel2'] / 2):.2f}; pause "
+                      f"{m['pause1'] * 1e3:.2f} / {m['pause2'] * 1e3:.2f} ms wall ({m['pause_cpu1'] * 1e3:.2f} ms CPU "
+                      f"at 1 worker) for {m['written1'] / 1e3:.0f} kB")
+                (s0, s1), (p0, p1) = fit(m, "serial"), fit(m, "parallel")
+                print(f"       staging CPU on 2 workers, fitted from the whole model and a quarter of it: calling "
+                      f"thread {s0 * 1e3:.1f} ms per version + {s1 * 1e12:.0f} us per MB held; workers "
+                      f"{p0 * 1e3:.1f} ms + {p1 * 1e12:.0f} us per MB")
             limit = 20.0 if fraction <= 0.02 else 40.0
-            print(f"target at {fraction:.0%}: <= {limit:g} s: median {statistics.median(total):.1f} s "
-                  f"({'holds' if statistics.median(total) <= limit else 'does not hold'}); pause <= 2 s: median "
-                  f"{statistics.median(pause):.2f} s ({'holds' if statistics.median(pause) <= 2 else 'does not hold'})")
+            for k in shards:
+                rows = [project(m, a, k) for m in runs]
+                print(f"\n  holding: {'the whole model on every node' if k == 1 else f'a shard of 1/{k} per node'} "
+                      f"({a.model_tb * 1e3 / k:.0f} GB per node, {max(1, a.nodes // k)} node(s) per shard's chain)")
+                print(f"  | {'row (' + format(a.model_tb, 'g') + ' TB)':<56} | {'median s':>9} | "
+                      f"{'spread of ' + str(a.runs) + ' runs':>20} |")
+                print(f"  |{'-' * 58}|{'-' * 11}|{'-' * 22}|")
+                for key in rows[0]:
+                    vals = [r[key] for r in rows]
+                    print(f"  | {key:<56} | {statistics.median(vals):>9.2f} | {min(vals):>8.2f} - {max(vals):<9.2f} |")
+                total = statistics.median(r["trainer's step -> serving (encode + overlapped)"] for r in rows)
+                pause = statistics.median(r["pause, CPU engine (the slower of the two)"] for r in rows)
+                gpu = statistics.median(r["pause, GPU engine: HBM floor (not measured)"] for r in rows)
+                print(f"  target at {fraction:.0%}, k={k}: <= {limit:g} s: median {total:.1f} s "
+                      f"({'holds' if total <= limit else 'does not hold'}); pause <= 2 s on a CPU engine: median "
+                      f"{pause:.2f} s ({'holds' if pause <= 2 else 'does not hold'}); on GPU engines the pause's floor "
+                      f"is {gpu:.3f} s (a floor, not a measurement)")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -43,6 +43,7 @@ from .registry import (
 _LAZY: _lazy.Table = {
     "TorchEngine": "torch_engine",
     "FanoutEngine": "fanout",
+    "FanoutOptions": "fanout",
     "PackCache": "packcast",
     "PackcastNode": "packcast",
     "PackcastAgent": "packcast_agent",
@@ -57,7 +58,7 @@ __all__ = sorted(["Engine", "EngineError", "EngineKind", "ServingLock", "Staged"
 __getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals(), lambda name: f"the {name} engine")
 
 if TYPE_CHECKING:
-    from .fanout import FanoutEngine as FanoutEngine
+    from .fanout import FanoutEngine as FanoutEngine, FanoutOptions as FanoutOptions
     from .http_engine import (
         PRESETS as PRESETS,
         HttpEngine as HttpEngine,

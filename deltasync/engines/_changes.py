@@ -24,7 +24,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +35,7 @@ import numpy.typing as npt
 from ..errors import CheckpointError, ChecksumMismatchError, DeltasyncError
 from ..format import dtypes
 from ..format.checkpoint import FileReader
+from ..format.codec import changed_within
 from ..format.digest import digest
 from ..format.manifest import ManifestInfo, key_of
 from ..local import CopyInUseError, StateDB, copy_lock, placements, read_placed, slot_dir
@@ -147,6 +148,8 @@ def compute_changes(
             return from_copy
     lock = threading.Lock()
     held: dict[tuple[str, int], Bits | None] = {}
+    diffs: dict[tuple[str, int], DenseRun | tuple[Index, Words] | None] = {}
+    in_place: list[int] = []
 
     def remembered_read(key: str, off: int, length: int) -> Bits | None:
         bits = read(key, off, length)
@@ -154,59 +157,56 @@ def compute_changes(
             held[(key, off)] = bits
         return bits
 
-    # With no version held the planner starts from a snapshot; chunks already served are
-    # still recognised by their digest and skipped.
-    local = LocalBits(held_version, remembered_read)
-    workers = max(1, sub.workers)
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltasync-diff")
-    slots = threading.BoundedSemaphore(2 * workers)  # decoded chunks waiting for a diff stay bounded
-    pending: list[tuple[pb.Tensor, Future[DenseRun | tuple[Index, Words] | None]]] = []
-    total = 0
-    in_place: list[int] = []
-
-    def sink(t: pb.Tensor, off: int, data: Bits) -> None:
-        nonlocal total
+    def work(t: pb.Tensor, off: int, data: Bits) -> None:
+        """The diff of one verified chunk against the served one, on the worker that made it
+        (in its CPU slot: a pull of ``workers`` workers diffs on as many cores, no more)."""
         key = key_of(t)
-        total += 1
         with lock:
             seen = (key, off) in held
             old = held.pop((key, off), None)
         if not seen:  # the pipeline read every chunk it was given; this is only a safety net
             old = read(key, off, len(data))
         into = dest.get(key) if dest is not None else None
+        result: DenseRun | tuple[Index, Words] | None = None
         if old is not None and old is not data and into is not None and np.may_share_memory(old, into):
-            in_place.append(len(data))  # the pipeline wrote the target into the served bits (TorchEngine.load)
-            return
-        if old is not None and (old is data or np.may_share_memory(old, data)):
-            return  # the pipeline returned the served bits: already the target
-        if old is None and dest is not None:
-            data = dest[key][off : off + len(data)]
-        slots.acquire()
-        fut = pool.submit(_diff, t, off, data, old, dense_fraction)
-        fut.add_done_callback(lambda _: slots.release())
-        pending.append((t, fut))
+            with lock:
+                in_place.append(len(data))  # the pipeline wrote the target into the served bits (TorchEngine.load)
+        elif old is not None and (old is data or np.may_share_memory(old, data)):
+            pass  # the pipeline returned the served bits: already the target
+        else:
+            if old is None and dest is not None:
+                data = dest[key][off : off + len(data)]
+            result = _diff(t, off, data, old, dense_fraction)
+        with lock:
+            diffs[(key, off)] = result
 
-    try:
-        plan = sub.pipeline.run(info, local, sink, dest=dest, want=want)
-        out: dict[str, EntryChanges] = {}
-        changed = 0
-        for t, fut in pending:
-            result = fut.result()
-            if result is None:
-                continue
-            changed += 1
-            key = key_of(t)
-            entry = out.get(key)
-            if entry is None:
-                entry = out[key] = EntryChanges(t, dtypes.element_width(t.dtype))
-            if isinstance(result, DenseRun):
-                entry.dense.append(result)
-            else:
-                idx, new = result
-                entry.sparse_idx.append(idx)
-                entry.sparse_new.append(new)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    # With no version held the planner starts from a snapshot; chunks already served are
+    # still recognised by their digest and skipped.
+    local = LocalBits(held_version, remembered_read)
+    order: list[tuple[pb.Tensor, int]] = []
+
+    def sink(t: pb.Tensor, off: int, data: Bits) -> None:
+        order.append((t, off))  # in chunk order: the engine's writes follow the manifest's
+
+    plan = sub.pipeline.run(info, local, sink, dest=dest, want=want, work=work)
+    out: dict[str, EntryChanges] = {}
+    changed = 0
+    for t, off in order:
+        key = key_of(t)
+        result = diffs.pop((key, off))
+        if result is None:
+            continue
+        changed += 1
+        entry = out.get(key)
+        if entry is None:
+            entry = out[key] = EntryChanges(t, dtypes.element_width(t.dtype))
+        if isinstance(result, DenseRun):
+            entry.dense.append(result)
+        else:
+            idx, new = result
+            entry.sparse_idx.append(idx)
+            entry.sparse_new.append(new)
+    total = len(order)
     return VersionChanges(version, out, total, changed + len(in_place), plan.fetch_bytes, sum(in_place))
 
 
@@ -297,12 +297,14 @@ def _diff(t: pb.Tensor, off: int, data: Bits, old: Bits | None, dense_fraction: 
     new = data.view(word)
     if old is None:
         return DenseRun(start, new)
-    idx = np.flatnonzero(new != old.view(word))
+    found = changed_within(data, old, width, int(dense_fraction * new.size))
+    if found is None:  # more than dense_fraction of the words changed
+        return DenseRun(start, new)
+    idx, values = found
     if idx.size == 0:
         return None
-    if idx.size > dense_fraction * new.size:
-        return DenseRun(start, new)
-    return (idx + start).astype(np.int64, copy=False), new[idx]
+    idx += start
+    return idx, values.view(word)
 
 
 # -- geometry: where an entry's words sit in a holder's words -----------------------------------

@@ -11,6 +11,10 @@ collective makes sure no rank is still serving (in tensor parallelism one reques
 every rank), each writes, and a second collective collects the outcomes: if any rank
 failed, every rank writes its old values back. Then all resume together.
 
+Every rank writes its part of the pause on a pool of ``workers`` threads (as
+:class:`TorchEngine` does: ``apply_writes`` deals the pieces of every write into one batch
+per thread), started before the first pause, so that every core of a node writes.
+
 Coordination uses a gloo group of its own with its own timeout (as
 ``deltasync.publish.distributed`` does), so a dead rank surfaces as a :class:`EngineError` on the
 others within ``timeout`` seconds, never a hang. Payloads go over nccl when every rank
@@ -21,10 +25,12 @@ rank 0 sends; rank 0 sends a heartbeat while idle so that waiting is not mistake
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -76,6 +82,45 @@ def init_from_env(backend: str = "gloo") -> None:
         dist.init_process_group(backend, init_method="env://")
 
 
+@dataclass(frozen=True, kw_only=True)
+class FanoutOptions:
+    """How a :class:`FanoutEngine` runs (every field may also be given to the engine by name)."""
+
+    group: Any = None
+    """The process group whose ranks take part (None: the default group)."""
+    timeout: float = 60.0
+    """Seconds a collective may wait for a rank before the group counts as failed."""
+    heartbeat: float | None = None
+    """Seconds between rank 0's idle messages (None: a quarter of ``timeout``)."""
+    version: int | None = None
+    """What the ranks hold now, if known (all must agree; otherwise the first update rewrites every element)."""
+    workers: int = 0
+    """Threads that decode (rank 0) and write the pause (every rank); 0: one per core."""
+    dense_fraction: float = 0.25
+    """A chunk with more than this fraction of its words changed is sent and written whole."""
+    backend: str = "auto"
+    """Payload transport: ``gloo``, ``nccl``, or ``auto`` (nccl when every rank serves from a GPU)."""
+    host_cache: str | os.PathLike[str] | None = None
+    """A directory for rank 0's copy of the served version (memory-mapped files) instead of RAM."""
+    trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None
+    """Keys whose signatures rank 0 accepts (see :class:`deltasync.Subscriber`)."""
+    progress: bool | None = False
+    """Rank 0's progress line."""
+    copy: str | os.PathLike[str] | None = None
+    """Rank 0: the directory an agent keeps at the versions this engine is given; changed
+    chunks are then read from it, verified, instead of fetched and decoded again."""
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise UsageError(f"timeout must be positive, got {self.timeout}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise UsageError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+        if not 0.0 <= self.dense_fraction <= 1.0:
+            raise UsageError(f"dense_fraction must be in [0, 1], got {self.dense_fraction}")
+        if self.workers < 0:
+            raise UsageError(f"workers must be 0 (one per core) or more, got {self.workers}")
+
+
 class FanoutEngine(Engine):
     """The ranks of a torch.distributed group, kept on one version by rank 0.
 
@@ -85,11 +130,8 @@ class FanoutEngine(Engine):
     >>> engine.follow()           # other ranks: apply what rank 0 sends, until it closes
 
     ``held`` is a module, a dict of tensors and slices, or None (a rank that only
-    coordinates). ``version``: what the ranks hold now, if known (all ranks must agree;
-    otherwise the first update rewrites every element). ``host_cache``: a directory for
-    rank 0's copy of the served version (memory-mapped files) instead of RAM. ``copy``
-    (rank 0): the directory an agent keeps at the versions this engine is given; changed
-    chunks are then read from it, verified, instead of fetched and decoded again.
+    coordinates). How it runs is a :class:`FanoutOptions`, given whole (``options=``) or
+    field by field (``timeout=60``, ``workers=8``, ...; by name over ``options``).
     """
 
     kind = "fanout"
@@ -99,31 +141,24 @@ class FanoutEngine(Engine):
         held: Any = None,
         repo: str | Store | Repository | None = None,
         *,
-        group: Any = None,
-        timeout: float = 60.0,
-        heartbeat: float | None = None,
-        version: int | None = None,
-        workers: int = 0,
-        dense_fraction: float = 0.25,
-        backend: str = "auto",
-        host_cache: str | os.PathLike[str] | None = None,
-        trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
-        progress: bool | None = False,
-        copy: str | os.PathLike[str] | None = None,
+        options: FanoutOptions | None = None,
+        **fields: Any,
     ) -> None:
+        """``fields``: :class:`FanoutOptions` fields by name (a name it lacks is a ``TypeError``)."""
         import torch
         import torch.distributed as dist
 
+        opts = dataclasses.replace(options or FanoutOptions(), **fields)
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("the fan-out engine needs an initialised torch.distributed process group")
-        if timeout <= 0:
-            raise UsageError(f"timeout must be positive, got {timeout}")
-        if backend not in ("auto", "gloo", "nccl"):
-            raise UsageError(f"backend must be auto, gloo or nccl, got {backend!r}")
+        group, timeout, version, backend = opts.group, opts.timeout, opts.version, opts.backend
         super().__init__(version=version)
+        self.options = opts
         self.timeout = timeout
-        self.dense_fraction = dense_fraction
-        self.copy = Path(copy) if copy is not None else None
+        self.dense_fraction = opts.dense_fraction
+        self.copy = Path(opts.copy) if opts.copy is not None else None
+        self._workers = opts.workers or os.cpu_count() or 1
+        self._writers: ThreadPoolExecutor | None = None  # the pause's threads, started before the first pause
         self._broken: DeltasyncError | None = None
         self._pending: Staged | None = None
         self._pending_swap: int | None = None  # rank 0: the version a swap in progress sends
@@ -166,14 +201,15 @@ class FanoutEngine(Engine):
         self.subscriber: Subscriber | None = None
         self._host: dict[str, Bits] = {}
         self._host_version: int | None = None
-        self._host_dir = Path(host_cache) if host_cache is not None else None
+        self._host_dir = Path(opts.host_cache) if opts.host_cache is not None else None
         self._beat: threading.Thread | None = None
         if self.rank == 0:
             assert repo is not None
-            self.subscriber = Subscriber(repo, workers=workers or os.cpu_count() or 1, progress=progress,
-                                         trusted_keys=trusted_keys)
+            self.subscriber = Subscriber(repo, workers=self._workers, progress=opts.progress,
+                                         trusted_keys=opts.trusted_keys)
             self._beat = threading.Thread(
-                target=self._heartbeat, args=(heartbeat or timeout / 4,), name="deltasync-fanout-heartbeat", daemon=True
+                target=self._heartbeat, args=(opts.heartbeat or timeout / 4,), name="deltasync-fanout-heartbeat",
+                daemon=True,
             )
             self._beat.start()
 
@@ -316,6 +352,9 @@ class FanoutEngine(Engine):
                 self._exchange({"op": "stop"})
         if self._beat is not None:
             self._beat.join(timeout=self.timeout)
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
+            self._writers = None
 
     # -- every rank: receive, pause, write, resume ------------------------------------------------
 
@@ -324,6 +363,8 @@ class FanoutEngine(Engine):
         error: str | None = None
         plan = WritePlan()
         try:
+            if self._writers is None and self._workers > 1:  # started before the pause, not in it
+                self._writers = ThreadPoolExecutor(self._workers, thread_name_prefix="deltasync-write")
             plan = WritePlan.of(build_writes(_unpack(records, payload, self._geometry), self._words, self._geometry))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -359,7 +400,7 @@ class FanoutEngine(Engine):
         error: str | None = None
         written = 0
         try:
-            written = apply_writes(staged.plan)
+            written = apply_writes(staged.plan, self._writers, self._workers)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         try:

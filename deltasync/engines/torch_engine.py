@@ -210,8 +210,11 @@ def _cuts(n: int, count: int, least: int) -> list[tuple[int, int]]:
 def apply_writes(plan: WritePlan, pool: Executor | None = None, workers: int = 1) -> int:
     """Write every change, then wait for the devices; on failure write the old values back.
 
-    With ``pool`` (``workers`` threads), every write is cut into pieces written at once by
-    the pool's threads: the pause is written on every core, as decoding was."""
+    With ``pool`` (``workers`` threads), every write is cut into pieces and the pieces are
+    dealt into ``workers`` batches of about equal bytes: the calling thread writes one batch,
+    the pool's threads the others, all at once (one hand-off per thread, not per piece: a
+    pause of many small tensors would otherwise spend more on hand-offs than on writing).
+    The pause is written on every core, as decoding was."""
     done = WritePlan()
     try:
         for f in plan.fused:
@@ -223,9 +226,12 @@ def apply_writes(plan: WritePlan, pool: Executor | None = None, workers: int = 1
                 w.apply()
         else:
             done.writes = list(plan.writes)  # pieces of any of them may have landed: all are undone
-            futures: list[Future[None]] = [pool.submit(w.apply_part, *part)
-                                           for w in plan.writes for part in w.parts(workers)]
-            wait_all(futures)  # every piece has stopped before an undo writes over them
+            batches = deal([(w, part) for w in plan.writes for part in w.parts(workers)], workers)
+            futures: list[Future[None]] = [pool.submit(_write_batch, b) for b in batches[1:]]
+            try:
+                _write_batch(batches[0])
+            finally:
+                wait_all(futures)  # every piece has stopped before an undo writes over them
             for fut in futures:
                 fut.result()
         plan.synchronize()
@@ -237,6 +243,26 @@ def apply_writes(plan: WritePlan, pool: Executor | None = None, workers: int = 1
                               "the weights are now a mix: reload them") from e
         raise
     return plan.nbytes
+
+
+Piece = tuple[TensorWrite, tuple[str, int, int, int]]
+
+
+def deal(pieces: list[Piece], count: int) -> list[list[Piece]]:
+    """``pieces`` in ``count`` batches of about equal words (largest first, each to the
+    lightest batch so far); always ``count`` batches, some maybe empty."""
+    batches: list[list[Piece]] = [[] for _ in range(max(1, count))]
+    load = [0] * len(batches)
+    for piece in sorted(pieces, key=lambda p: p[1][3] - p[1][2], reverse=True):
+        j = load.index(min(load))
+        batches[j].append(piece)
+        load[j] += piece[1][3] - piece[1][2]
+    return batches
+
+
+def _write_batch(batch: list[Piece]) -> None:
+    for w, part in batch:
+        w.apply_part(*part)
 
 
 @dataclass
@@ -312,6 +338,29 @@ def build_writes(runs: Iterable[Run], words: Mapping[str, torch.Tensor], geometr
         if w.idx is not None or w.dense:
             out.append(w)
     return out
+
+
+def build_all(changes: VersionChanges, words: Mapping[str, torch.Tensor], geometry: Mapping[str, Geometry],
+              mirror: HostMirror | None, pool: Executor | None) -> tuple[list[TensorWrite], list[MirrorUpdate], int]:
+    """The writes of every changed tensor (:func:`build_writes`, or :func:`build_mirror_writes`
+    for a mirrored one), tensor by tensor on ``pool``'s threads where there is one: joining a
+    tensor's changes and reading its old values is work per changed byte, and it would
+    otherwise run on one core between the parallel decode and the parallel pause. Returns the
+    writes, the mirror's updates and the bytes sent, in the order of ``changes``."""
+    by_name: dict[str, list[EntryChanges]] = {}
+    for e in changes.entries.values():
+        by_name.setdefault(e.tensor.name, []).append(e)
+
+    def one(name: str) -> tuple[list[TensorWrite], list[MirrorUpdate], int]:
+        runs = list(runs_of(by_name[name]))
+        if mirror is not None and name in mirror:
+            return build_mirror_writes(runs, words, geometry, mirror)
+        return build_writes(runs, words, geometry), [], 0
+
+    results = list(pool.map(one, by_name)) if pool is not None and len(by_name) > 1 else [one(n) for n in by_name]
+    writes = [w for r in results for w in r[0]]
+    updates = [u for r in results for u in r[1]]
+    return writes, updates, sum(r[2] for r in results)
 
 
 #: A mirrored tensor's writes, for its host mirror: (name, positions, values, dense blocks).
@@ -455,10 +504,10 @@ class TorchEngine(Engine):
         rewritten whole (one copy) rather than scattered. ``copy``: the directory an agent
         keeps at the versions this engine is given (``deltasync subscribe``'s OUT); changed
         chunks are then read from it, verified, instead of fetched and decoded again.
-        ``host_mirror``: keep a host copy of the bits of whole tensors on a device, so that
-        staging reads no chunk back from the device and sends it only what changed, positions
-        compacted (engines/_mirror.py); None (default): for tensors off the CPU; True: for
-        every whole tensor (a CPU "device", to measure it); False: none."""
+        ``host_mirror``: keep a host copy of the bits of tensors on a device (whole tensors
+        and :class:`Slice` regions), so that staging reads no chunk back from the device and
+        sends it only what changed, positions compacted (engines/_mirror.py); None (default):
+        for tensors off the CPU; True: for every tensor (a CPU "device", to measure it); False: none."""
         super().__init__(version=version)
         if not 0.0 <= dense_fraction <= 1.0:
             raise UsageError(f"dense_fraction must be in [0, 1], got {dense_fraction}")
@@ -479,8 +528,8 @@ class TorchEngine(Engine):
             for name, w in self._bytes().items()
         }
         self._writers: ThreadPoolExecutor | None = None  # the pause's threads: as many as decode's
-        mirrored = {n: w for n, w in self._words.items() if n not in self._sliced
-                    and (host_mirror or (host_mirror is None and w.device.type != "cpu"))}
+        mirrored = {n: w for n, w in self._words.items()
+                    if host_mirror or (host_mirror is None and w.device.type != "cpu")}
         self._mirror = HostMirror(mirrored) if mirrored else None
         for name in mirrored:
             self._host[name] = None  # a full pass in place (load) would leave the mirror behind: it updates
@@ -516,18 +565,11 @@ class TorchEngine(Engine):
             self.subscriber, version, held_version=self._version, read=self._read_factory(info, edges),
             keys=keys, dense_fraction=self.dense_fraction, copy=self.copy, chunks=chunks,
         )
-        runs = list(runs_of(changes.entries.values()))
-        mirror = self._mirror
-        writes = build_writes([r for r in runs if mirror is None or r.name not in mirror], self._words, self._geometry)
-        updates: list[MirrorUpdate] = []
-        if mirror is not None:
-            more, updates, sent = build_mirror_writes([r for r in runs if r.name in mirror], self._words,
-                                                      self._geometry, mirror)
-            writes += more
-            self.h2d_bytes += sent
-        plan = WritePlan.of(writes)
         if self._writers is None and self.subscriber.workers > 1:  # started before the pause, not in it
             self._writers = ThreadPoolExecutor(self.subscriber.workers, thread_name_prefix="deltasync-write")
+        writes, updates, sent = build_all(changes, self._words, self._geometry, self._mirror, self._writers)
+        self.h2d_bytes += sent
+        plan = WritePlan.of(writes)
         staged = TorchStaged(version, plan=plan, changes=changes if edges else None, edges=edges, mirror=updates)
         return fill_staged(staged, changes, plan.nbytes)
 
@@ -666,13 +708,19 @@ class TorchEngine(Engine):
             # A slice entry (published by several ranks), or a region held of a larger entry:
             # gather the chunk's words from the tensor, or from the kept edge chunk.
             width = dtypes.element_width(t.dtype)
-            pos = torch.arange(off // width, (off + length) // width, device=self._words[t.name].device)
+            from_mirror = not device and self._mirror is not None and t.name in self._mirror
+            at = "cpu" if from_mirror else self._words[t.name].device
+            pos = torch.arange(off // width, (off + length) // width, device=at)
             inside, local = map_words(pos, src, dst)
             if inside is not None and not bool(inside.all()):
                 if edges is not None:
                     edges.add((key, off, length))
                 kept = self._edges.get((key, off))
                 return kept if kept is not None and kept.nbytes == length else None
+            if from_mirror:  # the region's words gathered on the host: nothing read back from the device
+                assert self._mirror is not None
+                gathered: np.ndarray = self._mirror.array(t.name)[local.numpy()]
+                return gathered.view(np.uint8)
             picked: np.ndarray = self._words[t.name][local].cpu().numpy()
             return picked.view(np.uint8)
 

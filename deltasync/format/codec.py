@@ -920,6 +920,23 @@ def decode_reverse(codec: PlanesZstdCodec, chunk: EncodedChunk, target: Bytes, w
     return base.view(np.uint8)
 
 
+def changed_within(target: Bytes, base: Bytes, width: int, limit: int) -> tuple[npt.NDArray[np.int64], Bytes] | None:
+    """Where two equal-length 1-d uint8 arrays of ``width``-byte elements differ by bit pattern
+    (ascending element positions, and those elements' bytes in ``target``), or None when more
+    than ``limit`` elements differ: one pass of the encoder's scan kernel (C, the GIL released),
+    so that threads diffing chunks at once run at once (numpy's ``flatnonzero`` holds the GIL)."""
+    _check_width(width)
+    if len(target) != len(base) or len(target) % width:
+        raise UsageError("target and base must be equal lengths of whole elements")
+    n = len(target) // width
+    if n > _MAX_SPARSE_ELEMENTS:
+        raise UsageError(f"{n} elements is more than one scan takes ({_MAX_SPARSE_ELEMENTS}); scan it in parts")
+    count, idx, tv, _bv = _K.scan(np.ascontiguousarray(target), np.ascontiguousarray(base), width, max(0, limit))
+    if count > limit or idx is None or tv is None:
+        return None
+    return np.frombuffer(idx, dtype=np.uint32).astype(np.int64), np.frombuffer(tv, dtype=np.uint8)
+
+
 def changed_elements(target: Bytes, base: Bytes, width: int) -> tuple[npt.NDArray[np.int64], Bytes, Bytes]:
     """Where two equal-length byte arrays of ``width``-byte elements differ by bit pattern, as the
     encoder finds a chunk's changes (the same scan kernel; C, the GIL released): the ascending

@@ -8,8 +8,11 @@ its digest. A squash is redundant data: a chunk it fails to rebuild is rebuilt f
 deltas instead (with a warning), so damage to a squash never fails a pull.
 
 Chunks run on a thread pool with a bounded window in flight; I/O threads may outnumber
-cores (remote stores want many requests in flight) while decoding holds one of ``workers``
-CPU slots. Results reach the caller's ``sink`` in chunk order on the calling thread.
+cores (remote stores want many requests in flight) while every CPU step of a chunk (the
+digest of the local bits, decoding and verifying, the copy into ``dest``, the caller's
+``work``) holds one of ``workers`` CPU slots: ``workers`` is the number of cores a pull
+uses, no more (so that 1 worker next to 2 measures what a second core adds). Results reach
+the caller's ``sink`` in chunk order on the calling thread.
 """
 
 from __future__ import annotations
@@ -75,11 +78,15 @@ class ChunkPipeline:
         want: Want | None = None,
         squashes: bool = True,
         label: str = "pull",
+        work: Callable[[pb.Tensor, int, Bits], None] | None = None,
     ) -> Plan:
         """Materialise the chunks of ``info`` (all, or those in ``want``) in order: into
         ``dest`` arrays by entry key (written by the workers), and through ``sink`` (called in
-        order on this thread). Without ``squashes`` only the stored chains are read. ``label``
-        names the work on the progress line (``verify v3``)."""
+        order on this thread). ``work(tensor, offset, bits)``, if given, runs on the worker
+        that made each chunk, in its CPU slot, before the chunk reaches ``sink``: per-chunk
+        CPU work of the caller's (an engine's diff) then spreads over the workers instead of
+        running on the calling thread. Without ``squashes`` only the stored chains are read.
+        ``label`` names the work on the progress line (``verify v3``)."""
         local_version = local.version if local is not None else None
         plan, chain = self.planner.plan(info.version, local_version, want, squashes=squashes)
         snapshot_chain: list[Chain] = [chain] if plan.base is None and not plan.squashes else []
@@ -133,15 +140,20 @@ class ChunkPipeline:
 
         def job(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
             bits = materialise(t, idx, off, length)
-            if dest is not None:
-                dest[key_of(t)][off : off + length] = bits
+            if dest is not None or work is not None:
+                with cpu:
+                    if dest is not None:
+                        dest[key_of(t)][off : off + length] = bits
+                    if work is not None:
+                        work(t, off, bits)
             return bits
 
         def materialise(t: pb.Tensor, idx: int, off: int, length: int) -> Bits:
             width = dtypes.element_width(t.dtype)
             key = key_of(t)
             held = local.read(key, off, length) if local is not None else None
-            held_digest = digest(held) if held is not None else b""
+            with cpu:
+                held_digest = digest(held) if held is not None else b""
             if held is not None and held_digest == t.chunks[idx].target_digest:
                 return held  # already there (idempotent, resumable)
             base, steps = route(chain, plan.base, key, idx, held, held_digest)

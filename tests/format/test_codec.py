@@ -1154,6 +1154,29 @@ def test_a_zstd_section_with_trailing_bytes_is_refused(kind: str) -> None:
     assert np.array_equal(out, base)
 
 
+def test_changed_within_gives_the_changes_up_to_a_limit_and_none_past_it() -> None:
+    """``changed_within`` (the engines' diff): the bit differences and the target's bytes there
+    while at most ``limit`` elements differ, None past it, for every width."""
+    from deltasync.format.codec import changed_within
+
+    g = np.random.default_rng(12)
+    for width, dt in ((1, np.uint8), (2, np.uint16), (4, np.uint32), (8, np.uint64)):
+        base = g.integers(0, 1 << (8 * width - 1), size=4000, dtype=np.uint64).astype(dt)
+        target = base.copy()
+        at = np.sort(g.choice(len(base), size=40, replace=False))
+        target[at] = np.bitwise_xor(target[at], np.ones(len(at), dtype=dt))
+        found = changed_within(target.view(np.uint8), base.view(np.uint8), width, 40)
+        assert found is not None
+        idx, tv = found
+        assert idx.dtype == np.int64 and idx.tolist() == at.tolist()
+        assert tv.view(dt).tolist() == target[at].tolist()
+        assert changed_within(target.view(np.uint8), base.view(np.uint8), width, 39) is None
+        same = changed_within(base.view(np.uint8), base.copy().view(np.uint8), width, 0)
+        assert same is not None and [len(x) for x in same] == [0, 0]
+    with pytest.raises(UsageError):
+        changed_within(np.zeros(8, dtype=np.uint8), np.zeros(4, dtype=np.uint8), 2, 4)
+
+
 def test_changed_elements_are_the_bit_differences_with_both_values() -> None:
     """``changed_elements``: the positions whose bit patterns differ (a signed zero and a NaN
     payload count, equal NaNs do not), and each side's bytes there, for every width."""
