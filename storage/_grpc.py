@@ -43,6 +43,7 @@ from ..v1 import relay_pb2 as pb
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
 from .wire import (
+    BIDI_STREAM,
     CA_ENV as CA_ENV,
     CHUNK_BYTES,
     CLIENT_STREAM,
@@ -134,7 +135,8 @@ def describe(e: grpc.RpcError) -> str:
 
 
 _Interceptors: tuple[Any, ...] = (
-    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
 )
 
 
@@ -164,6 +166,9 @@ class _BearerToken(*_Interceptors):  # type: ignore[misc]
         return continuation(self._with_token(details), request)
 
     def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._with_token(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return continuation(self._with_token(details), request_iterator)
 
 
@@ -200,14 +205,16 @@ class _Relay:
             self.channel = grpc.intercept_channel(self.channel, _BearerToken(token, write_token))
         calls: dict[str, Any] = {}
         for name, (request, response, kind) in METHODS.items():
-            factory = {SERVER_STREAM: self.channel.unary_stream, CLIENT_STREAM: self.channel.stream_unary}.get(
-                kind, self.channel.unary_unary
-            )
+            factory = {
+                SERVER_STREAM: self.channel.unary_stream, CLIENT_STREAM: self.channel.stream_unary,
+                BIDI_STREAM: self.channel.stream_stream,
+            }.get(kind, self.channel.unary_unary)
             calls[name] = factory(
                 method_path(name), request_serializer=request.SerializeToString, response_deserializer=response.FromString
             )
         self.get, self.stat, self.list, self.watch = calls["Get"], calls["Stat"], calls["List"], calls["Watch"]
-        self.put, self.delete = calls["Put"], calls["Delete"]
+        self.put, self.upload, self.delete = calls["Put"], calls["Upload"], calls["Delete"]
+        self.legacy_put = False  # the relay predates Upload (answered UNIMPLEMENTED): Put is used
 
 
 class GrpcStore(Store):
@@ -335,19 +342,28 @@ class GrpcStore(Store):
         size = len(view)
         announced = digest(view)
 
-        def pieces() -> Iterator[pb.PutChunk]:
+        def pieces() -> Iterator[pb.PutChunk]:  # for a relay before Upload
             yield pb.PutChunk(
                 key=key, total_bytes=size, if_absent=if_absent, digest=announced, data=bytes(view[:CHUNK_BYTES])
             )
             for offset in range(CHUNK_BYTES, size, CHUNK_BYTES):
                 yield pb.PutChunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
 
+        header = pb.PutChunk(key=key, total_bytes=size, if_absent=if_absent, digest=announced)
         tries = 0
 
         def attempt(relay: _Relay) -> None:
             nonlocal tries
             tries += 1
             try:
+                if not relay.legacy_put:
+                    try:
+                        self._upload(relay, header, view)
+                        return
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                            raise
+                        relay.legacy_put = True
                 relay.put(pieces(), timeout=self.timeout)
             except grpc.RpcError as e:
                 # A conditional put retried after a failure that may have come after the relay
@@ -357,6 +373,32 @@ class GrpcStore(Store):
                 raise
 
         self._failover("write", key, attempt, start=self._shard(key), codes=WRITE_FAILOVER_CODES)
+
+    def _upload(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> None:
+        """One Upload call: the header, then the object's bytes as the relay grants credit
+        (pieces of at most 1 MiB, never past the last grant); returns once it is stored."""
+        credit = _Credit()
+        size = len(view)
+
+        def requests() -> Iterator[pb.PutChunk]:  # consumed by grpc on a thread of its own
+            yield header
+            offset = 0
+            while offset < size:
+                until = credit.beyond(offset)
+                if until is None:
+                    return  # the call is over
+                while offset < until:
+                    end = min(offset + CHUNK_BYTES, until)
+                    yield pb.PutChunk(data=bytes(view[offset:end]))
+                    offset = end
+
+        call = relay.upload(requests(), timeout=self.timeout)
+        try:
+            for grant in _Stream(call):
+                credit.grant(grant.send_until)
+        finally:
+            credit.stop()
+            call.cancel()
 
     def _holds(self, key: str, view: memoryview) -> bool:
         try:
@@ -444,6 +486,33 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
         )
     what = f" {key}" if key else ""
     return StoreError(f"cannot {action}{what} through relay {address}: {describe(e)}")
+
+
+class _Credit:
+    """The credit of one Upload call: the offset its bytes may be sent to, raised by the relay's
+    grants (read on the caller's thread), waited on by the request iterator (grpc's thread)."""
+
+    def __init__(self) -> None:
+        self._until = 0
+        self._stopped = False
+        self._changed = threading.Condition()
+
+    def grant(self, until: int) -> None:
+        with self._changed:
+            self._until = max(self._until, until)
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    def beyond(self, offset: int) -> int | None:
+        """The granted offset once it is past ``offset``; None once the call is over."""
+        with self._changed:
+            while self._until <= offset and not self._stopped:
+                self._changed.wait()
+            return None if self._stopped else self._until
 
 
 class _Download:

@@ -1,4 +1,4 @@
-"""The relay's gRPC service: Get, Stat, List, Watch, Put and Delete, bound by hand to the
+"""The relay's gRPC service: Get, Stat, List, Watch, Put, Upload and Delete, bound by hand to the
 methods of the wire definition (:mod:`deltasync.storage.wire`). Each call is answered here and
 its work done by the relay's parts: fetches (:mod:`.fetch`), the version feed and warming
 (:mod:`.feed`), uploads (:mod:`.uploads`). A failure ends the call with the status code the
@@ -38,7 +38,7 @@ _FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
 
 
 class RelayService:
-    """The six RPCs. Lives on the relay event loop; blocking work goes to ``executor``."""
+    """The seven RPCs. Lives on the relay event loop; blocking work goes to ``executor``."""
 
     def __init__(
         self, upstream: Store, upstream_url: str, cache: ObjectCache, executor: ThreadPoolExecutor, config: RelayConfig
@@ -64,7 +64,7 @@ class RelayService:
     def handler(self) -> Any:
         behaviors: dict[str, Callable[..., Any]] = {
             "Get": self.get, "Stat": self.stat, "List": self.list, "Watch": self.watch,
-            "Put": self.put, "Delete": self.delete,
+            "Put": self.put, "Upload": self.upload, "Delete": self.delete,
         }
         handlers: dict[str, Any] = {}
         for name, (request, response, kind) in METHODS.items():
@@ -233,27 +233,59 @@ class RelayService:
     # -- Put, Delete ---------------------------------------------------------------------------
 
     async def put(self, requests: AsyncIterator[pb.PutChunk], context: Any) -> pb.PutResponse:
+        """The old upload (clients before Upload): not held back by credit, so grpc may park
+        up to a window of its bytes while it waits for its turn; that window is charged to
+        the upload budget until the call ends, and a call it does not fit is refused with
+        UNAVAILABLE (the client tries another relay, then again)."""
         self.counters["requests"] += 1
         if not self.config.accept_writes:  # the interceptor refuses first; kept for library use
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        parked = self.config.upload_window
+        if not self.uploads.budget.take(parked):
+            self.counters["uploads_refused"] += 1
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the relay's upload budget ({self.config.upload_buffer:,} bytes) is taken: a Put holds a "
+                f"{parked:,}-byte window of it (clients that use Upload are not refused; try again)",
+            )
+        try:
+            size = await self._upload(requests, context, None)
+        finally:
+            self.uploads.budget.give(parked)
+        self.counters["uploads"] += 1
+        self.counters["uploaded_bytes"] += size
+        return pb.PutResponse()
+
+    async def upload(self, requests: AsyncIterator[pb.PutChunk], context: Any) -> None:
+        """An upload under the relay's byte credit (:mod:`.uploads`): the credit messages are
+        written to the call as the budget grants them; the call ends OK once it is stored."""
+        self.counters["requests"] += 1
+        if not self.config.accept_writes:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        size = await self._upload(requests, context, context.write)
+        self.counters["uploads"] += 1
+        self.counters["uploaded_bytes"] += size
+
+    async def _upload(self, requests: AsyncIterator[pb.PutChunk], context: Any,
+                      send_credit: Callable[[pb.UploadCredit], Any] | None) -> int:
+        """Take one upload (its turn first); its size, or the call aborted with why not."""
         assert self.uploads.turn is not None
         key = ""
-        async with self.uploads.turn:  # bounds memory and spool: max_uploads objects received at once
+        size = 0
+        async with self.uploads.turn:  # bounds the spool: max_uploads objects received at once
             try:
                 first = await anext(aiter(requests), None)
                 if first is None:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
                 key, size = first.key, first.total_bytes
-                await self.uploads.take(first, requests)
+                await self.uploads.take(first, requests, send_credit)
             except Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.warning("refused upload of %s: %s", key or "?", e.message)
                 await context.abort(e.code, e.message)
             except Exception as e:
                 await self._abort(context, e, key or None)
-        self.counters["uploads"] += 1
-        self.counters["uploaded_bytes"] += size
-        return pb.PutResponse()
+        return size
 
     async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
         self.counters["requests"] += 1
