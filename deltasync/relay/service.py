@@ -28,7 +28,7 @@ from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, ca
 from .config import RelayConfig
 from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
-from .uploads import Refused, Uploads
+from .uploads import Refused, SendCredit, Uploads, piece_data
 
 log = logging.getLogger("deltasync.relay")
 
@@ -69,8 +69,10 @@ class RelayService:
         handlers: dict[str, Any] = {}
         for name, (request, response, kind) in METHODS.items():
             factory = HANDLER_FACTORIES[kind]
+            # Upload's messages are taken as they came (see Uploads.piece_data): grpc hands the bytes over.
+            decode = None if name == "Upload" else request.FromString
             handlers[name] = factory(
-                behaviors[name], request_deserializer=request.FromString, response_serializer=response.SerializeToString
+                behaviors[name], request_deserializer=decode, response_serializer=response.SerializeToString
             )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -249,36 +251,39 @@ class RelayService:
                 f"{parked:,}-byte window of it (clients that use Upload are not refused; try again)",
             )
         try:
-            size = await self._upload(requests, context, None)
+            size = await self._upload(requests, context, None, lambda chunk: memoryview(chunk.data))
         finally:
             self.uploads.budget.give(parked)
         self.counters["uploads"] += 1
         self.counters["uploaded_bytes"] += size
         return pb.PutResponse()
 
-    async def upload(self, requests: AsyncIterator[pb.PutChunk], context: Any) -> None:
+    async def upload(self, requests: AsyncIterator[bytes], context: Any) -> None:
         """An upload under the relay's byte credit (:mod:`.uploads`): the credit messages are
         written to the call as the budget grants them; the call ends OK once it is stored."""
         self.counters["requests"] += 1
         if not self.config.accept_writes:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
-        size = await self._upload(requests, context, context.write)
+        size = await self._upload(requests, context, context.write, piece_data)
         self.counters["uploads"] += 1
         self.counters["uploaded_bytes"] += size
 
-    async def _upload(self, requests: AsyncIterator[pb.PutChunk], context: Any,
-                      send_credit: Callable[[pb.UploadCredit], Any] | None) -> int:
-        """Take one upload (its turn first); its size, or the call aborted with why not."""
+    async def _upload(self, requests: AsyncIterator[Any], context: Any, send_credit: SendCredit | None,
+                      data_of: Callable[[Any], memoryview]) -> int:
+        """Take one upload (its turn first); its size, or the call aborted with why not.
+        ``data_of``: a message's piece of the object."""
         assert self.uploads.turn is not None
         key = ""
         size = 0
         async with self.uploads.turn:  # bounds the spool: max_uploads objects received at once
             try:
-                first = await anext(aiter(requests), None)
-                if first is None:
+                messages = aiter(requests)
+                head = await anext(messages, None)
+                if head is None:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
+                first = head if isinstance(head, pb.PutChunk) else _header(head)
                 key, size = first.key, first.total_bytes
-                await self.uploads.take(first, requests, send_credit)
+                await self.uploads.take(first, _pieces(messages, data_of), send_credit)
             except Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.warning("refused upload of %s: %s", key or "?", e.message)
@@ -337,6 +342,23 @@ class RelayService:
                     await asyncio.wait_for(changed.wait(), wait)
         finally:
             self.counters["watchers"] -= 1
+
+
+async def _pieces(messages: AsyncIterator[Any], data_of: Callable[[Any], memoryview]) -> AsyncIterator[memoryview]:
+    """The data of each message, held by nothing here while the next one is awaited (a piece
+    kept alive across that wait would be one more megabyte per upload beyond its credit)."""
+    async for message in messages:
+        piece = data_of(message)
+        del message
+        yield piece
+        del piece
+
+
+def _header(raw: bytes) -> pb.PutChunk:
+    try:
+        return pb.PutChunk.FromString(raw)
+    except Exception:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the upload's header is not a PutChunk") from None
 
 
 def _layout_keys(upstream: Store, prefix: str) -> list[str]:

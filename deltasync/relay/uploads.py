@@ -140,6 +140,24 @@ class Credit:
         if budget is not None:
             budget.give(n)
         self.progress.set()
+def piece_data(raw: bytes) -> memoryview:
+    """The data (field 5) of a serialized PutChunk, a view of ``raw`` rather than a copy: a
+    1 MiB piece is then held once in the relay's memory, not three times over (grpc's message,
+    the decoded message, its bytes). A message with any other field is decoded whole."""
+    if len(raw) > 1 and raw[0] == 0x2A:  # field 5, length-delimited
+        length, shift, pos = 0, 0, 1
+        while pos < len(raw) and shift < 64:
+            byte = raw[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            if not byte & 0x80:
+                if pos + length == len(raw):
+                    return memoryview(raw)[pos:]
+                break
+            shift += 7
+    return memoryview(pb.PutChunk.FromString(raw).data)
+
+
 class Spool:
     """(Threads) One upload written to a new file under ``directory`` as its pieces arrive,
     then mapped read-only (:meth:`view`) for the checks and the upstream put; :meth:`close`
@@ -151,7 +169,7 @@ class Spool:
         self._file = open(self.path, "x+b")  # noqa: SIM115 - closed by close(); readable, for mmap
         self._map: mmap.mmap | None = None
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self._file.write(data)
 
     def view(self) -> memoryview:
@@ -268,9 +286,10 @@ class Uploads:
     def start(self) -> None:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
 
-    async def take(self, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk],
+    async def take(self, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
                    send_credit: SendCredit | None = None) -> None:
-        """Check an upload's header (``first``), take its pieces, check and store it. Refused
+        """Check an upload's header (``first``), take its pieces (``requests``: the data of
+        each message after the header), check and store it. Refused
         (or the store's error) when it cannot be written. Call holding :attr:`turn`. With
         ``send_credit`` (an Upload call) the client sends only within the credit granted;
         without (an old Put), the caller has charged the budget a window for it."""
@@ -315,7 +334,7 @@ class Uploads:
             if in_memory:
                 self.budget.give(size)
 
-    async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk],
+    async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
                        spool: Spool | None, credit: Credit | None) -> None:
         """Take an upload's pieces (into memory, or into ``spool``), then check and store it.
         With ``credit``, a spooled piece's credit goes back to the budget once it is written."""
@@ -324,7 +343,7 @@ class Uploads:
             await self.in_thread(spool.write, first.data)
         received = len(first.data)
         async for piece in requests:
-            n = len(piece.data)
+            n = len(piece)
             if received + n > size:
                 raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} sent more than its {size:,} bytes")
             if credit is not None and received + n > credit.granted:
@@ -332,10 +351,11 @@ class Uploads:
                               f"upload of {key} sent past its credit ({credit.granted:,} bytes)")
             received += n
             if data is not None:
-                data += piece.data
+                data += piece
             else:
                 assert spool is not None
-                await self.in_thread(spool.write, piece.data)
+                await self.in_thread(spool.write, piece)
+                del piece  # before its credit goes back: the next piece may be on its way
                 if credit is not None:
                     credit.landed_piece(n, self.budget)
         if received != size:
