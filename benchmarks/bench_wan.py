@@ -386,6 +386,8 @@ def main() -> None:
                 print(f"  {label:9} rtt {rtt * 1000:5.0f} ms rep {rep}: "
                       + ", ".join(f"{v} {e:6.2f}s {b / 1e6:7.1f} MB" for v, (e, b) in zip(("snapshot", "delta"), figures,
                                                                                               strict=True)), flush=True)
+    if not plans:
+        return
     print()
     print(f"{'row':9} {'version':8} {'rtt':>6} {'elapsed (each)':>24} {'median':>7} {'crossed':>9} {'link time':>9} "
           f"{'ratio':>6}")
