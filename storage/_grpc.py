@@ -51,6 +51,7 @@ from .wire import (
     SERVER_STREAM,
     TOKEN_ENV as TOKEN_ENV,
     TOKEN_FILE_ENV as TOKEN_FILE_ENV,
+    UNCREDITED_BYTES,
     WRITE_METHODS,
     WRITE_TOKEN_ENV,
     WRITE_TOKEN_FILE_ENV,
@@ -349,7 +350,9 @@ class GrpcStore(Store):
             for offset in range(CHUNK_BYTES, size, CHUNK_BYTES):
                 yield pb.PutChunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
 
-        header = pb.PutChunk(key=key, total_bytes=size, if_absent=if_absent, digest=announced)
+        # A small object goes whole in the header, before any credit: one round trip.
+        header = pb.PutChunk(key=key, total_bytes=size, if_absent=if_absent, digest=announced,
+                             data=bytes(view) if size <= UNCREDITED_BYTES else b"")
         tries = 0
 
         def attempt(relay: _Relay) -> None:
@@ -382,7 +385,7 @@ class GrpcStore(Store):
 
         def requests() -> Iterator[pb.PutChunk]:  # consumed by grpc on a thread of its own
             yield header
-            offset = 0
+            offset = len(header.data)
             while offset < size:
                 until = credit.beyond(offset)
                 if until is None:

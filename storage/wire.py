@@ -28,6 +28,9 @@ from ._base import MAX_OFFSET as MAX_OFFSET  # the largest offset or length a Ge
 SERVICE = "deltasync.v1.Relay"
 CHUNK_BYTES = 1 << 20  # bytes per GetChunk: big packs stream under flow control
 LIST_BATCH = 1000  # keys per ListResponse
+#: An object this small is sent whole in an Upload's header, before any credit (one round trip,
+#: as a Put: a lease, a ref, a manifest); a relay holds at most this per waiting uploader.
+UNCREDITED_BYTES = 256 << 10
 
 UNARY, SERVER_STREAM, CLIENT_STREAM, BIDI_STREAM = "unary", "server_stream", "client_stream", "bidi_stream"
 

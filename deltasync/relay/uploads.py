@@ -14,7 +14,8 @@ any other is spooled to a file and granted at most ``upload_window`` ahead of th
 written to the file, each grant taken from the budget and given back as the pieces land on
 disk. However many upload at once, the bytes of uploads in the relay's memory (granted, not
 yet on disk) stay within the budget; one that waits for its turn or for the budget is granted
-nothing and sends nothing but its header. The old Put (clients before Upload) cannot be held
+nothing and sends nothing but its header (which may carry a whole object of at most
+``UNCREDITED_BYTES``, 256 KiB: a lease, a ref, a manifest in one round trip). The old Put (clients before Upload) cannot be held
 back that way: grpc may park up to a window of its bytes before the relay reads them, so each
 Put call is charged one window from the same budget while it waits and runs, and refused
 (UNAVAILABLE: the client tries again, at another relay or a moment later) when it does not
@@ -38,7 +39,7 @@ from ..errors import ObjectNotFoundError, UsageError
 from ..format.digest import digest
 from ..repo.repository import blob_key
 from ..storage import LocalStore, Store, check_key
-from ..storage.wire import CHUNK_BYTES
+from ..storage.wire import CHUNK_BYTES, UNCREDITED_BYTES
 from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
 from .auth import check_writable
 from .cache import ObjectCache, cacheable, content_problem, size_limit
@@ -117,10 +118,12 @@ class Credit:
         self.landed = 0
         self.progress = asyncio.Event()
 
-    async def grant_all(self, size: int) -> None:
-        """A small upload held in memory: its whole size, already taken from the budget."""
+    async def grant_all(self, size: int, send: bool = True) -> None:
+        """A small upload held in memory: its whole size, already taken from the budget (sent
+        to the client unless it came whole in the header)."""
         self.granted = size
-        await self.send(pb.UploadCredit(send_until=size))
+        if send:
+            await self.send(pb.UploadCredit(send_until=size))
 
     async def keep_granting(self, budget: Budget, size: int, ahead: int) -> None:
         """A spooled upload: credit up to ``ahead`` bytes past what landed, while the budget
@@ -306,17 +309,23 @@ class Uploads:
         if self.quota is not None:
             self.quota.check(key, size)  # before receiving: a refused upload costs no memory
         credit = Credit(send_credit) if send_credit is not None else None
-        if credit is not None and first.data:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload of {key} sent bytes before any credit")
+        whole = credit is not None and len(first.data) == size  # sent in its header, before credit
+        if credit is not None and first.data and not (whole and size <= UNCREDITED_BYTES):
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"upload of {key} sent {len(first.data):,} bytes before any credit")
         # Created and removed on the event loop itself (a file open and an unlink): an
         # executor job can be cancelled before it runs when the client cancels the
         # upload, which would leave the spool file behind.
-        in_memory = size <= SPOOL_BYTES and self.budget.take(size)
+        if whole:
+            self.budget.used += size  # already here: held, counted, whatever the budget says
+            in_memory = True
+        else:
+            in_memory = size <= SPOOL_BYTES and self.budget.take(size)
         spool = None if in_memory else Spool(self.cache.root / "tmp")
         granter: asyncio.Task[None] | None = None
         try:
             if credit is not None and in_memory:
-                await credit.grant_all(size)
+                await credit.grant_all(size, send=not whole)
             elif credit is not None:
                 granter = asyncio.get_running_loop().create_task(
                     credit.keep_granting(self.budget, size, self.config.upload_window))
