@@ -32,9 +32,11 @@ class RelayConfig:
     """Seconds the upstream may stay unreachable before watchers are sent elsewhere."""
     fetch_piece_bytes: int = 8 << 20
     """Objects larger than this are fetched from the upstream in ranges of this size."""
-    fetch_pieces_in_flight: int = 4
-    """Ranged reads of one object requested from the upstream at once (a far upstream pays its
-    round trip once per this many pieces)."""
+    fetch_pieces_in_flight: int = 32
+    """Most ranged reads requested from the upstream at once, all fetches together (the memory
+    bound: this x ``fetch_piece_bytes``, 256 MiB). How many are kept in flight is measured:
+    about the upstream's rate x round trip / ``fetch_piece_bytes`` + 1, at least 4
+    (:mod:`deltasync.relay.gauge`)."""
     workers: int = 32
     """Threads for upstream reads, cache file reads and index writes."""
     tls_cert: Path | None = None
