@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_wan [--mib 256] [--fraction 0.2] [--mbps 800] [--rtts 2,50,200]
         [--reps 3] [--rows publish,tree,publish2,tree2,uploaders64] [--shard-mbps 200]
-        [--uploaders 64] [--upload-mib 16]
+        [--uploaders 64] [--upload-mib 16] [--baseline]
 
 The link is :mod:`benchmarks.wan_link`: a userspace TCP proxy between loopback ports, in a
 process of its own, that paces each direction at ``--mbps`` and delays every byte by half the
@@ -28,6 +28,10 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
   relay serving ``--accept-writes`` at its defaults (``--upload-buffer`` 256M). Printed: the
   relay process's resident memory (VmRSS, RssAnon: sampled from /proc every 5 ms) before and
   at its peak, the growth against the target (budget + 64 MiB), and the link's throughput.
+
+``--baseline`` runs the paths before issue 30's second turn, to compare in the same run on the
+same machine: publishers upload with the old Put to relays serving ``upload_window`` 16 MiB,
+and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4).
 
 Per row and round trip: elapsed (every repetition and the median), the bytes that crossed
 the link (both ways), link time (the larger direction's bytes over the rate, plus 4 round
@@ -80,12 +84,17 @@ def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
 # -- processes -----------------------------------------------------------------------------------
 
 
-def _relay(upstream: str, cache: str, writable: bool, warm: bool, conn: Connection) -> None:
+BASELINE = False  # --baseline: the old upload and fetch paths (module docstring)
+
+
+def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool, conn: Connection) -> None:
     os.environ["DELTASYNC_RELAY_WRITE_TOKEN"] = WRITE_TOKEN
     from deltasync.relay import build_server
 
     options: dict[str, Any] = {"accept_writes": True, "write_token": WRITE_TOKEN} if writable else {}
     options["warm"] = warm
+    if baseline:
+        options.update(fetch_pieces_in_flight=4, **({"upload_window": 16 << 20} if writable else {}))
     server = build_server(upstream, "127.0.0.1:0", cache, **options).start()  # the defaults fill a long link
     conn.send(server.address)
     conn.recv()
@@ -98,7 +107,8 @@ class Proc:
     def __init__(self, upstream: str, cache: Path, writable: bool = False, warm: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, warm, child), daemon=True)
+        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, warm, BASELINE, child),
+                                daemon=True)
         self.proc.start()
         self.address: str = self.conn.recv()
 
@@ -178,7 +188,10 @@ class Agent:
 def _publisher(url: str) -> Any:
     import deltasync
 
-    return deltasync.Publisher(url, deltasync.PublisherConfig(progress=False, snapshot_every=1000))
+    pub = deltasync.Publisher(url, deltasync.PublisherConfig(progress=False, snapshot_every=1000))
+    for relay in getattr(pub.repo.store, "_relays", []) if BASELINE else []:
+        relay.legacy_put = True  # the old Put, uncredited
+    return pub
 
 
 def row_publish(root: Path, states: list[dict[str, torch.Tensor]], rtt: float, mbps: float,
@@ -349,7 +362,10 @@ def main() -> None:
     ap.add_argument("--shard-mbps", type=float, default=200, help="link rate of each link in the two-relay rows")
     ap.add_argument("--uploaders", type=int, default=64, help="stores uploading at once in the uploaders64 row")
     ap.add_argument("--upload-mib", type=int, default=16, help="MiB each uploader puts in the uploaders64 row")
+    ap.add_argument("--baseline", action="store_true", help="the old upload (Put, 16M window) and fetch (4 in flight) paths")
     args = ap.parse_args()
+    global BASELINE
+    BASELINE = args.baseline
 
     shapes = layout(args.mib)
     states = [first_state(shapes)]
@@ -360,7 +376,7 @@ def main() -> None:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     print(f"model {args.mib} MiB bf16 ({len(shapes)} tensors), {args.fraction:.0%} of elements moved per version; "
           f"link {args.mbps:g} Mbit/s each way ({args.shard_mbps:g} per link in the two-relay rows); "
-          f"round trips {args.rtts} ms; {args.reps} repetitions")
+          f"round trips {args.rtts} ms; {args.reps} repetitions{'; BASELINE (old paths)' if args.baseline else ''}")
     results: dict[tuple[str, str, float], list[tuple[float, int]]] = {}
     plans: list[tuple[str, str, float, int]] = []
     for row in rows:

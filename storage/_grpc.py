@@ -11,8 +11,10 @@ stopped on the next relay.
 With a write token (``?write_token_file=``, ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``) and relays
 serving with ``--accept-writes``, the store writes: each object is streamed to one relay in
 1 MiB pieces with its xxh3-128 digest (the relay checks it before the object becomes
-visible), starting at the relay the key hashes to, so a publisher's concurrent pack uploads
-(``upload_concurrency``) spread over every relay named, and failing over like reads.
+visible) under the credit the relay grants (the Upload call; Put for relays before it),
+starting at the relay with the fewest of this store's upload bytes in flight, so a
+publisher's concurrent pack uploads (``upload_concurrency``) spread evenly over every relay
+named, and failing over like reads.
 
 The wire definition it shares with the server is :mod:`deltasync.storage.wire`.
 """
@@ -259,6 +261,8 @@ class GrpcStore(Store):
         self._write_token = read_write_token(write_token, write_token_file or url_write_file)
         self._relays = [_Relay(t, tls=tls, ca=ca, token=tok, write_token=self._write_token) for t in targets]
         self._preferred = 0  # the relay that answered last
+        self._sending = [0] * len(self._relays)  # bytes of uploads in flight to each relay
+        self._sending_lock = threading.Lock()
         if self._write_token is not None:
             self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
             self.overlap_uploads = True
@@ -375,7 +379,23 @@ class GrpcStore(Store):
                     return
                 raise
 
-        self._failover("write", key, attempt, start=self._shard(key), codes=WRITE_FAILOVER_CODES)
+        start = self._upload_start(key, size)
+        try:
+            self._failover("write", key, attempt, start=start, codes=WRITE_FAILOVER_CODES)
+        finally:
+            with self._sending_lock:
+                self._sending[start] -= size
+
+    def _upload_start(self, key: str, size: int) -> int:
+        """The relay an upload starts at: the one with the fewest bytes of this store's uploads
+        in flight (the key's hash among equals), so a few large packs spread evenly over the
+        relays named; every writable relay of a repository writes the same repository."""
+        with self._sending_lock:
+            n = len(self._relays)
+            first = self._shard(key)
+            start = min(((first + i) % n for i in range(n)), key=lambda i: self._sending[i])
+            self._sending[start] += size
+            return start
 
     def _upload(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> None:
         """One Upload call: the header, then the object's bytes as the relay grants credit

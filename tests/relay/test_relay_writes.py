@@ -474,6 +474,18 @@ def test_uploads_spread_over_relays_and_fail_over(tmp_path: Path, start_relay: S
     store.close()
 
 
+def test_uploads_in_flight_together_split_evenly_over_the_relays() -> None:
+    # Issue 30, item 4: a snapshot's few large packs, hashed, can land 3:1 on two relays (one
+    # link carries three quarters); started by the bytes each relay has in flight, 2:2.
+    store = GrpcStore("grpc://127.0.0.1:1,127.0.0.1:2?timeout=1", write_token=WRITE)
+    keys = [pack_key(bytes([i]) * 100) for i in range(8)]
+    hashed = [store._shard(k) for k in keys[:4]]
+    starts = [store._upload_start(k, 64 << 20) for k in keys[:4]]
+    assert sorted(starts) == [0, 0, 1, 1], (starts, hashed)
+    assert store._sending == [128 << 20, 128 << 20]
+    store.close()
+
+
 def test_a_conditional_put_retried_after_a_lost_answer_is_ours(writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
     """The relay wrote the manifest, the answer was lost (UNAVAILABLE), the retry finds it:
     our own bytes are success, not a lost race."""
