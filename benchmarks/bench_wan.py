@@ -300,12 +300,14 @@ def row_uploaders(root: Path, uploaders: int, mib: int, rtt: float, mbps: float)
     stores = [GrpcStore(f"grpc://{link.address}?timeout=600", write_token=WRITE_TOKEN) for _ in objects]
     errors: list[str] = []
     done = threading.Event()
-    start_rss, start_anon = _memory(relay.proc.pid)
+    pid = relay.proc.pid
+    assert pid is not None
+    start_rss, start_anon = _memory(pid)
     peak = [start_rss, start_anon]
 
     def sample() -> None:
         while not done.is_set():
-            rss, anon = _memory(relay.proc.pid)
+            rss, anon = _memory(pid)
             peak[0], peak[1] = max(peak[0], rss), max(peak[1], anon)
             time.sleep(0.005)
 

@@ -507,7 +507,7 @@ def test_a_conditional_put_retried_after_a_lost_answer_is_ours(writer: tuple[Grp
         if len(calls) == 1:
             raise Lost()
 
-    store._upload = upload_then_lose  # type: ignore[method-assign]
+    store._upload = upload_then_lose  # type: ignore[method-assign,assignment]
     key = "manifests/00000000000000000007.pb"
     data = _manifest(7)
     store.put(key, data, if_absent=True)
