@@ -474,6 +474,43 @@ def test_uploads_spread_over_relays_and_fail_over(tmp_path: Path, start_relay: S
     store.close()
 
 
+def test_a_relay_before_upload_is_written_with_put(tmp_path: Path, start_relay: StartRelay,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A relay of the version before the Upload call answers it UNIMPLEMENTED: the store
+    # writes there with Put (and keeps doing so), small and large objects alike, bit-exact.
+    from deltasync.relay import service
+    from deltasync.storage.wire import METHODS
+
+    monkeypatch.setattr(service, "METHODS", {k: v for k, v in METHODS.items() if k != "Upload"})
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=10)
+    small, large = os.urandom(1000), os.urandom(5 * CHUNK_BYTES + 3)
+    store.put(pack_key(small), small, if_absent=True)
+    assert store._relays[0].legacy_put
+    store.put(pack_key(large), large, if_absent=True)
+    assert origin.get(pack_key(small)) == small and origin.get(pack_key(large)) == large
+    assert relay.metrics()["uploads"] == 2
+    store.close()
+
+
+def test_a_large_upload_sent_before_its_credit_is_refused(
+        writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    # The relay takes only what it granted: a client sending a large object's bytes before any
+    # credit is refused, and nothing is visible.
+    store, relay, origin = writer
+    data = os.urandom(2 * CHUNK_BYTES)
+    key = pack_key(data)
+    upload = store._relays[0].upload
+    eager = iter([pb.PutChunk(key=key, total_bytes=len(data), digest=digest(data), data=data[:CHUNK_BYTES]),
+                  pb.PutChunk(data=data[CHUNK_BYTES:])])
+    with pytest.raises(grpc.RpcError) as refused:
+        list(upload(eager, timeout=10))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "before any credit" in (refused.value.details() or "")
+    assert not origin.exists(key)
+
+
 def test_uploads_in_flight_together_split_evenly_over_the_relays() -> None:
     # Issue 30, item 4: a snapshot's few large packs, hashed, can land 3:1 on two relays (one
     # link carries three quarters); started by the bytes each relay has in flight, 2:2.
