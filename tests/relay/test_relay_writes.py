@@ -498,7 +498,7 @@ def test_a_large_upload_sent_before_its_credit_is_refused(
         writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
     # The relay takes only what it granted: a client sending a large object's bytes before any
     # credit is refused, and nothing is visible.
-    store, relay, origin = writer
+    store, _, origin = writer
     data = os.urandom(2 * CHUNK_BYTES)
     key = pack_key(data)
     upload = store._relays[0].upload
