@@ -1,7 +1,8 @@
 """Publishing and relay trees across a modelled long-haul link, at several round trips, in one run.
 
     python -m benchmarks.bench_wan [--mib 256] [--fraction 0.2] [--mbps 800] [--rtts 2,50,200]
-        [--reps 3] [--rows publish,tree,publish2,tree2] [--shard-mbps 200]
+        [--reps 3] [--rows publish,tree,publish2,tree2,uploaders64] [--shard-mbps 200]
+        [--uploaders 64] [--upload-mib 16] [--baseline]
 
 The link is :mod:`benchmarks.wan_link`: a userspace TCP proxy between loopback ports, in a
 process of its own, that paces each direction at ``--mbps`` and delays every byte by half the
@@ -22,6 +23,15 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
   naming both; ``--no-warm`` relays, each fetching its share), next to ``publish1``/``tree1``:
   one relay over one such link (``tree1`` also ``--no-warm``). Printed: the throughput of two
   over one.
+* ``uploaders64``: ``--uploaders`` grpc:// stores (each its own connection), each putting one
+  object of ``--upload-mib`` MiB at once, through one link at the largest round trip into a
+  relay serving ``--accept-writes`` at its defaults (``--upload-buffer`` 256M). Printed: the
+  relay process's resident memory (VmRSS, RssAnon: sampled from /proc every 5 ms) before and
+  at its peak, the growth against the target (budget + 64 MiB), and the link's throughput.
+
+``--baseline`` runs the paths before issue 30's second turn, to compare in the same run on the
+same machine: publishers upload with the old Put to relays serving ``upload_window`` 16 MiB,
+and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4).
 
 Per row and round trip: elapsed (every repetition and the median), the bytes that crossed
 the link (both ways), link time (the larger direction's bytes over the rate, plus 4 round
@@ -53,7 +63,7 @@ from benchmarks.bench_engine_agent import first_state, layout
 from benchmarks.wan_link import LinkProcess
 
 WRITE_TOKEN = "bench-wan-write-token"
-UPLOAD_WINDOW = 16 << 20
+MIB = 1 << 20
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -74,17 +84,18 @@ def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
 # -- processes -----------------------------------------------------------------------------------
 
 
-def _relay(upstream: str, cache: str, writable: bool, warm: bool, conn: Connection) -> None:
+BASELINE = False  # --baseline: the old upload and fetch paths (module docstring)
+
+
+def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool, conn: Connection) -> None:
     os.environ["DELTASYNC_RELAY_WRITE_TOKEN"] = WRITE_TOKEN
     from deltasync.relay import build_server
 
     options: dict[str, Any] = {"accept_writes": True, "write_token": WRITE_TOKEN} if writable else {}
     options["warm"] = warm
-    try:  # a relay taking uploads from across the link: windows that fill it (docs/cli.md, Across clusters)
-        server = build_server(upstream, "127.0.0.1:0", cache, **options,
-                              **({"upload_window": UPLOAD_WINDOW} if writable else {})).start()
-    except TypeError:  # the code before upload_window (a baseline run)
-        server = build_server(upstream, "127.0.0.1:0", cache, **options).start()
+    if baseline:
+        options.update(fetch_pieces_in_flight=4, **({"upload_window": 16 << 20} if writable else {}))
+    server = build_server(upstream, "127.0.0.1:0", cache, **options).start()  # the defaults fill a long link
     conn.send(server.address)
     conn.recv()
     server.stop(grace=0)
@@ -96,7 +107,8 @@ class Proc:
     def __init__(self, upstream: str, cache: Path, writable: bool = False, warm: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, warm, child), daemon=True)
+        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, warm, BASELINE, child),
+                                daemon=True)
         self.proc.start()
         self.address: str = self.conn.recv()
 
@@ -176,7 +188,10 @@ class Agent:
 def _publisher(url: str) -> Any:
     import deltasync
 
-    return deltasync.Publisher(url, deltasync.PublisherConfig(progress=False, snapshot_every=1000))
+    pub = deltasync.Publisher(url, deltasync.PublisherConfig(progress=False, snapshot_every=1000))
+    for relay in getattr(pub.repo.store, "_relays", []) if BASELINE else []:
+        relay.legacy_put = True  # the old Put, uncredited
+    return pub
 
 
 def row_publish(root: Path, states: list[dict[str, torch.Tensor]], rtt: float, mbps: float,
@@ -256,6 +271,85 @@ def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tup
     return out
 
 
+def _memory(pid: int) -> tuple[int, int]:
+    """(VmRSS, RssAnon) of a process, in bytes."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssAnon"):
+            fields[name] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["RssAnon"]
+
+
+def row_uploaders(root: Path, uploaders: int, mib: int, rtt: float, mbps: float) -> None:
+    """``uploaders`` stores putting one object each at once through one link into one relay: its memory."""
+    from deltasync.format.digest import digest
+    from deltasync.relay.config import RelayConfig
+    from deltasync.storage import _grpc
+    from deltasync.storage._grpc import GrpcStore
+
+    budget = RelayConfig(listen="127.0.0.1:0").upload_buffer
+    repo = root / "repo"
+    repo.mkdir()
+    relay = Proc(str(repo), root / "cache", writable=True)
+    link = LinkProcess(relay.address, rtt=rtt, mbps=mbps)
+    # One connection per store, as separate publishers have (grpc shares one between channels otherwise).
+    _grpc.CHANNEL_OPTIONS.append(("grpc.use_local_subchannel_pool", 1))
+    base = np.random.default_rng(7).bytes(mib * MIB)
+    objects = [base[:-8] + i.to_bytes(8, "little") for i in range(uploaders)]
+    stores = [GrpcStore(f"grpc://{link.address}?timeout=600", write_token=WRITE_TOKEN) for _ in objects]
+    errors: list[str] = []
+    done = threading.Event()
+    pid = relay.proc.pid
+    assert pid is not None
+    start_rss, start_anon = _memory(pid)
+    peak = [start_rss, start_anon]
+
+    def sample() -> None:
+        while not done.is_set():
+            rss, anon = _memory(pid)
+            peak[0], peak[1] = max(peak[0], rss), max(peak[1], anon)
+            time.sleep(0.005)
+
+    def put(store: GrpcStore, data: bytes) -> None:
+        try:
+            store.put(f"packs/{digest(data).hex()}.pack", data)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    before = link.counts()
+    began = time.perf_counter()
+    threads = [threading.Thread(target=put, args=(s, o)) for s, o in zip(stores, objects, strict=True)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - began
+        up = link.counts()[0] - before[0]
+    finally:
+        done.set()
+        sampler.join()
+        for store in stores:
+            store.close()
+        _grpc.CHANNEL_OPTIONS.pop()
+        link.stop()
+        relay.stop()
+    if errors:
+        raise SystemExit(f"uploaders: {len(errors)} uploads failed: {errors[0]}")
+    landed = len(list((repo / "packs").iterdir()))
+    assert landed == uploaders, f"{landed} of {uploaders} objects landed"
+    growth = peak[0] - start_rss
+    print(f"  {uploaders} uploaders x {mib} MiB at rtt {rtt * 1000:.0f} ms, {mbps:g} Mbit/s: {elapsed:.2f}s, "
+          f"{up / elapsed * 8 / 1e6:.0f} Mbit/s up ({up / 1e6:.0f} MB crossed); relay VmRSS {start_rss / MIB:.0f} -> "
+          f"peak {peak[0] / MIB:.0f} MiB (+{growth / MIB:.0f}), RssAnon {start_anon / MIB:.0f} -> "
+          f"{peak[1] / MIB:.0f} MiB (+{(peak[1] - start_anon) / MIB:.0f}); target: growth <= budget "
+          f"{budget / MIB:.0f} + 64 = {(budget / MIB) + 64:.0f} MiB: {'met' if growth <= budget + 64 * MIB else 'MISSED'}",
+          flush=True)
+
+
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -268,7 +362,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions per row and round trip (median printed)")
     ap.add_argument("--rows", default="publish,tree", help="publish, tree, publish2, tree2")
     ap.add_argument("--shard-mbps", type=float, default=200, help="link rate of each link in the two-relay rows")
+    ap.add_argument("--uploaders", type=int, default=64, help="stores uploading at once in the uploaders64 row")
+    ap.add_argument("--upload-mib", type=int, default=16, help="MiB each uploader puts in the uploaders64 row")
+    ap.add_argument("--baseline", action="store_true", help="the old upload (Put, 16M window) and fetch (4 in flight) paths")
     args = ap.parse_args()
+    global BASELINE
+    BASELINE = args.baseline
 
     shapes = layout(args.mib)
     states = [first_state(shapes)]
@@ -279,11 +378,14 @@ def main() -> None:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     print(f"model {args.mib} MiB bf16 ({len(shapes)} tensors), {args.fraction:.0%} of elements moved per version; "
           f"link {args.mbps:g} Mbit/s each way ({args.shard_mbps:g} per link in the two-relay rows); "
-          f"round trips {args.rtts} ms; {args.reps} repetitions")
+          f"round trips {args.rtts} ms; {args.reps} repetitions{'; BASELINE (old paths)' if args.baseline else ''}")
     results: dict[tuple[str, str, float], list[tuple[float, int]]] = {}
     plans: list[tuple[str, str, float, int]] = []
     for row in rows:
-        if row in ("publish", "tree"):
+        if row == "uploaders64":
+            with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
+                row_uploaders(Path(tmp), args.uploaders, args.upload_mib, rtts[-1], args.mbps)
+        elif row in ("publish", "tree"):
             plans.append((row, row, args.mbps, 1))
         elif row in ("publish2", "tree2"):
             plans += [(row[:-1] + "1", row[:-1], args.shard_mbps, 1), (row, row[:-1], args.shard_mbps, 2)]
@@ -302,6 +404,8 @@ def main() -> None:
                 print(f"  {label:9} rtt {rtt * 1000:5.0f} ms rep {rep}: "
                       + ", ".join(f"{v} {e:6.2f}s {b / 1e6:7.1f} MB" for v, (e, b) in zip(("snapshot", "delta"), figures,
                                                                                               strict=True)), flush=True)
+    if not plans:
+        return
     print()
     print(f"{'row':9} {'version':8} {'rtt':>6} {'elapsed (each)':>24} {'median':>7} {'crossed':>9} {'link time':>9} "
           f"{'ratio':>6}")

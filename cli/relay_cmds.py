@@ -45,12 +45,13 @@ from ._common import (
                    "[default: $DELTASYNC_RELAY_WRITE_TOKEN(_FILE) with --accept-writes].")
 @click.option("--max-object-bytes", default="256M", show_default=True, metavar="SIZE",
               help="Largest object a publisher may upload.")
-@click.option("--upload-window", default="64K", show_default=True, metavar="SIZE",
-              help="Bytes a publisher may have in flight per upload stream: about this per round trip per stream "
-                   "(a far publisher: 16M, memory permitting: see docs/cli.md, Across clusters).")
+@click.option("--upload-window", default="32M", show_default=True, metavar="SIZE",
+              help="Bytes one upload may have in flight (granted ahead of what reached disk): about this per round "
+                   "trip per upload (32M: some 160 MiB/s at 200 ms; see docs/cli.md, Across clusters).")
 @click.option("--upload-buffer", default="256M", show_default=True, metavar="SIZE",
-              help="Memory for uploads, all publishers together; uploads beyond it (and any over 4 MiB) are spooled "
-                   "to files in the cache directory as they arrive.")
+              help="Memory for uploads, all publishers together (the credit granted to uploads in flight; small "
+                   "uploads held whole); uploads over 4 MiB are spooled to files in the cache directory as they "
+                   "arrive.")
 @click.option("--max-uploads", type=click.IntRange(1, 1024), default=8, show_default=True,
               help="Uploads received at once (each held in memory or spooled until written); more wait.")
 @click.option("--write-quota", default=None, metavar="SIZE",

@@ -11,8 +11,10 @@ stopped on the next relay.
 With a write token (``?write_token_file=``, ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``) and relays
 serving with ``--accept-writes``, the store writes: each object is streamed to one relay in
 1 MiB pieces with its xxh3-128 digest (the relay checks it before the object becomes
-visible), starting at the relay the key hashes to, so a publisher's concurrent pack uploads
-(``upload_concurrency``) spread over every relay named, and failing over like reads.
+visible) under the credit the relay grants (the Upload call; Put for relays before it),
+starting at the relay with the fewest of this store's upload bytes in flight, so a
+publisher's concurrent pack uploads (``upload_concurrency``) spread evenly over every relay
+named, and failing over like reads.
 
 The wire definition it shares with the server is :mod:`deltasync.storage.wire`.
 """
@@ -43,6 +45,7 @@ from ..v1 import relay_pb2 as pb
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
 from .wire import (
+    BIDI_STREAM,
     CA_ENV as CA_ENV,
     CHUNK_BYTES,
     CLIENT_STREAM,
@@ -50,6 +53,7 @@ from .wire import (
     SERVER_STREAM,
     TOKEN_ENV as TOKEN_ENV,
     TOKEN_FILE_ENV as TOKEN_FILE_ENV,
+    UNCREDITED_BYTES,
     WRITE_METHODS,
     WRITE_TOKEN_ENV,
     WRITE_TOKEN_FILE_ENV,
@@ -134,7 +138,8 @@ def describe(e: grpc.RpcError) -> str:
 
 
 _Interceptors: tuple[Any, ...] = (
-    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
 )
 
 
@@ -164,6 +169,9 @@ class _BearerToken(*_Interceptors):  # type: ignore[misc]
         return continuation(self._with_token(details), request)
 
     def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._with_token(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return continuation(self._with_token(details), request_iterator)
 
 
@@ -200,14 +208,16 @@ class _Relay:
             self.channel = grpc.intercept_channel(self.channel, _BearerToken(token, write_token))
         calls: dict[str, Any] = {}
         for name, (request, response, kind) in METHODS.items():
-            factory = {SERVER_STREAM: self.channel.unary_stream, CLIENT_STREAM: self.channel.stream_unary}.get(
-                kind, self.channel.unary_unary
-            )
+            factory = {
+                SERVER_STREAM: self.channel.unary_stream, CLIENT_STREAM: self.channel.stream_unary,
+                BIDI_STREAM: self.channel.stream_stream,
+            }.get(kind, self.channel.unary_unary)
             calls[name] = factory(
                 method_path(name), request_serializer=request.SerializeToString, response_deserializer=response.FromString
             )
         self.get, self.stat, self.list, self.watch = calls["Get"], calls["Stat"], calls["List"], calls["Watch"]
-        self.put, self.delete = calls["Put"], calls["Delete"]
+        self.put, self.upload, self.delete = calls["Put"], calls["Upload"], calls["Delete"]
+        self.legacy_put = False  # the relay predates Upload (answered UNIMPLEMENTED): Put is used
 
 
 class GrpcStore(Store):
@@ -251,6 +261,8 @@ class GrpcStore(Store):
         self._write_token = read_write_token(write_token, write_token_file or url_write_file)
         self._relays = [_Relay(t, tls=tls, ca=ca, token=tok, write_token=self._write_token) for t in targets]
         self._preferred = 0  # the relay that answered last
+        self._sending = [0] * len(self._relays)  # bytes of uploads in flight to each relay
+        self._sending_lock = threading.Lock()
         if self._write_token is not None:
             self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
             self.overlap_uploads = True
@@ -335,19 +347,30 @@ class GrpcStore(Store):
         size = len(view)
         announced = digest(view)
 
-        def pieces() -> Iterator[pb.PutChunk]:
+        def pieces() -> Iterator[pb.PutChunk]:  # for a relay before Upload
             yield pb.PutChunk(
                 key=key, total_bytes=size, if_absent=if_absent, digest=announced, data=bytes(view[:CHUNK_BYTES])
             )
             for offset in range(CHUNK_BYTES, size, CHUNK_BYTES):
                 yield pb.PutChunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
 
+        # A small object goes whole in the header, before any credit: one round trip.
+        header = pb.PutChunk(key=key, total_bytes=size, if_absent=if_absent, digest=announced,
+                             data=bytes(view) if size <= UNCREDITED_BYTES else b"")
         tries = 0
 
         def attempt(relay: _Relay) -> None:
             nonlocal tries
             tries += 1
             try:
+                if not relay.legacy_put:
+                    try:
+                        self._upload(relay, header, view)
+                        return
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                            raise
+                        relay.legacy_put = True
                 relay.put(pieces(), timeout=self.timeout)
             except grpc.RpcError as e:
                 # A conditional put retried after a failure that may have come after the relay
@@ -356,7 +379,49 @@ class GrpcStore(Store):
                     return
                 raise
 
-        self._failover("write", key, attempt, start=self._shard(key), codes=WRITE_FAILOVER_CODES)
+        start = self._upload_start(key, size)
+        try:
+            self._failover("write", key, attempt, start=start, codes=WRITE_FAILOVER_CODES)
+        finally:
+            with self._sending_lock:
+                self._sending[start] -= size
+
+    def _upload_start(self, key: str, size: int) -> int:
+        """The relay an upload starts at: the one with the fewest bytes of this store's uploads
+        in flight (the key's hash among equals), so a few large packs spread evenly over the
+        relays named; every writable relay of a repository writes the same repository."""
+        with self._sending_lock:
+            n = len(self._relays)
+            first = self._shard(key)
+            start = min(((first + i) % n for i in range(n)), key=lambda i: self._sending[i])
+            self._sending[start] += size
+            return start
+
+    def _upload(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> None:
+        """One Upload call: the header, then the object's bytes as the relay grants credit
+        (pieces of at most 1 MiB, never past the last grant); returns once it is stored."""
+        credit = _Credit()
+        size = len(view)
+
+        def requests() -> Iterator[pb.PutChunk]:  # consumed by grpc on a thread of its own
+            yield header
+            offset = len(header.data)
+            while offset < size:
+                until = credit.beyond(offset)
+                if until is None:
+                    return  # the call is over
+                while offset < until:
+                    end = min(offset + CHUNK_BYTES, until)
+                    yield pb.PutChunk(data=bytes(view[offset:end]))
+                    offset = end
+
+        call = relay.upload(requests(), timeout=self.timeout)
+        try:
+            for grant in _Stream(call):
+                credit.grant(grant.send_until)
+        finally:
+            credit.stop()
+            call.cancel()
 
     def _holds(self, key: str, view: memoryview) -> bool:
         try:
@@ -444,6 +509,33 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
         )
     what = f" {key}" if key else ""
     return StoreError(f"cannot {action}{what} through relay {address}: {describe(e)}")
+
+
+class _Credit:
+    """The credit of one Upload call: the offset its bytes may be sent to, raised by the relay's
+    grants (read on the caller's thread), waited on by the request iterator (grpc's thread)."""
+
+    def __init__(self) -> None:
+        self._until = 0
+        self._stopped = False
+        self._changed = threading.Condition()
+
+    def grant(self, until: int) -> None:
+        with self._changed:
+            self._until = max(self._until, until)
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    def beyond(self, offset: int) -> int | None:
+        """The granted offset once it is past ``offset``; None once the call is over."""
+        with self._changed:
+            while self._until <= offset and not self._stopped:
+                self._changed.wait()
+            return None if self._stopped else self._until
 
 
 class _Download:

@@ -28,8 +28,11 @@ from ._base import MAX_OFFSET as MAX_OFFSET  # the largest offset or length a Ge
 SERVICE = "deltasync.v1.Relay"
 CHUNK_BYTES = 1 << 20  # bytes per GetChunk: big packs stream under flow control
 LIST_BATCH = 1000  # keys per ListResponse
+#: An object this small is sent whole in an Upload's header, before any credit (one round trip,
+#: as a Put: a lease, a ref, a manifest); a relay holds at most this per waiting uploader.
+UNCREDITED_BYTES = 256 << 10
 
-UNARY, SERVER_STREAM, CLIENT_STREAM = "unary", "server_stream", "client_stream"
+UNARY, SERVER_STREAM, CLIENT_STREAM, BIDI_STREAM = "unary", "server_stream", "client_stream", "bidi_stream"
 
 #: (method, request type, response type, kind of call)
 METHODS: dict[str, tuple[Any, Any, str]] = {
@@ -38,11 +41,12 @@ METHODS: dict[str, tuple[Any, Any, str]] = {
     "List": (pb.ListRequest, pb.ListResponse, SERVER_STREAM),
     "Watch": (pb.WatchRequest, pb.VersionEvent, SERVER_STREAM),
     "Put": (pb.PutChunk, pb.PutResponse, CLIENT_STREAM),
+    "Upload": (pb.PutChunk, pb.UploadCredit, BIDI_STREAM),
     "Delete": (pb.DeleteRequest, pb.DeleteResponse, UNARY),
 }
 #: Methods that change the repository: only a relay serving with --accept-writes takes them,
 #: and only from a client carrying its write token.
-WRITE_METHODS = frozenset({"Put", "Delete"})
+WRITE_METHODS = frozenset({"Put", "Upload", "Delete"})
 
 
 def method_path(name: str) -> str:

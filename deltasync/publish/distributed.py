@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,9 @@ class _Decision:
     limit: int | None = None
     owners: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    latest: tuple[int | None] | None = None
+    """(the latest version,) as rank 0 listed it: the commit's history parent when the version
+    is the next one, without listing the manifests again (Draft.latest)."""
 
 
 class DistributedPublisher:
@@ -80,6 +84,7 @@ class DistributedPublisher:
         self.config = config or PublisherConfig()
         self._bits: dict[str, Bits] = {}  # this rank's part of the last version, the next delta's base
         self._bits_version: int | None = None
+        self._lease: Lease | None = None  # (rank 0) the lease of the version being published
 
     # -- collectives (every failure becomes a DeltasyncError) ----------------------------------
 
@@ -125,21 +130,42 @@ class DistributedPublisher:
         if failures:
             raise DistributedPublishError(version, failures)
 
-        decision = self._decide(metas, version) if self.rank == 0 else None
+        decision: _Decision | None = None
         lease = None
-        if decision is not None and not decision.error:
+        if self.rank == 0:
             # Rank 0 holds one lease for the version, from before any rank uploads until its
-            # commit: gc deletes no pack or blob meanwhile (repo/leases.py).
-            lease = Lease(self.repo.store, f"publish of version {decision.version} ({self.world} ranks)")
-            try:
-                lease.__enter__()
-            except DeltasyncError as e:
-                lease, decision = None, _Decision(error=str(e))
+            # commit: gc deletes no pack or blob meanwhile (repo/leases.py). It is written while
+            # the latest version is read (one round trip for both), as Publisher does.
+            decision, lease = self._decide_leased(metas, version)
+        self._lease = lease  # released beside the commit's last requests (commit's after_commit)
         try:
             return self._publish_decided(self._broadcast(decision), sources, version, metadata, start)
         finally:
+            self._lease = None
             if lease is not None:
-                lease.__exit__(None, None, None)
+                lease.release()  # after a failure (after the commit: done already)
+
+    def _decide_leased(self, metas: list[dict[str, Any]], version: int | None) -> tuple[_Decision, Lease | None]:
+        """(Rank 0) The decision, and the lease taken beside its read of the latest version."""
+        try:
+            self.repo.create()  # before the lease: a repository's first publish makes it one (later: no request)
+        except DeltasyncError as e:
+            return _Decision(error=str(e)), None
+        lease = Lease(self.repo.store, f"publish of the next version ({self.world} ranks)")
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-lease") as pool:
+            leased = pool.submit(lease.__enter__)
+            try:
+                decision = self._decide(metas, version)
+            finally:
+                failed = leased.exception()  # waits for the lease's write
+        if failed is not None or decision.error:
+            lease.release()  # a lease written without its publish: gone at once (else it expires)
+            if failed is not None:  # told to every rank (raised here, it would leave them waiting)
+                why = str(failed) if isinstance(failed, DeltasyncError) else f"{type(failed).__name__}: {failed}"
+                return _Decision(error=f"cannot write the publish lease: {why}"), None
+            return decision, None
+        lease.what = f"publish of version {decision.version} ({self.world} ranks)"  # from its next renewal
+        return decision, lease
 
     def _publish_decided(self, decision: object, sources: list[SourceTensor], version: int | None,
                          metadata: Mapping[str, str] | None, start: float) -> PublishResult:
@@ -190,7 +216,6 @@ class DistributedPublisher:
     def _decide(self, metas: list[dict[str, Any]], version: int | None) -> _Decision:
         try:
             repo = self.repo
-            repo.create()
             latest = repo.latest()
             if version is None:
                 version = (latest or 0) + 1
@@ -200,7 +225,7 @@ class DistributedPublisher:
             for r, m in enumerate(metas):
                 for key in m["keys"]:
                     owners.setdefault(key, r)
-            decision = _Decision(version=version, parent=latest, owners=owners)
+            decision = _Decision(version=version, parent=latest, owners=owners, latest=(latest,))
             if latest is not None and all(m["base"] == latest for m in metas) and signing_policy(repo, latest):
                 chain = repo.chain(latest)
                 if len(chain) < self.config.snapshot_every:
@@ -258,8 +283,9 @@ class DistributedPublisher:
                             restores + 2, COMMIT_ATTEMPTS)
                 return missing
             draft = Draft(version=decision.version, parent=decision.parent, snapshot=not delta, files=[],
-                          metadata=metadata, blob_bytes=0, start=start)
-            return commit(self.repo, self.config, draft, merged)
+                          metadata=metadata, blob_bytes=0, start=start, latest=decision.latest)
+            return commit(self.repo, self.config, draft, merged,
+                          after_commit=self._lease.release if self._lease is not None else None)
         except CommittedError as e:
             return ("committed", e.version, str(e))  # the version exists: no rank may remove its packs
         except DeltasyncError as e:

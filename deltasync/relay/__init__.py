@@ -24,16 +24,16 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
   reaction to the event rather than following their first request.
 - The upstream is any repository URL: a path, ``s3://…``, or ``grpc://`` of another relay,
   so relays form trees across clusters.
-- **Put**/**Delete** (only with ``accept_writes``, only from clients carrying the write
-  token, only of the repository layout's names: ``repo.repository.is_layout_key``): a
+- **Upload**/**Put**/**Delete** (only with ``accept_writes``, only from clients carrying the
+  write token, only of the repository layout's names: ``repo.repository.is_layout_key``): a
   publisher in another cluster writes the repository through the relay. An upload
   streams in 1 MiB pieces, into memory up to :data:`~.uploads.SPOOL_BYTES` (4 MiB) and, when larger, into
   a file under the cache's ``tmp/`` as it arrives (mapped read-only for the checks and the
-  upstream put, removed after): at most ``max_uploads`` at once, so the relay's memory for
-  uploads stays under ``max_uploads`` times 4 MiB (and 1 MiB pieces); an upload waiting for
-  its turn is not read, and holds no more than its stream's 64 KiB flow-control window
-  (:data:`~.uploads.UPLOAD_WINDOW_BYTES`: no BDP probing grows it), its disk in flight
-  under ``max_uploads`` times ``max_object_bytes``. It is checked (its size, the digest its
+  upstream put, removed after): at most ``max_uploads`` at once. Its memory is one budget for
+  all uploads (``upload_buffer``): an Upload sends only within the credit the relay grants it
+  from that budget (at most ``upload_window`` ahead of its bytes on disk), and one waiting for
+  its turn sends nothing past its header; an old Put is charged a window of the budget
+  (:mod:`.uploads`). It is checked (its size, the digest its
   header announces, for ``packs/<xxh3>.pack`` and ``blobs/<xxh3>`` the digest in the
   key, a manifest or squash as every reader validates it) and only then written with the upstream store's own
   atomic put, so nothing partial or corrupt is ever visible; ``if_absent`` passes through, so
@@ -43,7 +43,8 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
 The relay's parts, one module each: :mod:`.config` (how it serves), :mod:`.server` (start,
 stop, the event loop), :mod:`.service` (the RPCs), :mod:`.fetch` (single-flight fetches
 into the cache, streamed as they land), :mod:`.feed` (the version feed and warming),
-:mod:`.uploads` (Put and Delete: spool, checks, quota), :mod:`.auth` (tokens and the keys a
+:mod:`.uploads` (Upload, Put and Delete: credit, spool, checks, quota), :mod:`.gauge` (the upstream's
+measured round trip and rate), :mod:`.auth` (tokens and the keys a
 client may name), :mod:`.cache` (the object cache).
 
 The wire definition it shares with its clients is the ``grpc://`` store's

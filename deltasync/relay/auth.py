@@ -14,7 +14,7 @@ import grpc.aio
 from ..errors import UsageError
 from ..repo.repository import LAYOUT_NAMES, is_layout_key
 from ..storage import check_key
-from ..storage.wire import CLIENT_STREAM, METHODS, SERVER_STREAM, UNARY, WRITE_METHODS
+from ..storage.wire import BIDI_STREAM, CLIENT_STREAM, METHODS, SERVER_STREAM, UNARY, WRITE_METHODS
 from .cache import SERVED_KEYS, SERVED_PREFIXES, served
 from .fleet import FLEET_METHODS
 
@@ -24,6 +24,7 @@ HANDLER_FACTORIES: dict[str, Callable[..., Any]] = {
     UNARY: grpc.unary_unary_rpc_method_handler,
     SERVER_STREAM: grpc.unary_stream_rpc_method_handler,
     CLIENT_STREAM: grpc.stream_unary_rpc_method_handler,
+    BIDI_STREAM: grpc.stream_stream_rpc_method_handler,
 }
 
 

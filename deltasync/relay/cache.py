@@ -53,6 +53,7 @@ from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES
 from ..repo.leases import MAX_LEASE_BYTES
 from ..repo.repository import squash_from_key
 from ..storage import Store
+from .gauge import UpstreamGauge
 
 log = logging.getLogger(__name__)
 
@@ -273,13 +274,14 @@ class ObjectCache:
     and objects found in the cache at start once more when first read (:meth:`intact`).
 
     Thread-safe. Not single-flight by itself: the relay makes sure one key is fetched once.
-    ``piece_bytes`` bounds the memory of a download: larger objects are read in ranges,
-    ``pieces_in_flight`` of them requested at once (a far upstream's round trip is paid once
-    per that many pieces, not once per piece), written and digested in order.
+    ``piece_bytes`` bounds the memory of a piece: larger objects are read in ranges, as many
+    requested at once, all downloads together, as the upstream's measured round trip and rate
+    ask for (:class:`~.gauge.UpstreamGauge`: about rate x round trip / ``piece_bytes`` + 1),
+    at most ``pieces_in_flight`` (the memory bound), written and digested in order.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, piece_bytes: int = 8 << 20,
-                 pieces_in_flight: int = 4) -> None:
+                 pieces_in_flight: int = 32) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise UsageError(f"cache size limit must not be negative, got {max_bytes}")
         if piece_bytes < 1:
@@ -292,6 +294,8 @@ class ObjectCache:
         self._checked: set[str] = set()  # keys whose file was checked (landed, or read once) in this process
         self._reserve = _DISK_RESERVE
         self.pieces_in_flight = max(1, pieces_in_flight)
+        self.gauge = UpstreamGauge(piece_bytes, self.pieces_in_flight)
+        """The upstream's measured round trip and rate, and the ranged reads in flight they ask for."""
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._touched: set[str] = set()
@@ -409,7 +413,14 @@ class ObjectCache:
                     small = upstream.get(key, max_bytes=limit)
                 except ObjectTooLargeError as e:
                     told = e.size
-            size = len(small) if small is not None else told if told is not None else upstream.size(key)
+            if small is not None:
+                size = len(small)
+            elif told is not None:
+                size = told
+            else:
+                began = time.monotonic()
+                size = upstream.size(key)
+                self.gauge.timed_round_trip(time.monotonic() - began)  # one request, no payload
             if max_size is not None and size > max_size:
                 raise ObjectTooLargeError(key, size, max_size)
             self._room_for(key, size)  # before readers learn the size and start streaming a prefix
@@ -457,26 +468,49 @@ class ObjectCache:
                 raise CorruptObjectError(key, f"upstream sent {len(data)} bytes of a {size}-byte object")
             self._write(fd, data, 0, landing, check)
         else:  # in pieces, several requested at once, each written (and readable) in order
-            ranges = [(offset, min(self.piece_bytes, size - offset)) for offset in range(0, size, self.piece_bytes)]
-            with ThreadPoolExecutor(max_workers=self.pieces_in_flight, thread_name_prefix="relay-piece") as pool:
-                pending: deque[tuple[int, int, Future[bytes]]] = deque()
-                try:
-                    for index in range(len(ranges)):
-                        while len(pending) < self.pieces_in_flight and index + len(pending) < len(ranges):
-                            offset, n = ranges[index + len(pending)]
-                            pending.append((offset, n, pool.submit(upstream.get, key, (offset, n))))
-                        offset, n, piece = pending.popleft()
-                        data = piece.result()
-                        if len(data) != n:
-                            raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
-                        self._write(fd, data, offset, landing, check)
-                finally:
-                    for _, _, piece in pending:  # a failed piece ends the download: the rest are not waited for
-                        piece.cancel()
+            self._download_pieces(key, size, upstream, fd, landing, check)
         problem = check.problem()
         if problem is not None:
             raise CorruptObjectError(key, f"upstream's bytes are not that object: {problem}")
         landing._update(verified=True)
+
+    def _download_pieces(self, key: str, size: int, upstream: Store, fd: int, landing: Landing,
+                         check: ContentCheck) -> None:
+        """Ranged reads of ``key``, as many in flight as the gauge grants (all downloads
+        together), each written and checked in order as it arrives."""
+        gauge = self.gauge
+        ranges = [(offset, min(self.piece_bytes, size - offset)) for offset in range(0, size, self.piece_bytes)]
+
+        def read(offset: int, n: int) -> bytes:
+            got = 0
+            try:
+                data = upstream.get(key, (offset, n))
+                got = len(data)
+                return data
+            finally:
+                gauge.release(got)
+
+        with ThreadPoolExecutor(max_workers=self.pieces_in_flight, thread_name_prefix="relay-piece") as pool:
+            pending: deque[tuple[int, int, Future[bytes]]] = deque()
+            submitted = 0
+            try:
+                for _ in range(len(ranges)):
+                    # One more piece whenever the gauge has a slot (the first never waits).
+                    while submitted < len(ranges) and (not pending or len(pending) < gauge.target):
+                        gauge.acquire(len(pending))
+                        offset, n = ranges[submitted]
+                        pending.append((offset, n, pool.submit(read, offset, n)))
+                        submitted += 1
+                    offset, n, piece = pending.popleft()
+                    data = piece.result()
+                    if len(data) != n:
+                        raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
+                    self._write(fd, data, offset, landing, check)
+                    del data, piece
+            finally:
+                for _, _, piece in pending:  # a failed piece ends the download: the rest are not waited for
+                    if piece.cancel():
+                        gauge.release(0)  # never ran: its slot back
 
     def _write(self, fd: int, data: bytes, offset: int, landing: Landing, check: ContentCheck) -> None:
         view = memoryview(data)

@@ -32,9 +32,11 @@ class RelayConfig:
     """Seconds the upstream may stay unreachable before watchers are sent elsewhere."""
     fetch_piece_bytes: int = 8 << 20
     """Objects larger than this are fetched from the upstream in ranges of this size."""
-    fetch_pieces_in_flight: int = 4
-    """Ranged reads of one object requested from the upstream at once (a far upstream pays its
-    round trip once per this many pieces)."""
+    fetch_pieces_in_flight: int = 32
+    """Most ranged reads requested from the upstream at once, all fetches together (the memory
+    bound: this x ``fetch_piece_bytes``, 256 MiB). How many are kept in flight is measured:
+    about the upstream's rate x round trip / ``fetch_piece_bytes`` + 1, at least 4
+    (:mod:`deltasync.relay.gauge`)."""
     workers: int = 32
     """Threads for upstream reads, cache file reads and index writes."""
     tls_cert: Path | None = None
@@ -51,11 +53,14 @@ class RelayConfig:
     """Largest object a client may upload (a pack is 64 MiB by default)."""
     max_uploads: int = 8
     """Uploads received at once (each held in memory or spooled until written); more wait their turn."""
-    upload_window: int = 64 << 10
-    """Flow-control window of each upload stream (see ``uploads.UPLOAD_WINDOW_BYTES``)."""
+    upload_window: int = 32 << 20
+    """Bytes one upload is granted ahead of what reached the relay's disk, and grpc's
+    flow-control window of each stream (see ``uploads.UPLOAD_WINDOW_BYTES``): about this per
+    round trip per upload."""
     upload_buffer: int = 256 << 20
-    """Bytes of uploads held in memory, all uploads together; an upload that does not fit (or
-    is over 4 MiB) is spooled to a file in the cache directory as it arrives."""
+    """Bytes of uploads in the relay's memory, all uploads together (the credit granted to
+    uploads, small ones held whole); an upload over 4 MiB, or one that does not fit, is spooled
+    to a file in the cache directory as it arrives."""
     write_quota: int | None = None
     """Most bytes the upstream repository may hold (counted when the relay starts, then through
     its own writes); uploads past it are refused."""
@@ -102,8 +107,8 @@ class RelayConfig:
             raise UsageError("the write token must differ from the read token")
         if not 64 << 10 <= self.upload_window <= 1 << 30:
             raise UsageError(f"upload_window must be between 64 KiB and 1 GiB, got {self.upload_window}")
-        if self.upload_buffer < 0:
-            raise UsageError(f"upload_buffer must not be negative, got {self.upload_buffer}")
+        if self.upload_buffer < 1 << 20:
+            raise UsageError(f"upload_buffer must be at least 1 MiB (one piece), got {self.upload_buffer}")
         if self.max_object_bytes < 1 or self.max_uploads < 1:
             raise UsageError("max_object_bytes and max_uploads must be positive")
         if self.warm_concurrency < 1:

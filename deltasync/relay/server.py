@@ -48,7 +48,8 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", CHUNK_BYTES + (64 << 10)),
     # What a client may send on a stream before the relay reads it. With BDP probing grpc
     # grows every stream's window to megabytes, whatever the relay's memory (24 uploaders:
-    # +150 MiB); a fixed window (RelayConfig.upload_window, added in start()) is chosen.
+    # +150 MiB); a fixed window (RelayConfig.upload_window, added in start()) is chosen, and an
+    # Upload sends only within the credit the relay grants from its one budget (relay/uploads.py).
     ("grpc.http2.bdp_probe", 0),
 ]
 

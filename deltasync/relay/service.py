@@ -1,4 +1,4 @@
-"""The relay's gRPC service: Get, Stat, List, Watch, Put and Delete, bound by hand to the
+"""The relay's gRPC service: Get, Stat, List, Watch, Put, Upload and Delete, bound by hand to the
 methods of the wire definition (:mod:`deltasync.storage.wire`). Each call is answered here and
 its work done by the relay's parts: fetches (:mod:`.fetch`), the version feed and warming
 (:mod:`.feed`), uploads (:mod:`.uploads`). A failure ends the call with the status code the
@@ -28,7 +28,7 @@ from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, ca
 from .config import RelayConfig
 from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
-from .uploads import Refused, Uploads
+from .uploads import Refused, SendCredit, Uploads, piece_data
 
 log = logging.getLogger("deltasync.relay")
 
@@ -38,7 +38,7 @@ _FLUSH_EVERY = 30.0  # seconds between writes of access times to the cache index
 
 
 class RelayService:
-    """The six RPCs. Lives on the relay event loop; blocking work goes to ``executor``."""
+    """The seven RPCs. Lives on the relay event loop; blocking work goes to ``executor``."""
 
     def __init__(
         self, upstream: Store, upstream_url: str, cache: ObjectCache, executor: ThreadPoolExecutor, config: RelayConfig
@@ -64,13 +64,15 @@ class RelayService:
     def handler(self) -> Any:
         behaviors: dict[str, Callable[..., Any]] = {
             "Get": self.get, "Stat": self.stat, "List": self.list, "Watch": self.watch,
-            "Put": self.put, "Delete": self.delete,
+            "Put": self.put, "Upload": self.upload, "Delete": self.delete,
         }
         handlers: dict[str, Any] = {}
         for name, (request, response, kind) in METHODS.items():
             factory = HANDLER_FACTORIES[kind]
+            # Upload's messages are taken as they came (see Uploads.piece_data): grpc hands the bytes over.
+            decode = None if name == "Upload" else request.FromString
             handlers[name] = factory(
-                behaviors[name], request_deserializer=request.FromString, response_serializer=response.SerializeToString
+                behaviors[name], request_deserializer=decode, response_serializer=response.SerializeToString
             )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -233,27 +235,62 @@ class RelayService:
     # -- Put, Delete ---------------------------------------------------------------------------
 
     async def put(self, requests: AsyncIterator[pb.PutChunk], context: Any) -> pb.PutResponse:
+        """The old upload (clients before Upload): not held back by credit, so grpc may park
+        up to a window of its bytes while it waits for its turn; that window is charged to
+        the upload budget until the call ends, and a call it does not fit is refused with
+        UNAVAILABLE (the client tries another relay, then again)."""
         self.counters["requests"] += 1
         if not self.config.accept_writes:  # the interceptor refuses first; kept for library use
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        parked = self.config.upload_window
+        if not self.uploads.budget.take(parked):
+            self.counters["uploads_refused"] += 1
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the relay's upload budget ({self.config.upload_buffer:,} bytes) is taken: a Put holds a "
+                f"{parked:,}-byte window of it (clients that use Upload are not refused; try again)",
+            )
+        try:
+            size = await self._upload(requests, context, None, lambda chunk: memoryview(chunk.data))
+        finally:
+            self.uploads.budget.give(parked)
+        self.counters["uploads"] += 1
+        self.counters["uploaded_bytes"] += size
+        return pb.PutResponse()
+
+    async def upload(self, requests: AsyncIterator[bytes], context: Any) -> None:
+        """An upload under the relay's byte credit (:mod:`.uploads`): the credit messages are
+        written to the call as the budget grants them; the call ends OK once it is stored."""
+        self.counters["requests"] += 1
+        if not self.config.accept_writes:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        size = await self._upload(requests, context, context.write, piece_data)
+        self.counters["uploads"] += 1
+        self.counters["uploaded_bytes"] += size
+
+    async def _upload(self, requests: AsyncIterator[Any], context: Any, send_credit: SendCredit | None,
+                      data_of: Callable[[Any], memoryview]) -> int:
+        """Take one upload (its turn first); its size, or the call aborted with why not.
+        ``data_of``: a message's piece of the object."""
         assert self.uploads.turn is not None
         key = ""
-        async with self.uploads.turn:  # bounds memory and spool: max_uploads objects received at once
+        size = 0
+        async with self.uploads.turn:  # bounds the spool: max_uploads objects received at once
             try:
-                first = await anext(aiter(requests), None)
-                if first is None:
+                messages = aiter(requests)
+                head = await anext(messages, None)
+                if head is None:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
+                first = head if isinstance(head, pb.PutChunk) else _header(head)
                 key, size = first.key, first.total_bytes
-                await self.uploads.take(first, requests)
+                await self.uploads.take(first, _pieces(messages, data_of), send_credit)
             except Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.warning("refused upload of %s: %s", key or "?", e.message)
                 await context.abort(e.code, e.message)
             except Exception as e:
                 await self._abort(context, e, key or None)
-        self.counters["uploads"] += 1
-        self.counters["uploaded_bytes"] += size
-        return pb.PutResponse()
+        return size
 
     async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
         self.counters["requests"] += 1
@@ -305,6 +342,23 @@ class RelayService:
                     await asyncio.wait_for(changed.wait(), wait)
         finally:
             self.counters["watchers"] -= 1
+
+
+async def _pieces(messages: AsyncIterator[Any], data_of: Callable[[Any], memoryview]) -> AsyncIterator[memoryview]:
+    """The data of each message, held by nothing here while the next one is awaited (a piece
+    kept alive across that wait would be one more megabyte per upload beyond its credit)."""
+    async for message in messages:
+        piece = data_of(message)
+        del message
+        yield piece
+        del piece
+
+
+def _header(raw: bytes) -> pb.PutChunk:
+    try:
+        return pb.PutChunk.FromString(raw)
+    except Exception:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the upload's header is not a PutChunk") from None
 
 
 def _layout_keys(upstream: Store, prefix: str) -> list[str]:

@@ -1,11 +1,25 @@
-"""Writes through a relay (``accept_writes``): an upload is taken in 1 MiB pieces, into memory
-up to :data:`SPOOL_BYTES` and into a :class:`Spool` file beyond, checked whole (its size, the
-digest its header announced, :func:`content_problem`, :func:`missing_references`), and only
-then written with the upstream store's own atomic put; :class:`Quota` keeps the repository
-under ``write_quota``. At most ``max_uploads`` are received at once (:attr:`Uploads.turn`);
-one that waits holds at most its stream's window (``upload_window``) in grpc's buffers. Small
-uploads are received into memory while they fit in one budget for all (``upload_buffer``,
-:class:`Budget`), any other into a :class:`Spool` file."""
+"""Writes through a relay (``accept_writes``): an upload is taken in pieces of at most 1 MiB,
+into memory up to :data:`SPOOL_BYTES` and into a :class:`Spool` file beyond, checked whole (its
+size, the digest its header announced, :func:`content_problem`, :func:`missing_references`),
+and only then written with the upstream store's own atomic put; :class:`Quota` keeps the
+repository under ``write_quota``. At most ``max_uploads`` are received at once
+(:attr:`Uploads.turn`).
+
+Memory is one budget for every upload together (``upload_buffer``, :class:`Budget`), not a
+window per stream: grpcio's flow-control settings are per server, so a window large enough to
+fill a long link, times many uploaders, would be any amount. An Upload call (the path clients
+use) sends only within the byte credit the relay grants it (:class:`Credit`): a small upload
+is granted its whole size at once if it fits in the budget (held in memory, then written);
+any other is spooled to a file and granted at most ``upload_window`` ahead of the bytes
+written to the file, each grant taken from the budget and given back as the pieces land on
+disk. However many upload at once, the bytes of uploads in the relay's memory (granted, not
+yet on disk) stay within the budget; one that waits for its turn or for the budget is granted
+nothing and sends nothing but its header (which may carry a whole object of at most
+``UNCREDITED_BYTES``, 256 KiB: a lease, a ref, a manifest in one round trip). The old Put (clients before Upload) cannot be held
+back that way: grpc may park up to a window of its bytes before the relay reads them, so each
+Put call is charged one window from the same budget while it waits and runs, and refused
+(UNAVAILABLE: the client tries again, at another relay or a moment later) when it does not
+fit."""
 
 from __future__ import annotations
 
@@ -16,7 +30,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -25,6 +39,7 @@ from ..errors import ObjectNotFoundError, UsageError
 from ..format.digest import digest
 from ..repo.repository import blob_key
 from ..storage import LocalStore, Store, check_key
+from ..storage.wire import CHUNK_BYTES, UNCREDITED_BYTES
 from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
 from .auth import check_writable
 from .cache import ObjectCache, cacheable, content_problem, size_limit
@@ -36,34 +51,114 @@ _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$
 
 #: Uploads larger than this are always spooled to a file as they arrive (a pack, typically).
 SPOOL_BYTES = 4 << 20
-UPLOAD_WINDOW_BYTES = 64 << 10
-"""The default of ``upload_window``: bytes a client may have in flight on one upload stream
-(grpc's flow-control window, fixed: no BDP probing grows it). Over a long link a stream moves
-about this (plus the 1 MiB piece being read) per round trip: a relay taking uploads from far
-away raises it (``--upload-window 16M``: some 80 MiB/s per stream at 200 ms). An upload waiting
-for its turn holds up to one window in grpc's buffers: with many more uploaders than
-``max_uploads``, memory grows by a window per waiting uploader, the reason the default stays
-small (measured in docs/cli.md, Across clusters)."""
+UPLOAD_WINDOW_BYTES = 32 << 20
+"""The default of ``upload_window``: how far ahead of the bytes on disk one upload is granted
+credit (and grpc's flow-control window of a stream, which must not be the smaller). Over a
+long link an upload moves about this per round trip: 32 MiB is some 160 MiB/s at 200 ms, so
+one publisher fills an 800 Mbit/s link to the other side of the planet with one stream; the
+budget (``upload_buffer``), not this, bounds the memory of all uploads together."""
+
+#: Sends one credit message to the client (grpc's ``context.write``).
+SendCredit = Callable[[pb.UploadCredit], Awaitable[None]]
 
 
 class Budget:
-    """(Loop) Bytes of uploads held in memory, all uploads together (``upload_buffer``)."""
+    """(Loop) Bytes of uploads in the relay's memory, all uploads together (``upload_buffer``):
+    small uploads held whole until written, the credit granted to spooled ones and not yet on
+    disk, a window for each old Put call."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
         self.peak = 0
+        self._waiters: list[asyncio.Future[None]] = []
 
     def take(self, n: int) -> bool:
-        """Reserve ``n`` bytes if they fit (True), else nothing (the upload is spooled)."""
+        """Reserve ``n`` bytes if they fit (True), else nothing."""
         if self.used + n > self.limit:
             return False
         self.used += n
         self.peak = max(self.peak, self.used)
         return True
 
+    async def grant(self, want: int, least: int) -> int:
+        """Reserve up to ``want`` bytes, waiting until at least ``least`` (at most the limit) fit."""
+        least = min(least, want, self.limit)
+        while self.limit - self.used < least:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+        n = min(want, self.limit - self.used)
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return n
+
     def give(self, n: int) -> None:
+        if n <= 0:
+            return
         self.used -= n
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:  # each looks again; those that still do not fit wait again
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class Credit:
+    """(Loop) One Upload call's credit: ``granted`` bytes the client may have sent (taken from
+    the budget), ``landed`` of them on disk or in the upload's memory for good (given back, for
+    a spooled upload, as they land)."""
+
+    def __init__(self, send: SendCredit) -> None:
+        self.send = send
+        self.granted = 0
+        self.landed = 0
+        self.progress = asyncio.Event()
+
+    async def grant_all(self, size: int, send: bool = True) -> None:
+        """A small upload held in memory: its whole size, already taken from the budget (sent
+        to the client unless it came whole in the header)."""
+        self.granted = size
+        if send:
+            await self.send(pb.UploadCredit(send_until=size))
+
+    async def keep_granting(self, budget: Budget, size: int, ahead: int) -> None:
+        """A spooled upload: credit up to ``ahead`` bytes past what landed, while the budget
+        has it, until the whole size is granted."""
+        while self.granted < size:
+            need = min(CHUNK_BYTES, size - self.granted)
+            room = ahead - (self.granted - self.landed)
+            if room < need:
+                self.progress.clear()
+                await self.progress.wait()
+                continue
+            self.granted += await budget.grant(min(room, size - self.granted), need)
+            await self.send(pb.UploadCredit(send_until=self.granted))
+
+    def landed_piece(self, n: int, budget: Budget | None) -> None:
+        self.landed += n
+        if budget is not None:
+            budget.give(n)
+        self.progress.set()
+def piece_data(raw: bytes) -> memoryview:
+    """The data (field 5) of a serialized PutChunk, a view of ``raw`` rather than a copy: a
+    1 MiB piece is then held once in the relay's memory, not three times over (grpc's message,
+    the decoded message, its bytes). A message with any other field is decoded whole."""
+    if len(raw) > 1 and raw[0] == 0x2A:  # field 5, length-delimited
+        length, shift, pos = 0, 0, 1
+        while pos < len(raw) and shift < 64:
+            byte = raw[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            if not byte & 0x80:
+                if pos + length == len(raw):
+                    return memoryview(raw)[pos:]
+                break
+            shift += 7
+    return memoryview(pb.PutChunk.FromString(raw).data)
 
 
 class Spool:
@@ -77,7 +172,7 @@ class Spool:
         self._file = open(self.path, "x+b")  # noqa: SIM115 - closed by close(); readable, for mmap
         self._map: mmap.mmap | None = None
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self._file.write(data)
 
     def view(self) -> memoryview:
@@ -194,9 +289,13 @@ class Uploads:
     def start(self) -> None:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
 
-    async def take(self, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk]) -> None:
-        """Check an upload's header (``first``), take its pieces, check and store it. Refused
-        (or the store's error) when it cannot be written. Call holding :attr:`turn`."""
+    async def take(self, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
+                   send_credit: SendCredit | None = None) -> None:
+        """Check an upload's header (``first``), take its pieces (``requests``: the data of
+        each message after the header), check and store it. Refused
+        (or the store's error) when it cannot be written. Call holding :attr:`turn`. With
+        ``send_credit`` (an Upload call) the client sends only within the credit granted;
+        without (an old Put), the caller has charged the budget a window for it."""
         key, size = first.key, first.total_bytes
         check_writable(key)
         kind_cap = size_limit(key)  # what a valid object of this kind can be (manifests: 64 MiB)
@@ -209,35 +308,65 @@ class Uploads:
             )
         if self.quota is not None:
             self.quota.check(key, size)  # before receiving: a refused upload costs no memory
+        credit = Credit(send_credit) if send_credit is not None else None
+        whole = credit is not None and len(first.data) == size  # sent in its header, before credit
+        if credit is not None and first.data and not (whole and size <= UNCREDITED_BYTES):
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"upload of {key} sent {len(first.data):,} bytes before any credit")
         # Created and removed on the event loop itself (a file open and an unlink): an
         # executor job can be cancelled before it runs when the client cancels the
         # upload, which would leave the spool file behind.
-        in_memory = size <= SPOOL_BYTES and self.budget.take(size)
+        if whole:
+            self.budget.used += size  # already here: held, counted, whatever the budget says
+            in_memory = True
+        else:
+            in_memory = size <= SPOOL_BYTES and self.budget.take(size)
         spool = None if in_memory else Spool(self.cache.root / "tmp")
+        granter: asyncio.Task[None] | None = None
         try:
-            await self._receive(key, size, first, requests, spool)
+            if credit is not None and in_memory:
+                await credit.grant_all(size, send=not whole)
+            elif credit is not None:
+                granter = asyncio.get_running_loop().create_task(
+                    credit.keep_granting(self.budget, size, self.config.upload_window))
+            await self._receive(key, size, first, requests, spool, credit)
+            if granter is not None:
+                await granter  # done: every byte was granted (its last credit message may be on its way)
+                granter = None
         finally:
+            if granter is not None:
+                granter.cancel()  # it takes nothing more: cancelled at its next wait
+            if credit is not None and spool is not None:
+                self.budget.give(credit.granted - credit.landed)  # granted, never sent
             if spool is not None:
                 spool.close()
             if in_memory:
                 self.budget.give(size)
 
-    async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[pb.PutChunk],
-                       spool: Spool | None) -> None:
-        """Take an upload's pieces (into memory, or into ``spool``), then check and store it."""
+    async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
+                       spool: Spool | None, credit: Credit | None) -> None:
+        """Take an upload's pieces (into memory, or into ``spool``), then check and store it.
+        With ``credit``, a spooled piece's credit goes back to the budget once it is written."""
         data = bytearray(first.data) if spool is None else None
-        if spool is not None:
+        if spool is not None and first.data:
             await self.in_thread(spool.write, first.data)
         received = len(first.data)
         async for piece in requests:
-            if received + len(piece.data) > size:
+            n = len(piece)
+            if received + n > size:
                 raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} sent more than its {size:,} bytes")
-            received += len(piece.data)
+            if credit is not None and received + n > credit.granted:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"upload of {key} sent past its credit ({credit.granted:,} bytes)")
+            received += n
             if data is not None:
-                data += piece.data
+                data += piece
             else:
                 assert spool is not None
-                await self.in_thread(spool.write, piece.data)
+                await self.in_thread(spool.write, piece)
+                del piece  # before its credit goes back: the next piece may be on its way
+                if credit is not None:
+                    credit.landed_piece(n, self.budget)
         if received != size:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
         if data is not None:  # the bytearray itself: a copy would double the memory an upload holds

@@ -82,6 +82,12 @@ class PutResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class UploadCredit(_message.Message):
+    __slots__ = ("send_until",)
+    SEND_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    send_until: int
+    def __init__(self, send_until: _Optional[int] = ...) -> None: ...
+
 class DeleteRequest(_message.Message):
     __slots__ = ("key",)
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -222,3 +222,36 @@ def test_a_publish_of_an_id_beyond_the_next_lists_again_for_its_history_parent(t
     lists = [i for i, (op, k) in enumerate(store.log) if op == "list" and k == "manifests/"]
     assert len(lists) == 3  # round 1, the history parent's listing, the ref's
     assert Repository(store.inner).manifest(5).pb.history_parent == 1
+
+
+def test_a_distributed_publish_takes_the_same_rounds_as_a_publisher(tmp_path: Path) -> None:
+    """Rank 0 of a (one-rank, gloo) group: the lease written beside round 1's reads, no listing
+    between the last check and the manifest put, the lease released beside the ref's write."""
+    import torch.distributed as dist
+
+    from deltasync import DistributedPublisher
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        store = Counting(LocalStore(tmp_path / "repo"))
+        pub = DistributedPublisher(Repository(store), CONFIG, timeout=60)
+        state = make_state(1, LAYOUT)
+        pub.publish(state)
+        pub.publish(step_state(state, seed=2))
+        store.log.clear()
+        assert pub.publish(step_state(state, seed=3)).version == 3
+    finally:
+        dist.destroy_process_group()
+    log = store.log
+    lists = [i for i, (op, k) in enumerate(log) if op == "list" and k == "manifests/"]
+    commit = log.index(("put", manifest_key(3)))
+    first_pack = _first(log, "put", "packs/")
+    lease_put = _first(log, "put", "leases/")
+    lease_delete = _first(log, "delete", "leases/")
+    last_check = max(i for i, (op, k) in enumerate(log[:commit]) if op == "size")
+    assert len(lists) == 2, log  # round 1 (the latest, beside the lease's write), round 4 (beside the ref's)
+    assert lists[0] < first_pack < last_check < commit < lists[1], log
+    assert lease_put < first_pack and commit < lease_delete, log
+    assert log[last_check + 1:commit] == [], log  # no request of its own before the commit
+    assert Repository(store.inner).manifest(3).pb.history_parent == 2
+    assert not list(store.inner.list("leases/"))
