@@ -102,9 +102,8 @@ def reset_peak_rss() -> None:
 
 def agent_process(mode: str, repo: str, root: str, shapes: list[tuple[str, tuple[int, int]]], workers: int,
                   conn: Connection) -> None:
+    from deltasync.agents import Agent, AgentConfig, EngineAgent, Update
     from deltasync.engines import TorchEngine
-    from deltasync.local.agent import Agent, AgentConfig, Update
-    from deltasync.local.engine_agent import EngineAgent
 
     model = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
     weights = sum(t.numel() * t.element_size() for t in model.values())

@@ -133,8 +133,8 @@ def subscribe(
     """
     import signal
 
+    from ..agents import Agent, AgentConfig, Update
     from ..engines.registry import find_engine
-    from ..local.agent import Agent, AgentConfig, Update
 
     found = find_engine(engine_spec) if engine_spec is not None else None  # None: build_engine says why
     kind = found[0] if found is not None else None
@@ -166,7 +166,7 @@ def subscribe(
         raise UsageError("--shard applies to torch:MODULE:FACTORY engines")
     node = None
     if packcast is not None:
-        from ..engines.packcast_agent import parse_packcast, read_token
+        from ..agents.packcast import parse_packcast, read_token
 
         node = parse_packcast(packcast)
         if node[1] > MAX_PACKCAST_WORLD:
@@ -251,8 +251,8 @@ def subscribe(
 
     agent: Agent
     if node is not None:
+        from ..agents import PackcastAgent
         from ..engines.packcast import RoundReport
-        from ..engines.packcast_agent import PackcastAgent
 
         assert engine is not None and state_dir is not None
         agent = PackcastAgent(engine, state_dir, config, rank=node[0], world=node[1], master=node[2],
@@ -260,7 +260,7 @@ def subscribe(
                               on_update=report,
                               on_ready=ready, on_round=round_done)
     elif state_dir is not None:
-        from ..local.engine_agent import EngineAgent
+        from ..agents import EngineAgent
 
         assert engine is not None
         agent = EngineAgent(engine, state_dir, config, repo=repo, trusted_keys=trusted_keys or None,

@@ -223,14 +223,14 @@ def start_hooks(agent: Any, state_dir: Path, *, repo: str, node: str | None, clu
                 report_token_file: Path | None, report_interval: float, verify_every: float | None) -> FleetHooks:
     """Start the reporter (when there is a relay to report to and a report token) and, for an
     engine-first agent, the live checker and its control socket."""
-    from ..local.engine_agent import EngineAgent
-    from ..local.report import ReportConfig, Reporter, default_node, served_by
+    from ..agents import EngineAgent
+    from ..agents.report import ReportConfig, Reporter, default_node, served_by
     from ..storage.fleet import read_report_token
 
     hooks = FleetHooks()
     try:
         if isinstance(agent, EngineAgent):
-            from ..local.live import ControlServer, LiveChecker
+            from ..agents.live import ControlServer, LiveChecker
 
             if verify_every is not None and not callable(getattr(agent.engine, "verify", None)):
                 raise UsageError(f"--verify-every: the {getattr(agent.engine, 'kind', '')} engine cannot check its live weights "

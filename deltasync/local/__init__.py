@@ -1,8 +1,6 @@
-"""Local copies and agents: a directory kept at a version, and the long-running subscribers
-that keep copies and engines current.
+"""Local copies: a directory kept at a version (the agents that follow a repository into
+one are :mod:`deltasync.agents`).
 
-:mod:`~deltasync.local.agent` (:class:`Agent`: follow pin/latest into a directory copy),
-:mod:`~deltasync.local.engine_agent` (an engine kept current with no copy),
 :mod:`~deltasync.local.slotfill` (bring the slot not served forward in place),
 :mod:`~deltasync.local.slots` (two slots and the atomic switch),
 :mod:`~deltasync.local.placement` (where tensor bytes sit in files),
@@ -11,15 +9,13 @@ that keep copies and engines current.
 :mod:`~deltasync.local.cache` (objects a copy or agent keeps).
 
 The names below are the face the engines use (they read a version's bytes from a copy, under
-its lock; a packcast agent is an engine-first agent); ``tests/test_layout.py`` keeps engines
+its lock); ``tests/test_layout.py`` keeps engines
 off the modules behind it.
 """
 
 from __future__ import annotations
 
-from .agent import Agent as Agent, AgentConfig as AgentConfig, Update as Update
 from .cache import CachedStore as CachedStore, LocalCache as LocalCache
-from .engine_agent import EngineAgent as EngineAgent
 from .placement import Bits as Bits, Placement as Placement, placements as placements, read_placed as read_placed
 from .slots import boot_id as boot_id, other as other, slot_dir as slot_dir
 from .state import (

@@ -178,7 +178,7 @@ class _Nodes:
         return result
 
     def wait_for(self, ranks: list[int], version: int, timeout: float = 120.0) -> None:
-        from deltasync.local.agent import read_status
+        from deltasync.agents import read_status
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -297,7 +297,8 @@ def _received(output: str) -> dict[int, float]:
 
 
 def test_a_node_with_no_node_0_is_told_so(tmp_path: Path) -> None:
-    from deltasync.engines import PackcastAgent, TorchEngine
+    from deltasync.agents import PackcastAgent
+    from deltasync.engines import TorchEngine
 
     repo = str(tmp_path / "repo")
     _publisher(repo).publish(_states(1)[0])
@@ -309,7 +310,7 @@ def test_a_node_with_no_node_0_is_told_so(tmp_path: Path) -> None:
 
 
 def test_packcast_spec() -> None:
-    from deltasync.engines.packcast_agent import parse_packcast
+    from deltasync.agents.packcast import parse_packcast
 
     assert parse_packcast("3/32@node0:29600") == (3, 32, "node0:29600")
     env = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "trainer-0", "MASTER_PORT": "29500"}

@@ -168,9 +168,8 @@ def _agent(rank: int, port: int, repo: str, pub: str, state: str, events: Any, q
     import threading
     import time
 
+    from deltasync.agents import AgentConfig, PackcastAgent
     from deltasync.engines import TorchEngine
-    from deltasync.engines.packcast_agent import PackcastAgent
-    from deltasync.local import AgentConfig
 
     try:
         torch.set_num_threads(1)
@@ -260,7 +259,7 @@ def test_a_trusting_follower_refuses_a_round_its_signed_refs_do_not_name(tmp_pat
 
 
 def test_the_token_file_is_read_or_refused_with_its_name(tmp_path: Any) -> None:
-    from deltasync.engines.packcast_agent import read_token
+    from deltasync.agents.packcast import read_token
     from deltasync.errors import UsageError
 
     good = tmp_path / "token"

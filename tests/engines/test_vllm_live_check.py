@@ -19,10 +19,9 @@ import pytest
 from vllm_server import VllmServer, build_model, vllm_python
 
 import deltasync
+from deltasync.agents import AgentConfig, EngineAgent
+from deltasync.agents.live import LiveChecker
 from deltasync.engines import VllmEngine
-from deltasync.local.agent import AgentConfig
-from deltasync.local.engine_agent import EngineAgent
-from deltasync.local.live import LiveChecker
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """The engine-first agent: keeps an engine at the version to serve, with no directory copy.
 
 ``EngineAgent(engine, state_dir).run(follow=True)`` follows the repository the engine stages
-from (the pin, else the latest; see agent.py for watching, retries and figures) and brings
+from (the pin, else the latest; see directory.py for watching, retries and figures) and brings
 the engine to each target with ``engine.update``: the engine fetches, decodes and verifies
 only the chunks that changed (or, for an engine holding some tensors, only those covering
 what it holds) and writes them in place. Nothing goes through a directory: a version costs
@@ -11,9 +11,9 @@ the local disk what its state and kept objects take, about its stored bytes, not
 
 * ``state.lmdb`` — the version the engine holds and its version digest (one small record per
   version, ``StateDB.record_engine``), the repository's URL, the agent's figures and last
-  error (``deltasync status --state DIR``, :func:`deltasync.local.agent.read_status`);
+  error (``deltasync status --state DIR``, :func:`deltasync.agents.status.read_status`);
 * ``objects/`` — the manifests and packs read for the chain from the latest snapshot to the
-  version held, and the deltas of the last ``keep_versions`` versions (cache.py). A restart,
+  version held, and the deltas of the last ``keep_versions`` versions (local/cache.py). A restart,
   a fresh engine or a rollback among them reads them here, not from the repository.
 
 The engine's own bits are the truth, not the numbers: on its first update in a run the
@@ -24,7 +24,7 @@ others come from a snapshot plus the chain). A kill at any point loses at most t
 being staged; the next run starts over from the engine's bits.
 
 Engines that load versions from files (``http:...``, a ``VllmEngine`` given a copy;
-``Engine.needs_files``) need a directory copy: use :class:`~deltasync.local.agent.Agent` with
+``Engine.needs_files``) need a directory copy: use :class:`~deltasync.agents.directory.Agent` with
 ``engine=`` instead. A ``VllmEngine`` with no copy is taken: the server's workers pull what
 changes from the repository, so the agent reads manifests only and keeps no packs.
 """
@@ -39,18 +39,19 @@ from typing import TYPE_CHECKING
 
 from ..errors import DeltasyncError, RepositoryNotFoundError, StoreError, UsageError
 from ..format.signing import PublicKeyLike
+from ..local.cache import LocalCache
+from ..local.state import STATE_DIR, StateDB, WorkInProgress
 from ..pull.subscriber import Subscriber, state_url
 from ..repo.history import check_extends
 from ..repo.repository import Repository
 from ..storage import Store
-from .agent import Agent, AgentConfig, Update, engine_keys
-from .cache import LocalCache
-from .state import STATE_DIR, StateDB, WorkInProgress
+from .config import AgentConfig, Update
+from .directory import Agent, engine_keys
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deltasync.agents")
 
 
 class EngineAgent(Agent):
@@ -149,7 +150,7 @@ class EngineAgent(Agent):
 
     def _restore_offline(self, cause: BaseException) -> None:
         """Bring the engine to the version the state records from the kept objects alone (the
-        chain from its snapshot: cache.py), when they hold it and its manifest is the one the
+        chain from its snapshot: local/cache.py), when they hold it and its manifest is the one the
         state recorded (same version digest and repository). Every chunk is still checked by
         its digest; when the kept objects lack one, the engine is left claiming no version
         (a load may have written some of its tensors) and waits for the repository, which

@@ -8,14 +8,14 @@ push stream, when the store has one, wakes it sooner) and sleeps in between: no 
 
 How it moves (each version verified chunk by chunk into the slot not served, then served by
 one atomic switch, journaled in the copy's LMDB state, resumable after a kill at any point —
-see pull/slotfill.py, pull/slots.py and pull/state.py):
+see local/slotfill.py, local/slots.py and local/state.py):
 
 * forwards: a pull (the planner picks the delta chain or snapshot plus chain); the payloads
-  of the deltas applied are kept in the copy (``keep_versions``, pull/cache.py);
+  of the deltas applied are kept in the copy (``keep_versions``, local/cache.py);
 * backwards (a pin to an earlier version, ``rollback``): the deltas in between are reversed
   from the local bits, reading the kept payloads (nothing downloaded) or, when not kept,
   the repository's small delta payloads; chunks that cannot be reversed come from the
-  snapshot chain (pull/slotfill.py);
+  snapshot chain (local/slotfill.py);
 * forwards again to versions whose payloads it kept: walked locally, nothing downloaded.
 
 With trusted keys the refs must be signed by the publisher (repo/repository.py): an
@@ -45,105 +45,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
-    CheckpointError,
     ChecksumMismatchError,
     CorruptObjectError,
     DeltasyncError,
     EmptyRepositoryError,
     ObjectNotFoundError,
     RefError,
-    RepositoryFormatError,
     RepositoryIdentityError,
-    RepositoryNotFoundError,
     SignatureError,
     UsageError,
 )
 from ..format.signing import PublicKeyLike
+from ..local.cache import CachedStore, LocalCache
+from ..local.slotfill import update_copy
+from ..local.slots import finish_install
+from ..local.state import STATE_DIR, EngineState, PullStopped, StateDB, copy_lock
 from ..metrics import Metric, MetricsServer
 from ..pull.subscriber import Subscriber, state_url
 from ..repo.repository import LATEST, MARKER, MAX_REF_BYTES, Repository, ref_hint
-from ..retry import Backoff as Backoff  # the agent's retries; importable here too
+from ..retry import Backoff
 from ..storage import Store, open_store
-from .cache import CachedStore, LocalCache
-from .slotfill import update_copy
-from .slots import finish_install
-from .state import STATE_DIR, CopyInUseError, EngineState, LocalState, PullStopped, StateDB, copy_lock
+from .config import FINAL, AgentConfig, Update
+from .status import read_status
 
 if TYPE_CHECKING:
     from ..engines.base import Engine, SwapRecord
 
-log = logging.getLogger(__name__)
-
-#: Errors no retry can fix: a one-shot run fails at once (a following agent still waits them out).
-PERMANENT = (UsageError, CopyInUseError, SignatureError, RefError, RepositoryFormatError, CheckpointError,
-             RepositoryIdentityError)
-FINAL = (*PERMANENT, EmptyRepositoryError, RepositoryNotFoundError)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentConfig:
-    """How an agent follows a repository."""
-
-    poll_interval: float = 0.5
-    """Seconds between reads of the repository's ``refs/latest`` and ``refs/pin``."""
-    relist_interval: float = 30.0
-    """Seconds between listings of the committed versions (the latest ref is only a hint:
-    a publisher may die between its manifest and the ref)."""
-    retries: int = 5
-    """Attempts of one update before a one-shot run gives up (a following agent keeps trying)."""
-    backoff_initial: float = 0.5
-    """First wait after a failure, in seconds; doubles per failure, with jitter."""
-    backoff_max: float = 30.0
-    """Longest wait between attempts, in seconds."""
-    keep_versions: int = 8
-    """Versions whose manifests and delta payloads the copy keeps: a rollback of up to this
-    many versions, or a return to them, reads nothing from the repository (0: keep none)."""
-    workers: int = 0
-    """Decoding threads; 0 means one per CPU core."""
-    progress: bool | None = False
-    """Progress lines while pulling (None: on a terminal)."""
-    metrics_port: int | None = None
-    """Serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (0: any free port)."""
-    metrics_host: str = ""
-    """Address to serve metrics on ("": every interface, as exporters do)."""
-    move_aside: bool = False
-    """Move files found in the directory that are not the repository's into
-    ``DIR/.deltasync/aside/`` (default: refuse to update, naming them)."""
-    fsync: bool = False
-    """Flush each version's slot to disk before switching to it (default: check the copy
-    after a power loss instead; see slots.py)."""
-    ref_grace: float = 0.0
-    """With trusted keys: seconds past a signed ref's expiry during which it is still
-    followed, with a warning (a quiet publisher late with ``deltasync refresh-refs``);
-    beyond that the agent refuses it and stays on its version, recording the error."""
-
-    def __post_init__(self) -> None:
-        if not 0.01 <= self.poll_interval <= 3600:
-            raise UsageError(f"poll_interval must be in 0.01..3600 seconds, got {self.poll_interval}")
-        if self.retries < 1:
-            raise UsageError(f"retries must be at least 1, got {self.retries}")
-        if not 0 < self.backoff_initial <= self.backoff_max:
-            raise UsageError("backoff_initial must be positive and at most backoff_max")
-        if self.keep_versions < 0:
-            raise UsageError(f"keep_versions must not be negative, got {self.keep_versions}")
-        if not self.ref_grace >= 0:
-            raise UsageError(f"ref_grace must not be negative, got {self.ref_grace}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise UsageError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-
-
-@dataclass(frozen=True)
-class Update:
-    """One move of the copy, as reported to ``on_update`` and kept in the status."""
-
-    version: int
-    previous: int | None
-    how: str  # "pull from version N", "pull from a snapshot", "local: N chunks walked, M fetched"
-    fetched_bytes: int
-    seconds: float
-    swap: SwapRecord | None = None
-    """The engine's record of its swap (agents with an engine; None: it already served the version)."""
-
+log = logging.getLogger("deltasync.agents")
 
 #: Seconds between writes of the figures when only the byte counters moved (an idle agent's polls).
 COUNTERS_FLUSH_S = 30.0
@@ -200,7 +128,7 @@ class Agent:
         copy (and serves metrics, on :attr:`metrics_port`). ``engine``: also keep this engine
         at the copy's version; one that stages from the fetched changes (torch, fan-out) is
         swapped before the copy is rewritten, one that loads files (``needs_files``) after.
-        Without a copy, see :class:`deltasync.local.engine_agent.EngineAgent`."""
+        Without a copy, see :class:`deltasync.agents.engine.EngineAgent`."""
         self.config = config or AgentConfig()
         self.engine = engine
         self.last_swap: SwapRecord | None = None
@@ -727,7 +655,7 @@ class Agent:
         ]
         for kind, n in sorted((status.get("fetched_by_kind") or {}).items()):
             out.append(Metric("deltasync_bytes_fetched_by_kind_total", c, "Bytes downloaded, by kind", n, {"kind": kind}))
-        check = status.get("live_check") or {}  # local/live.py: the engine's live weights against their digests
+        check = status.get("live_check") or {}  # agents/live.py: the engine's live weights against their digests
         out.append(Metric("deltasync_live_check_drifted_chunks", g, "Chunks the last live check found drifted",
                           check.get("drifted_chunks")))
         out.append(Metric("deltasync_live_check_timestamp_seconds", g, "When the last live check ran", check.get("unix")))
@@ -755,100 +683,6 @@ def _stale_since(repo: Repository, current: int | None, target: int, now: float)
     return now
 
 
-# -- status of a copy (any process) -------------------------------------------------------------
-
-
-def read_status(out: str | os.PathLike[str]) -> dict[str, Any]:
-    """The figures of the copy at ``out``: its version, work in progress, and what its agent
-    last recorded, with the lag computed now. Reads only: safe while an agent runs."""
-    root = Path(out)
-    db = StateDB.open(root, create=False)
-    if db is None:
-        raise UsageError(_no_state(root))
-    state, wip, stats = db.state(), db.wip(), db.stats()
-    now = time.time()
-    running = bool(stats.get("running")) and _alive(stats.get("pid"))
-    # A running agent that has not yet checked its engine in this process claims nothing for it
-    # (after a restart the engine holds what its factory built, not the version recorded).
-    unverified = running and stats.get("engine_phase") in ("loading", "restoring")
-    engine_first = bool(stats.get("engine"))  # recorded by an engine-first agent (StateDB.record_engine)
-    version = state.version if state is not None and not (engine_first and unverified) else None
-    latest = stats.get("latest_version")
-    # Lag is against what the agent serves: the pin while one is held, else the latest.
-    target = stats.get("target_version")
-    if target is None:  # no agent's target (a pull moved the copy since): the newest version seen
-        target = latest
-    lag_versions = abs(target - version) if target is not None and version is not None else None
-    stale = stats.get("stale_since_unix")
-    if lag_versions == 0:
-        lag_seconds: float | None = 0.0
-    elif stale is not None:
-        lag_seconds = max(0.0, now - float(stale))
-    else:
-        lag_seconds = None
-    out_status: dict[str, Any] = dict(stats)
-    out_status.update({
-        "directory": str(root.resolve()),
-        "repo": (state.repo if state is not None and state.repo else stats.get("repo", "")),
-        "version": version,
-        "version_digest": state.version_digest if state is not None and version is not None else None,
-        "recorded_version": state.version if state is not None else None,
-        "repository_id": (state.repository_id or None) if state is not None else None,
-        **_engine_status(db.engine(), state, unverified),
-        "installed_unix": state.installed_unix if state is not None else None,
-        "running": running,
-        "lag_versions": lag_versions,
-        "lag_seconds": lag_seconds,
-        "wip": vars(wip) if wip is not None else None,
-    })
-    if not running and out_status.get("state") not in (None, "stopped"):
-        out_status["state"] = "not running"
-    return out_status
-
-
-def _no_state(root: Path) -> str:
-    """Why ``root`` has no state to show, as far as can be told from outside: never pulled or
-    subscribed into, or its state deleted (an agent running there then writes only into
-    deleted files, and status cannot see it)."""
-    deleted = "; if an agent runs there, its state was deleted under it: it records nothing now, restart it"
-    if not root.exists():
-        return f"{root} does not exist: nothing was pulled or subscribed into it{deleted}"
-    if not root.is_dir():
-        return f"{root} is a file, not a directory: give the directory that holds the copy or state"
-    return (f"{root} holds no deltasync state ({root / STATE_DIR} is missing): nothing was pulled or subscribed "
-            f"into it{deleted}")
-
-
-def _engine_status(engine: EngineState | None, state: LocalState | None, unverified: bool) -> dict[str, Any]:
-    """The engine's record as status fields (none without an engine): its version next to the
-    copy's (``engine_current``: the same version digest and repository), its last error; no
-    version while its running agent has not checked it yet (``unverified``)."""
-    if engine is None:
-        return {}
-    current = (not unverified and state is not None and engine.version == state.version
-               and engine.version_digest == state.version_digest and engine.repository_id == state.repository_id)
-    return {
-        "engine_kind": engine.kind, "engine_version": None if unverified else engine.version,
-        "engine_version_digest": (engine.version_digest or None) if not unverified else None,
-        "engine_current": current, "engine_updated_unix": engine.updated_unix, "engine_last_error": engine.last_error,
-        "engine_last_error_unix": engine.last_error_unix, "engine_last_error_version": engine.last_error_version,
-    }
-
-
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def rollback(
     out: str | os.PathLike[str],
     version: int,
@@ -868,12 +702,4 @@ def rollback(
     return Agent(repo, out, config, trusted_keys=trusted_keys).rollback(version)
 
 
-__all__ = [
-    "PERMANENT",
-    "Agent",
-    "AgentConfig",
-    "Backoff",
-    "Update",
-    "read_status",
-    "rollback",
-]
+__all__ = ["Agent", "engine_keys", "rollback"]

@@ -3,8 +3,8 @@
 ``PackcastAgent(engine, state_dir, rank=r, world=w, master="node0:29600").run(follow=True)``
 on each node (``deltasync subscribe --engine SPEC --state DIR --packcast r/w@node0:29600``).
 Node 0 follows the repository as an engine-first agent does (the pin, else the latest; the
-relay's Watch stream, retries with backoff, signed refs, identity checks: local/agent.py) and
-takes every new target to every node through one packcast round (packcast.py): it fetches the
+relay's Watch stream, retries with backoff, signed refs, identity checks: agents/directory.py) and
+takes every new target to every node through one packcast round (engines/packcast.py): it fetches the
 version's stored bytes from the relay once and broadcasts them; each node's engine stages
 from them. The other nodes follow the rounds. Every node is an engine-first agent with a
 state directory of its own (``deltasync status --state DIR``: the version its engine holds,
@@ -18,7 +18,7 @@ digest, lag, bytes, last error) and its kept objects (restarts read them, not th
   repository themselves, as plain engine-first agents, and join node 0 again when it is back
   (they try every ``rejoin_interval`` seconds).
 * What a node's engine holds (``TorchEngine.holdings``: ``--tensors``, ``--shard``) decides
-  what it receives: nodes that hold the same share form one stream (packcast.py).
+  what it receives: nodes that hold the same share form one stream (engines/packcast.py).
 """
 
 from __future__ import annotations
@@ -30,18 +30,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..engines.packcast import PackCache, PackcastNode, RoundReport
 from ..errors import DeltasyncError, GroupError, ObjectNotFoundError, StoreError, UsageError
 from ..format.signing import PublicKeyLike
-from ..local import Agent, AgentConfig, EngineAgent, PullStopped, Update
+from ..local.state import PullStopped
 from ..repo.repository import LATEST, MAX_REF_BYTES, PIN, Repository
 from ..storage import Store, WrappingStore
-from ._packcache import PackCache
-from .packcast import PackcastNode, RoundReport
+from .config import AgentConfig, Update
+from .directory import Agent
+from .engine import EngineAgent
 
 if TYPE_CHECKING:
-    from .base import Engine, SwapRecord
+    from ..engines.base import Engine, SwapRecord
 
-log = logging.getLogger("deltasync.engines")
+log = logging.getLogger("deltasync.agents")
 
 
 class PackcastAgent(EngineAgent):
