@@ -5,8 +5,9 @@ one are :mod:`deltasync.agents`).
 :mod:`~deltasync.local.slots` (two slots and the atomic switch),
 :mod:`~deltasync.local.placement` (where tensor bytes sit in files),
 :mod:`~deltasync.local.state` (the copy's LMDB state and lock),
-:mod:`~deltasync.local.check` (check and repair a copy) and
-:mod:`~deltasync.local.cache` (objects a copy or agent keeps).
+:mod:`~deltasync.local.check` (check and repair a copy),
+:mod:`~deltasync.local.cache` (the files of objects kept, and the store that reads through them) and
+:mod:`~deltasync.local.kept` (the one way an agent or a worker keeps, prunes and drops them).
 
 The names below are the face the engines use (they read a version's bytes from a copy, under
 its lock); ``tests/test_layout.py`` keeps engines
@@ -16,6 +17,7 @@ off the modules behind it.
 from __future__ import annotations
 
 from .cache import CachedStore as CachedStore, LocalCache as LocalCache
+from .kept import KeptObjects as KeptObjects, chain_packs as chain_packs
 from .placement import Bits as Bits, Placement as Placement, placements as placements, read_placed as read_placed
 from .slots import boot_id as boot_id, other as other, slot_dir as slot_dir
 from .state import (
