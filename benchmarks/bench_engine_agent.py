@@ -102,7 +102,7 @@ def reset_peak_rss() -> None:
 
 def agent_process(mode: str, repo: str, root: str, shapes: list[tuple[str, tuple[int, int]]], workers: int,
                   conn: Connection) -> None:
-    from deltasync.agents import Agent, AgentConfig, EngineAgent, Update
+    from deltasync.agents import Agent, AgentConfig, BaseAgent, EngineAgent, Update
     from deltasync.engines import TorchEngine
 
     model = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
@@ -122,7 +122,7 @@ def agent_process(mode: str, repo: str, root: str, shapes: list[tuple[str, tuple
 
     config = AgentConfig(workers=workers, progress=False)
     out = Path(root) / "copy"
-    agent: Agent
+    agent: BaseAgent
     if mode == "engine-first":
         agent = EngineAgent(Timed(model, repo, workers=workers), Path(root) / "state", config)
     elif mode == "copy+engine":

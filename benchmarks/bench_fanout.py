@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
-from deltasync.agents import AgentConfig, PackcastAgent, Update
+from deltasync.agents import AgentConfig, PackcastAgent, PackcastOptions, Update
 from deltasync.engines import TorchEngine
 from deltasync.engines.packcast import PackCache, PackcastNode
 from deltasync.storage import LocalStore, Store, WrappingStore
@@ -240,8 +240,9 @@ def agent(conn: Connection, links: Links) -> None:
 
                     state_dir = Path(s.work) / f"state-{s.nodes}-{s.rank}"
                     shutil.rmtree(state_dir, ignore_errors=True)
-                    pa = PacedAgent(engine, state_dir, AgentConfig(poll_interval=0.02, workers=1), rank=s.rank,
-                                    world=s.nodes, master=f"127.0.0.1:{s.port}", timeout=60.0, piece_bytes=s.piece,
+                    node = PackcastOptions(rank=s.rank, world=s.nodes, master=f"127.0.0.1:{s.port}", timeout=60.0,
+                                           piece_bytes=s.piece)
+                    pa = PacedAgent(engine, state_dir, AgentConfig(poll_interval=0.02, workers=1), packcast=node,
                                     on_update=on_update)
                     thread = threading.Thread(target=pa.run, kwargs={"follow": True}, daemon=True)
                     thread.start()

@@ -133,7 +133,7 @@ def subscribe(
     """
     import signal
 
-    from ..agents import Agent, AgentConfig, Update
+    from ..agents import Agent, AgentConfig, BaseAgent, Update
     from ..engines.registry import find_engine
 
     found = find_engine(engine_spec) if engine_spec is not None else None  # None: build_engine says why
@@ -166,7 +166,7 @@ def subscribe(
         raise UsageError("--shard applies to torch:MODULE:FACTORY engines")
     node = None
     if packcast is not None:
-        from ..agents.packcast import parse_packcast, read_token
+        from ..agents.packcast_spec import parse_packcast, read_token
 
         node = parse_packcast(packcast)
         if node[1] > MAX_PACKCAST_WORLD:
@@ -227,7 +227,7 @@ def subscribe(
                        f"{swap.chunks_changed} chunks changed, {mib(fetched)} fetched, {u.seconds:.2f}s)")
         sys.stdout.flush()
 
-    def ready(a: Agent) -> None:
+    def ready(a: BaseAgent) -> None:
         started = start_hooks(a, state_dir or a.root, repo=repo, node=node_name, cluster=cluster, report_to=report_to,
                               report_token_file=report_token_file, report_interval=report_interval,
                               verify_every=verify_every)
@@ -249,16 +249,16 @@ def subscribe(
                    + (f"; broadcast stopped: {r.broadcast_error}" if r.broadcast_error else ""))
         sys.stdout.flush()
 
-    agent: Agent
+    agent: BaseAgent
     if node is not None:
-        from ..agents import PackcastAgent
+        from ..agents import PackcastAgent, PackcastOptions
         from ..engines.packcast import RoundReport
 
         assert engine is not None and state_dir is not None
-        agent = PackcastAgent(engine, state_dir, config, rank=node[0], world=node[1], master=node[2],
-                              timeout=packcast_timeout, token=token, trusted_keys=trusted_keys or None,
-                              on_update=report,
-                              on_ready=ready, on_round=round_done)
+        where = PackcastOptions(rank=node[0], world=node[1], master=node[2], timeout=packcast_timeout, token=token,
+                                on_round=round_done)
+        agent = PackcastAgent(engine, state_dir, config, packcast=where, trusted_keys=trusted_keys or None,
+                              on_update=report, on_ready=ready)
     elif state_dir is not None:
         from ..agents import EngineAgent
 
