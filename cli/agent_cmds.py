@@ -24,7 +24,7 @@ from ._common import (
     trusted_key_option,
     workers_option,
 )
-from .fleet_cmds import FleetHooks, report_options, start_hooks
+from .fleet_cmds import FleetHooks, HookOptions, report_options, start_hooks
 
 #: The most nodes --packcast takes: node 0 keeps a record per node, so a WORLD mistyped by a few
 #: digits would grow it until the kernel kills it. Larger fleets are several groups behind relays.
@@ -228,9 +228,9 @@ def subscribe(
         sys.stdout.flush()
 
     def ready(a: BaseAgent) -> None:
-        started = start_hooks(a, state_dir or a.root, repo=repo, node=node_name, cluster=cluster, report_to=report_to,
-                              report_token_file=report_token_file, report_interval=report_interval,
-                              verify_every=verify_every)
+        options = HookOptions(node=node_name, cluster=cluster, report_to=report_to, report_token_file=report_token_file,
+                              report_interval=report_interval, verify_every=verify_every)
+        started = start_hooks(a, state_dir or a.root, repo=repo, options=options)
         hooks.reporter, hooks.checker, hooks.control = started.reporter, started.checker, started.control
         if a.metrics_port is not None:
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{a.metrics_port}/metrics")

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UsageError
 from ..format.signing import PublicKeyLike
 from ..local.kept import chain_packs
-from ..local.slotfill import update_copy
+from ..local.slotfill import FillOptions, update_copy
 from ..local.state import StateDB
 from ..pull.subscriber import Subscriber, state_url
 from ..repo.repository import Repository
@@ -124,8 +124,8 @@ class Agent(BaseAgent):
             # the engine reads the chunks that changed from it: one fetch either way.
             with kept.also(self._plan_packs(repo, previous, target)) if kept is not None else contextlib.nullcontext():
                 self._swap(target)
-        result = update_copy(sub, self.root, repo.manifest(target), stop=self.should_stop,
-                             move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url))
+        result = update_copy(sub, self.root, repo.manifest(target), FillOptions(
+            stop=self.should_stop, move_aside=self.config.move_aside, fsync=self.config.fsync, repo_url=state_url(repo.url)))
         if engine is not None and not engine.holds(target):
             # An engine that loads files, or one catching up with a copy already there (read from it).
             self._swap(target)

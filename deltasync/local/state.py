@@ -10,7 +10,7 @@
                   version served is in one, the other is brought forward in place
     current       symbolic link to the slot served; every file of the version in DIR is a
                   link through it, so switching it switches the whole version at once
-    objects/      manifests, blobs and delta payloads of recent versions (pull/cache.py)
+    objects/      manifests, blobs and delta payloads of recent versions (local/cache.py, local/kept.py)
     aside/        files found in DIR that were not the repository's, moved aside on request
 
 Records of the environment (JSON unless noted):
