@@ -125,6 +125,11 @@ class PackcastAgent(EngineAgent):
         follows the repository itself, node 0 being gone)."""
         return self.rounds.node is not None
 
+    @property
+    def last_round(self) -> RoundReport | None:
+        """What this node did in the round of its last move (None: it took none)."""
+        return self.rounds.last_round
+
 
 class PackcastRounds(Targets):
     """The targets of node ``options.rank``: node 0 reads the repository (``agent.watch``) and
