@@ -203,8 +203,9 @@ class BaseAgent:
                 self._stop.wait(backoff.next())
 
     def rollback(self, version: int) -> Update | None:
-        """Move to the earlier (or any other) ``version`` now. Returns the update, or None when
-        already there."""
+        """Move to the earlier (or any other) ``version`` now (a copy reverses the deltas in
+        between where they allow it, reading their kept payloads, else rebuilds from the
+        snapshot chain). Returns the update, or None when already there."""
         self.root.mkdir(parents=True, exist_ok=True)
         with copy_lock(self.root):
             finish_install(self.root)

@@ -184,8 +184,8 @@ class EngineAgent(BaseAgent):
             check_extends(repo.store, repo.url, held.version, held.history_digest, info,
                           strict=repo.trusted_keys is not None)
         assert self.kept is not None
-        # Worth keeping: the chain from the target's snapshot (the deltas within
-        # ``keep_versions`` are kept too, by _retain, when the plan read them).
+        # Worth keeping: the chain from the target's snapshot, what a restart is rebuilt from
+        # (_retain then prunes to the held version's chain and the last keep_versions).
         self.kept.capture(chain_packs(repo, target))
         db.set_wip(WorkInProgress(target, "engine", time.time()))
         # First update of a run: the engine's bits are checked chunk by chunk against the

@@ -17,7 +17,7 @@ off the modules behind it.
 from __future__ import annotations
 
 from .cache import CachedStore as CachedStore, LocalCache as LocalCache
-from .kept import KeptObjects as KeptObjects, chain_packs as chain_packs
+from .kept import KeptObjects as KeptObjects
 from .placement import Bits as Bits, Placement as Placement, placements as placements, read_placed as read_placed
 from .slots import boot_id as boot_id, other as other, slot_dir as slot_dir
 from .state import (
