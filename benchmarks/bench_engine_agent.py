@@ -102,9 +102,8 @@ def reset_peak_rss() -> None:
 
 def agent_process(mode: str, repo: str, root: str, shapes: list[tuple[str, tuple[int, int]]], workers: int,
                   conn: Connection) -> None:
+    from deltasync.agents import Agent, AgentConfig, BaseAgent, EngineAgent, Update
     from deltasync.engines import TorchEngine
-    from deltasync.local.agent import Agent, AgentConfig, Update
-    from deltasync.local.engine_agent import EngineAgent
 
     model = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
     weights = sum(t.numel() * t.element_size() for t in model.values())
@@ -123,7 +122,7 @@ def agent_process(mode: str, repo: str, root: str, shapes: list[tuple[str, tuple
 
     config = AgentConfig(workers=workers, progress=False)
     out = Path(root) / "copy"
-    agent: Agent
+    agent: BaseAgent
     if mode == "engine-first":
         agent = EngineAgent(Timed(model, repo, workers=workers), Path(root) / "state", config)
     elif mode == "copy+engine":

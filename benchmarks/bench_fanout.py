@@ -15,7 +15,7 @@ default copy and packcast), measured in the same run:
 * ``tree`` (not by default): the same from relays in front of the relay (ceil(sqrt(N)) of them,
   each with its own egress link): where no process group spans the nodes;
 * ``packcast``: what ``deltasync subscribe --packcast`` runs: a ``PackcastAgent`` per node
-  (engines/packcast_agent.py), each an engine-first agent with its own state directory; node
+  (agents/packcast.py), each an engine-first agent with its own state directory; node
   0 follows the relay (polling its refs every 20 ms), fetches each version's stored bytes
   once and broadcasts them over a gloo group; every node decodes and applies them
   (engines/packcast.py) and records its engine's version in its state.
@@ -68,10 +68,9 @@ import numpy as np
 import torch
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig
+from deltasync.agents import AgentConfig, PackcastAgent, PackcastOptions, Update
 from deltasync.engines import TorchEngine
 from deltasync.engines.packcast import PackCache, PackcastNode
-from deltasync.engines.packcast_agent import PackcastAgent
-from deltasync.local import AgentConfig, Update
 from deltasync.storage import LocalStore, Store, WrappingStore
 
 PATHS = ("copy", "engine", "tree", "packcast", "packcast-tree")
@@ -241,8 +240,9 @@ def agent(conn: Connection, links: Links) -> None:
 
                     state_dir = Path(s.work) / f"state-{s.nodes}-{s.rank}"
                     shutil.rmtree(state_dir, ignore_errors=True)
-                    pa = PacedAgent(engine, state_dir, AgentConfig(poll_interval=0.02, workers=1), rank=s.rank,
-                                    world=s.nodes, master=f"127.0.0.1:{s.port}", timeout=60.0, piece_bytes=s.piece,
+                    node = PackcastOptions(rank=s.rank, world=s.nodes, master=f"127.0.0.1:{s.port}", timeout=60.0,
+                                           piece_bytes=s.piece)
+                    pa = PacedAgent(engine, state_dir, AgentConfig(poll_interval=0.02, workers=1), packcast=node,
                                     on_update=on_update)
                     thread = threading.Thread(target=pa.run, kwargs={"follow": True}, daemon=True)
                     thread.start()

@@ -10,7 +10,7 @@
    target as a ratio.
 2. **Freshness.** A root relay and ``--clusters`` cluster relays below it (forwarding every
    0.5 s); ``--per-cluster`` nodes per cluster report to their cluster's relay through the
-   reporters' own client code (:class:`deltasync.local.report.Reporter` over an agent state
+   reporters' own client code (:class:`deltasync.agents.report.Reporter` over an agent state
    directory for ``--agents`` real `deltasync subscribe` processes per cluster; in-process
    :class:`~deltasync.storage.fleet.FleetClient` reporters for the rest). A new version
    is published; every node takes it (the real agents by pulling it, the others at a random
@@ -143,7 +143,7 @@ def freshness(clusters: int, per_cluster: int, agents: int, workdir: Path) -> No
 
 def _agent_times(workdir: Path, clusters: int, agents: int) -> list[float]:
     """When each real agent's copy took version 2, on this clock (its state's install time)."""
-    from deltasync.local.agent import read_status
+    from deltasync.agents import read_status
 
     out = []
     for c in range(clusters):

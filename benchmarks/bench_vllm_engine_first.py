@@ -47,7 +47,7 @@ from pathlib import Path
 
 import deltasync
 from deltasync import Repository
-from deltasync.local.agent import read_status
+from deltasync.agents import read_status
 from deltasync.relay.server import RelayServer, build_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

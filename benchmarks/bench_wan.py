@@ -121,9 +121,8 @@ class Proc:
 
 
 def _agent(url: str, state_dir: str, shapes: list[tuple[str, tuple[int, int]]], conn: Connection) -> None:
+    from deltasync.agents import AgentConfig, EngineAgent
     from deltasync.engines import TorchEngine
-    from deltasync.local.agent import AgentConfig
-    from deltasync.local.engine_agent import EngineAgent
 
     model = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
     lock = threading.Lock()

@@ -168,7 +168,7 @@ class RetryLog(logging.Handler):
         self.retries, self.follow, self.failures = retries, follow, 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        from ..local.agent import FINAL
+        from ..agents.config import FINAL
 
         message = record.getMessage()
         if not message.startswith("update failed: "):
@@ -184,7 +184,7 @@ class RetryLog(logging.Handler):
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        logger = logging.getLogger("deltasync.local.agent")
+        logger = logging.getLogger("deltasync.agents")
         before = logger.propagate
         logger.addHandler(self)
         logger.propagate = False

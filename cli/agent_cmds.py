@@ -24,7 +24,7 @@ from ._common import (
     trusted_key_option,
     workers_option,
 )
-from .fleet_cmds import FleetHooks, report_options, start_hooks
+from .fleet_cmds import FleetHooks, HookOptions, report_options, start_hooks
 
 #: The most nodes --packcast takes: node 0 keeps a record per node, so a WORLD mistyped by a few
 #: digits would grow it until the kernel kills it. Larger fleets are several groups behind relays.
@@ -133,8 +133,8 @@ def subscribe(
     """
     import signal
 
+    from ..agents import Agent, AgentConfig, BaseAgent, Update
     from ..engines.registry import find_engine
-    from ..local.agent import Agent, AgentConfig, Update
 
     found = find_engine(engine_spec) if engine_spec is not None else None  # None: build_engine says why
     kind = found[0] if found is not None else None
@@ -166,7 +166,7 @@ def subscribe(
         raise UsageError("--shard applies to torch:MODULE:FACTORY engines")
     node = None
     if packcast is not None:
-        from ..engines.packcast_agent import parse_packcast, read_token
+        from ..agents.packcast_spec import parse_packcast, read_token
 
         node = parse_packcast(packcast)
         if node[1] > MAX_PACKCAST_WORLD:
@@ -227,10 +227,10 @@ def subscribe(
                        f"{swap.chunks_changed} chunks changed, {mib(fetched)} fetched, {u.seconds:.2f}s)")
         sys.stdout.flush()
 
-    def ready(a: Agent) -> None:
-        started = start_hooks(a, state_dir or a.root, repo=repo, node=node_name, cluster=cluster, report_to=report_to,
-                              report_token_file=report_token_file, report_interval=report_interval,
-                              verify_every=verify_every)
+    def ready(a: BaseAgent) -> None:
+        options = HookOptions(node=node_name, cluster=cluster, report_to=report_to, report_token_file=report_token_file,
+                              report_interval=report_interval, verify_every=verify_every)
+        started = start_hooks(a, state_dir or a.root, repo=repo, options=options)
         hooks.reporter, hooks.checker, hooks.control = started.reporter, started.checker, started.control
         if a.metrics_port is not None:
             click.echo(f"metrics on http://{metrics_host or '0.0.0.0'}:{a.metrics_port}/metrics")
@@ -249,18 +249,18 @@ def subscribe(
                    + (f"; broadcast stopped: {r.broadcast_error}" if r.broadcast_error else ""))
         sys.stdout.flush()
 
-    agent: Agent
+    agent: BaseAgent
     if node is not None:
+        from ..agents import PackcastAgent, PackcastOptions
         from ..engines.packcast import RoundReport
-        from ..engines.packcast_agent import PackcastAgent
 
         assert engine is not None and state_dir is not None
-        agent = PackcastAgent(engine, state_dir, config, rank=node[0], world=node[1], master=node[2],
-                              timeout=packcast_timeout, token=token, trusted_keys=trusted_keys or None,
-                              on_update=report,
-                              on_ready=ready, on_round=round_done)
+        where = PackcastOptions(rank=node[0], world=node[1], master=node[2], timeout=packcast_timeout, token=token,
+                                on_round=round_done)
+        agent = PackcastAgent(engine, state_dir, config, packcast=where, trusted_keys=trusted_keys or None,
+                              on_update=report, on_ready=ready)
     elif state_dir is not None:
-        from ..local.engine_agent import EngineAgent
+        from ..agents import EngineAgent
 
         assert engine is not None
         agent = EngineAgent(engine, state_dir, config, repo=repo, trusted_keys=trusted_keys or None,

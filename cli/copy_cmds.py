@@ -113,8 +113,8 @@ def snapshot_of(repo: Repository, version: int) -> int:
 def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_json: bool) -> None:
     """Show a local copy's (or an engine's) version, lag, agent, bytes fetched, apply time and last error (safe
     while an agent runs)."""
+    from ..agents import read_status
     from ..errors import UsageError
-    from ..local.agent import read_status
 
     if state_dir is not None and (directory is not None or out is not None):
         raise UsageError("give a local copy (DIR or --out DIR) or an engine's --state DIR, not both")
@@ -182,7 +182,7 @@ def status(directory: Path | None, out: Path | None, state_dir: Path | None, as_
             rows.append(("engine error", f"{ago(s.get('engine_last_error_unix'))}: update to version "
                                          f"{opt(s.get('engine_last_error_version'))}: {s['engine_last_error']}"))
     check = s.get("live_check")
-    if check:  # check --state / --verify-every (local/live.py)
+    if check:  # check --state / --verify-every (agents/live.py)
         found = f", {check.get('drifted_chunks', 0)} chunk(s) drifted" if check.get("drifted_chunks") else ""
         what = check.get("error") or f"{check.get('chunks_checked', 0)} chunks of version {opt(check.get('version'))}"
         rows.append(("live check", f"{check.get('result')} {ago(check.get('unix'))}: {what}{found}"))
@@ -270,7 +270,7 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
     and that reverse: chunks published with --context-classes 0. Chunks coded in magnitude
     classes (the default codec) do not decode backwards and come from the snapshot plus chain.
     """
-    from ..local.agent import AgentConfig, rollback as rollback_copy
+    from ..agents import AgentConfig, rollback as rollback_copy
 
     directory = local_dir(directory, out, "rollback")
     with RetryLog(None, False).installed():
@@ -290,7 +290,7 @@ def rollback(directory: Path | None, out: Path | None, version: int, repo: str |
 
 
 def _check_live(state_dir: Path, *, repair: bool, as_json: bool) -> None:
-    from ..local.live import ask_check
+    from ..agents.live import ask_check
 
     result = ask_check(state_dir, repair=repair)
     ok = result.get("result") in ("ok", "repaired")

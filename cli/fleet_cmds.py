@@ -219,31 +219,43 @@ class FleetHooks:
                 part.stop()
 
 
-def start_hooks(agent: Any, state_dir: Path, *, repo: str, node: str | None, cluster: str, report_to: str | None,
-                report_token_file: Path | None, report_interval: float, verify_every: float | None) -> FleetHooks:
+@dataclass(frozen=True, kw_only=True)
+class HookOptions:
+    """``subscribe``'s fleet options: how the node reports, and how often its engine is checked."""
+
+    node: str | None
+    cluster: str
+    report_to: str | None
+    report_token_file: Path | None
+    report_interval: float
+    verify_every: float | None
+
+
+def start_hooks(agent: Any, state_dir: Path, *, repo: str, options: HookOptions) -> FleetHooks:
     """Start the reporter (when there is a relay to report to and a report token) and, for an
     engine-first agent, the live checker and its control socket."""
-    from ..local.engine_agent import EngineAgent
-    from ..local.report import ReportConfig, Reporter, default_node, served_by
+    o = options
+    from ..agents import EngineAgent
+    from ..agents.report import ReportConfig, Reporter, default_node, served_by
     from ..storage.fleet import read_report_token
 
     hooks = FleetHooks()
     try:
         if isinstance(agent, EngineAgent):
-            from ..local.live import ControlServer, LiveChecker
+            from ..agents.live import ControlServer, LiveChecker
 
-            if verify_every is not None and not callable(getattr(agent.engine, "verify", None)):
+            if o.verify_every is not None and not callable(getattr(agent.engine, "verify", None)):
                 raise UsageError(f"--verify-every: the {getattr(agent.engine, 'kind', '')} engine cannot check its live weights "
                                  "(torch and vllm engines can)")
-            hooks.checker = LiveChecker(agent, every=verify_every).start()
+            hooks.checker = LiveChecker(agent, every=o.verify_every).start()
             hooks.control = ControlServer(state_dir, hooks.checker)
-        to = report_to or (repo if repo.lower().startswith(("grpc://", "grpcs://")) else None)
-        token = read_report_token(report_token_file)
+        to = o.report_to or (repo if repo.lower().startswith(("grpc://", "grpcs://")) else None)
+        token = read_report_token(o.report_token_file)
         if to is not None and token is not None:
-            config = ReportConfig(to=to, node=node or default_node(state_dir), cluster=cluster,
-                                  interval=report_interval, token=token)
+            config = ReportConfig(to=to, node=o.node or default_node(state_dir), cluster=o.cluster,
+                                  interval=o.report_interval, token=token)
             hooks.reporter = Reporter(state_dir, config, served_by(agent)).start()
-        elif report_to is not None:
+        elif o.report_to is not None:
             raise UsageError("--report-to needs a report token (--report-token-file or $DELTASYNC_REPORT_TOKEN_FILE)")
     except BaseException:
         hooks.close()

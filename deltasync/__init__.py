@@ -53,16 +53,22 @@ _LAZY: _lazy.Table = {
     "DistributedPublisher": "publish.distributed",
     "PulledState": "pull.subscriber",
     "Subscriber": "pull.subscriber",
-    "Agent": "local.agent",
-    "AgentConfig": "local.agent",
-    "EngineAgent": "local.engine_agent",
-    "rollback": "local.agent",
+    "Agent": "agents.directory",
+    "AgentConfig": "agents.config",
+    "EngineAgent": "agents.engine",
+    "rollback": "agents.directory",
 }
 
 __all__ = sorted(_LAZY)
 __getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:  # the same names for type checkers (tests/test_structure.py keeps the two equal)
+    from .agents.config import AgentConfig as AgentConfig
+    from .agents.directory import (
+        Agent as Agent,
+        rollback as rollback,
+    )
+    from .agents.engine import EngineAgent as EngineAgent
     from .errors import (
         CheckpointError as CheckpointError,
         ChecksumMismatchError as ChecksumMismatchError,
@@ -101,12 +107,6 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_structure.py k
         Region as Region,
         Slice as Slice,
     )
-    from .local.agent import (
-        Agent as Agent,
-        AgentConfig as AgentConfig,
-        rollback as rollback,
-    )
-    from .local.engine_agent import EngineAgent as EngineAgent
     from .publish.distributed import (
         DistributedPublisher as DistributedPublisher,
     )

@@ -1,5 +1,5 @@
 """Public names imported on first use: the one mechanism behind ``deltasync``,
-``deltasync.engines``, ``deltasync.relay``, ``deltasync.storage`` and
+``deltasync.agents``, ``deltasync.engines``, ``deltasync.relay``, ``deltasync.storage`` and
 ``deltasync.rl_integration``.
 
 Each of those packages keeps one table, ``_LAZY``: public name -> module relative to the

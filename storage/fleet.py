@@ -1,5 +1,5 @@
 """The client side of fleet reports (``proto/deltasync/v1/fleet.proto``): send reports to a
-relay, read its fleet view. Shared by agents' reporters (:mod:`deltasync.local.report`),
+relay, read its fleet view. Shared by agents' reporters (:mod:`deltasync.agents.report`),
 relays forwarding their table upstream (:mod:`deltasync.relay.fleet`) and the ``fleet`` and
 ``pin --wait`` commands.
 

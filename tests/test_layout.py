@@ -30,9 +30,11 @@ FLOORS: list[set[str]] = [
     {"publish"},
     {"local", "ops"},
     {"engines", "relay"},
+    {"agents"},
     {"integrations", "cli", "rl_integration", "demo", "testing", "__main__", "__init__"},
 ]
-LAZY_PACKAGES = ["deltasync", "deltasync.engines", "deltasync.relay", "deltasync.storage", "deltasync.rl_integration"]
+LAZY_PACKAGES = ["deltasync", "deltasync.agents", "deltasync.engines", "deltasync.relay", "deltasync.storage",
+                 "deltasync.rl_integration"]
 
 
 def _floor(module: str) -> int:
@@ -137,7 +139,8 @@ def test_each_lazy_package_has_one_table_that_type_checkers_see_too(package: str
 
 
 def test_old_flat_module_names_are_gone() -> None:
-    for old in ("agent", "gc", "subscriber", "localstate", "dtypes", "relay_cache"):
+    for old in ("agent", "gc", "subscriber", "localstate", "dtypes", "relay_cache", "local.agent", "local.engine_agent",
+                "local.report", "local.live", "engines.packcast_agent"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"deltasync.{old}")
 

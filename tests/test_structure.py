@@ -26,15 +26,19 @@ def test_no_module_shadows_a_standard_library_name() -> None:
 
 
 def test_every_exception_is_defined_in_errors_and_exported() -> None:
+    import deltasync.agents.config
+    import deltasync.agents.directory
+    import deltasync.agents.engine
+    import deltasync.agents.packcast
     import deltasync.engines
-    import deltasync.local.agent
     import deltasync.local.state
     import deltasync.publish.distributed
     import deltasync.rl_integration.errors
     import deltasync.rl_integration.feedback
     import deltasync.rl_integration.loop
 
-    library = [deltasync.local.agent, deltasync.engines, deltasync.publish.distributed, deltasync.local.state]
+    library = [deltasync.agents.config, deltasync.agents.directory, deltasync.agents.engine,
+               deltasync.agents.packcast, deltasync.engines, deltasync.publish.distributed, deltasync.local.state]
     rl = [deltasync.rl_integration.feedback, deltasync.rl_integration.loop]
     for module in [*library, *rl]:
         home = "deltasync.rl_integration.errors" if module in rl else "deltasync.errors"

@@ -6,8 +6,8 @@
   broadcasts the changes, every rank writes the part it holds, all switch together.
 * :class:`PackcastNode` — the nodes of a cluster, each with its own engine: node 0 fetches a
   version's stored bytes once and broadcasts them; every node decodes what its engine holds
-  (reading through a :class:`PackCache`), so adding nodes does not add time;
-  :class:`PackcastAgent` is the engine-first agent of each node (``subscribe --packcast``).
+  (reading through a :class:`PackCache`), so adding nodes does not add time (the agent of
+  each node, ``subscribe --packcast``, is :class:`deltasync.agents.PackcastAgent`).
 * :class:`VllmEngine` — a vLLM server running the deltasync weight-transfer backend: its
   workers load only the modules that change, read from the agent's copy.
 * :class:`HttpEngine` — an inference server (SGLang, vLLM, or any with the same shape of
@@ -46,7 +46,6 @@ _LAZY: _lazy.Table = {
     "FanoutOptions": "fanout",
     "PackCache": "packcast",
     "PackcastNode": "packcast",
-    "PackcastAgent": "packcast_agent",
     "HttpEngine": "http_engine",
     "HttpPreset": "http_engine",
     "PRESETS": "http_engine",
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
         ReferenceServer as ReferenceServer,
     )
     from .packcast import PackCache as PackCache, PackcastNode as PackcastNode
-    from .packcast_agent import PackcastAgent as PackcastAgent
     from .torch_engine import TorchEngine as TorchEngine
     from .vllm.engine import VllmEngine as VllmEngine
 

@@ -5,11 +5,12 @@ read and serve them to itself later. ``DIR/.deltasync/objects/`` holds them unde
 store keys: manifests and blob parts whole, packs as the pieces that were read
 (``packs/<name>/<offset>-<length>``, or ``packs/<name>/whole`` when the pack was read whole).
 With the payloads of the deltas it applied at hand, a
-copy rolls back a few versions (reversing the deltas, see pull/slotfill.py), or returns to a
+copy rolls back a few versions (reversing the deltas, see local/slotfill.py), or returns to a
 version it held, without reading anything from the repository.
 
-Only packs named in :attr:`CachedStore.capture` are kept (the deltas an agent applies): a
-snapshot pull keeps nothing of its packs. :meth:`LocalCache.prune` keeps what a set of
+Only packs named in :attr:`CachedStore.capture` are kept (what a reader names through
+:class:`~deltasync.local.kept.KeptObjects`: the deltas a copy's agent applies, the chain an
+engine agent or a worker follows): a plain pull keeps nothing of its packs. :meth:`LocalCache.prune` keeps what a set of
 versions references and deletes the rest. A damaged cached object costs a download, never a
 wrong bit: payloads are checked by the digests of the chunks they decode to, manifests by
 parsing them, blob parts by their digests.

@@ -118,18 +118,25 @@ class FillResult:
         return f"{how}: " + ", ".join(parts)
 
 
-def update_copy(
-    sub: Subscriber,
-    out: str | os.PathLike[str],
-    info: ManifestInfo,
-    *,
-    stop: Callable[[], bool] | None = None,
-    move_aside: bool = False,
-    fsync: bool = False,
-    repo_url: str = "",
-) -> FillResult:
+@dataclass(frozen=True, kw_only=True)
+class FillOptions:
+    """How :func:`update_copy` fills a copy."""
+
+    stop: Callable[[], bool] | None = None
+    """Asked between chunks; once it returns True the fill raises PullStopped."""
+    move_aside: bool = False
+    """Move files that are not the repository's into ``DIR/.deltasync/aside/`` (else refuse them)."""
+    fsync: bool = False
+    """Flush the slot to disk before the switch."""
+    repo_url: str = ""
+    """The repository's URL as the state records it ("": the one it records already)."""
+
+
+def update_copy(sub: Subscriber, out: str | os.PathLike[str], info: ManifestInfo,
+                options: FillOptions | None = None) -> FillResult:
     """Bring the copy at ``out`` to ``info``'s version: fill the slot not served, verify it,
     switch to it. See the module doc; on any error the copy keeps serving what it served."""
+    o = options or FillOptions()
     root = Path(out)
     # A link where the version has a directory: refused before anything is written (the
     # switch checks again, under the lock), so DIR stays as it was.
@@ -140,11 +147,11 @@ def update_copy(
         assert db is not None
         record = ensure_slots(root, db)
         state = db.state()
-        repo_url = repo_url or (state.repo if state is not None else "")
+        repo_url = o.repo_url or (state.repo if state is not None else "")
         _check_identity(sub, root, state, info, repo_url)
         _check_history(sub, state, info, repo_url)
         held = _held(db, sub, state)
-        settle_foreign(root, output_files(held) if held is not None else (), output_files(info), move_aside=move_aside)
+        settle_foreign(root, output_files(held) if held is not None else (), output_files(info), move_aside=o.move_aside)
         record = _after_power_loss(sub, root, db, record)
         if held is not None and record.active is not None and state is not None and state.holds(info):
             if db.wip() is not None:
@@ -153,8 +160,8 @@ def update_copy(
             return FillResult(info.version, held.version, held=True)
         name = other(record.active)
         start, counted = time.monotonic(), getattr(sub.repo.store, "fetched_bytes", None)
-        result = _Fill(sub, root, db, record, name, held, info, stop).run()
-        switch(root, db, name, info, repo=repo_url, synced=fsync)
+        result = _Fill(sub, root, db, record, name, held, info, o.stop).run()
+        switch(root, db, name, info, repo=repo_url, synced=o.fsync)
         # A counting store (the CLI's, an agent's) counts every byte, manifests too.
         now = getattr(sub.repo.store, "fetched_bytes", None)
         fetched = now - counted if isinstance(now, int) and isinstance(counted, int) else result.fetched_bytes

@@ -10,7 +10,7 @@
                   version served is in one, the other is brought forward in place
     current       symbolic link to the slot served; every file of the version in DIR is a
                   link through it, so switching it switches the whole version at once
-    objects/      manifests, blobs and delta payloads of recent versions (pull/cache.py)
+    objects/      manifests, blobs and delta payloads of recent versions (local/cache.py, local/kept.py)
     aside/        files found in DIR that were not the repository's, moved aside on request
 
 Records of the environment (JSON unless noted):
@@ -105,7 +105,7 @@ class LocalState:
 @dataclass(frozen=True)
 class EngineState:
     """What an agent's engine holds and how its updates went: one record for both kinds of
-    agent (a copy with an engine, local/agent.py; an engine alone, local/engine_agent.py),
+    agent (a copy with an engine, agents/directory.py; an engine alone, agents/engine.py),
     read by ``deltasync status`` next to the copy's version."""
 
     kind: str
@@ -337,7 +337,7 @@ class StateDB:
             (self.root / STATE_DIR / _LEGACY_STATE).unlink()
 
     def record_engine(self, info: ManifestInfo, *, repo: str, engine: str) -> None:
-        """Record ``info`` as the version an engine holds (an engine-first agent, local/engine_agent.py:
+        """Record ``info`` as the version an engine holds (an engine-first agent, agents/engine.py:
         no files and no copy of the manifest, whose kept objects hold it) and end the work in
         progress: one small transaction per version."""
         state = {

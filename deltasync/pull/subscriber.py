@@ -164,13 +164,14 @@ class Subscriber:
         slot to disk before the switch (else a copy is checked after a power loss). Another
         process changing ``out`` meanwhile gets CopyInUseError.
         """
-        from ..local.slotfill import update_copy
+        from ..local.slotfill import FillOptions, update_copy
 
         target = self.repo.resolve(version)
         info = self.repo.manifest(target)
         root = Path(out)
         root.mkdir(parents=True, exist_ok=True)
-        return update_copy(self, root, info, stop=stop, move_aside=move_aside, fsync=fsync, repo_url=state_url(self.repo.url))
+        return update_copy(self, root, info,
+                           FillOptions(stop=stop, move_aside=move_aside, fsync=fsync, repo_url=state_url(self.repo.url)))
 
     def check(self, version: int) -> Plan:
         """Rebuild ``version`` chunk by chunk from its snapshot, verifying every step; output discarded."""

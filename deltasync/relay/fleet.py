@@ -1,6 +1,6 @@
 """The fleet table of a relay: the latest report of every node below it, bounded in memory.
 
-Agents report what they serve (:mod:`deltasync.local.report`) to the relay they read from;
+Agents report what they serve (:mod:`deltasync.agents.report`) to the relay they read from;
 relays forward their whole table to their upstream relay every ``interval`` (each report
 with its ``age`` there), so the root relay knows every node of every cluster. A node is
 ``silent`` once three of its own report intervals pass without a report, and dropped after

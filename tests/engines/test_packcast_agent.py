@@ -178,7 +178,7 @@ class _Nodes:
         return result
 
     def wait_for(self, ranks: list[int], version: int, timeout: float = 120.0) -> None:
-        from deltasync.local.agent import read_status
+        from deltasync.agents import read_status
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -297,19 +297,21 @@ def _received(output: str) -> dict[int, float]:
 
 
 def test_a_node_with_no_node_0_is_told_so(tmp_path: Path) -> None:
-    from deltasync.engines import PackcastAgent, TorchEngine
+    from deltasync.agents import PackcastAgent, PackcastOptions
+    from deltasync.engines import TorchEngine
 
     repo = str(tmp_path / "repo")
     _publisher(repo).publish(_states(1)[0])
     engine = TorchEngine({n: torch.zeros_like(t) for n, t in _states(1)[0].items()}, repo)
     with pytest.raises(UsageError, match="is node 0 running"):
-        PackcastAgent(engine, tmp_path / "state", rank=1, world=2, master=f"127.0.0.1:{free_port()}", timeout=1.0)
+        PackcastAgent(engine, tmp_path / "state",
+                      packcast=PackcastOptions(rank=1, world=2, master=f"127.0.0.1:{free_port()}", timeout=1.0))
     with pytest.raises(UsageError, match="rank must be"):
-        PackcastAgent(engine, tmp_path / "state", rank=2, world=2, master="127.0.0.1:1")
+        PackcastAgent(engine, tmp_path / "state", packcast=PackcastOptions(rank=2, world=2, master="127.0.0.1:1"))
 
 
 def test_packcast_spec() -> None:
-    from deltasync.engines.packcast_agent import parse_packcast
+    from deltasync.agents.packcast_spec import parse_packcast
 
     assert parse_packcast("3/32@node0:29600") == (3, 32, "node0:29600")
     env = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "trainer-0", "MASTER_PORT": "29500"}

@@ -168,16 +168,15 @@ def _agent(rank: int, port: int, repo: str, pub: str, state: str, events: Any, q
     import threading
     import time
 
+    from deltasync.agents import AgentConfig, PackcastAgent, PackcastOptions
     from deltasync.engines import TorchEngine
-    from deltasync.engines.packcast_agent import PackcastAgent
-    from deltasync.local import AgentConfig
 
     try:
         torch.set_num_threads(1)
         held = {n: torch.zeros_like(t) for n, t in _states()[0].items()}
         engine = TorchEngine(held, repo, workers=1, trusted_keys=pub)
-        agent = PackcastAgent(engine, state, AgentConfig(poll_interval=0.05), rank=rank, world=2,
-                              master=f"127.0.0.1:{port}", timeout=4.0, trusted_keys=pub)
+        node = PackcastOptions(rank=rank, world=2, master=f"127.0.0.1:{port}", timeout=4.0)
+        agent = PackcastAgent(engine, state, AgentConfig(poll_interval=0.05), packcast=node, trusted_keys=pub)
         runner = threading.Thread(target=agent.run, kwargs={"follow": True}, daemon=True)
         runner.start()
         seen: list[int | None] = []
@@ -260,7 +259,7 @@ def test_a_trusting_follower_refuses_a_round_its_signed_refs_do_not_name(tmp_pat
 
 
 def test_the_token_file_is_read_or_refused_with_its_name(tmp_path: Any) -> None:
-    from deltasync.engines.packcast_agent import read_token
+    from deltasync.agents.packcast_spec import read_token
     from deltasync.errors import UsageError
 
     good = tmp_path / "token"

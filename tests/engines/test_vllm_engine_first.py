@@ -30,11 +30,10 @@ from safetensors.torch import load_file, save_file
 
 import deltasync
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository
+from deltasync.agents import EngineAgent, read_status
 from deltasync.engines import VllmEngine, build_engine
 from deltasync.engines.vllm.engine import _chunks_changed
 from deltasync.errors import UsageError
-from deltasync.local.agent import read_status
-from deltasync.local.engine_agent import EngineAgent
 
 LAYOUT = [(f"layers.{i}.weight", (128, 128), torch.bfloat16) for i in range(3)]
 

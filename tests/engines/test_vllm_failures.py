@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from vllm_server import VllmServer, build_model, vllm_python
 
 import deltasync
+from deltasync.agents import Agent, AgentConfig, read_status
 from deltasync.engines import VllmEngine
 from deltasync.errors import DeltasyncError
-from deltasync.local.agent import Agent, AgentConfig, read_status
 
 pytestmark = pytest.mark.slow
 

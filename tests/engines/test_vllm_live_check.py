@@ -28,10 +28,9 @@ import pytest
 from vllm_server import VllmServer, build_model, vllm_python
 
 import deltasync
+from deltasync.agents import AgentConfig, EngineAgent, read_status
+from deltasync.agents.live import THROTTLE, LiveChecker
 from deltasync.engines import VllmEngine
-from deltasync.local.agent import AgentConfig, read_status
-from deltasync.local.engine_agent import EngineAgent
-from deltasync.local.live import THROTTLE, LiveChecker
 
 pytestmark = pytest.mark.slow
 

@@ -779,8 +779,8 @@ def test_a_worker_cache_makes_each_version_read_only_its_delta_from_the_reposito
         source = Source(None, repo)  # one per update, as the backend makes them
         with source.tensors(r.manifest(version), names) as (where, stream):
             got = dict(stream)
-        assert where == "repository" and source._store is not None
-        return got, source._store.fetched_by_kind().get("packs", 0)
+        assert where == "repository" and source._kept is not None
+        return got, source._kept.store.fetched_by_kind().get("packs", 0)
 
     got, first = read(2)
     assert all(torch.equal(got[n], states[2][n]) for n in names)

@@ -251,7 +251,7 @@ def test_a_relay_with_a_read_token_refuses_views_and_reports_without_it(
 
 
 def test_a_report_names_what_the_engine_holds_not_the_target() -> None:
-    from deltasync.local.report import ReportConfig, report_of
+    from deltasync.agents.report import ReportConfig, report_of
 
     config = ReportConfig(to="grpc://127.0.0.1:1", node="n", interval=1.0)
     status = {"engine_kind": "torch", "engine_version": 4, "engine_version_digest": "ab" * 16, "target_version": 5,

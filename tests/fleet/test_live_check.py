@@ -19,11 +19,10 @@ import pytest
 import torch
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
+from deltasync.agents import AgentConfig, EngineAgent, read_status
+from deltasync.agents.live import ControlServer, LiveChecker
+from deltasync.agents.report import ReportConfig, Reporter, served_by
 from deltasync.engines import TorchEngine
-from deltasync.local.agent import AgentConfig, read_status
-from deltasync.local.engine_agent import EngineAgent
-from deltasync.local.live import ControlServer, LiveChecker
-from deltasync.local.report import ReportConfig, Reporter, served_by
 from deltasync.relay import RelayServer, build_server
 
 TOKEN = "live-report-token"

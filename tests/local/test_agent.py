@@ -28,14 +28,15 @@ import torch
 from ckpt_helpers import State, make_state, step_state, tree_digests, write_checkpoint
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
+from deltasync.agents import Agent, AgentConfig, Update, read_status
 from deltasync.errors import StoreError, UsageError
 from deltasync.format.codec import DENSE, FULL, SAME, SPARSE, decode_reverse
-from deltasync.local.agent import Agent, AgentConfig, Backoff, Update, read_status
 from deltasync.local.cache import CachedStore
 from deltasync.local.check import check_copy
 from deltasync.local.placement import placements
 from deltasync.local.state import CopyInUseError, PullStopped, StateDB, read_local_state
 from deltasync.metrics import Metric, render
+from deltasync.retry import Backoff
 from deltasync.storage import LocalStore, Store, WrappingStore
 
 CHUNK = 16 << 10

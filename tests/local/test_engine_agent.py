@@ -23,11 +23,10 @@ import torch
 from ckpt_helpers import State, make_state, step_state
 
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository, Subscriber
+from deltasync.agents import Agent, AgentConfig, EngineAgent, Update, read_status
 from deltasync.engines import HttpEngine, SwapRecord, TorchEngine
 from deltasync.errors import DeltasyncError, StoreError, UsageError
 from deltasync.format.manifest import manifest_key
-from deltasync.local.agent import Agent, AgentConfig, Update, read_status
-from deltasync.local.engine_agent import EngineAgent
 from deltasync.storage import LocalStore, Store, WrappingStore
 
 CHUNK = 16 << 10
@@ -436,8 +435,8 @@ if bandwidth:
 
     _local.LocalStore._get = slow
 from deltasync.engines import TorchEngine
-from deltasync.local.agent import AgentConfig
-from deltasync.local.engine_agent import EngineAgent
+from deltasync.agents import AgentConfig
+from deltasync.agents import EngineAgent
 
 def written():
     return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["write_bytes"])

@@ -24,9 +24,9 @@ import torch
 from ckpt_helpers import make_state, step_state, write_checkpoint
 
 from deltasync import Publisher, PublisherConfig, Repository
+from deltasync.agents import Agent, AgentConfig, read_status
 from deltasync.engines.torch_engine import TorchEngine
 from deltasync.errors import DeltasyncError, UsageError
-from deltasync.local.agent import Agent, AgentConfig, read_status
 
 LAYOUT = (("model.embed.weight", (64, 32), torch.bfloat16), ("model.norm.bias", (32,), torch.float32))
 GROWN = (("model.embed.weight", (65, 32), torch.bfloat16), ("model.norm.bias", (32,), torch.float32))

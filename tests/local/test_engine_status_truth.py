@@ -13,10 +13,9 @@ import pytest
 import torch
 from test_engine_agent import LAYOUT, Run, agent_config, assert_same_bits, pulled, zeros_like
 
+from deltasync.agents import EngineAgent, read_status
 from deltasync.engines import SwapRecord, TorchEngine
 from deltasync.engines.base import Staged
-from deltasync.local.agent import read_status
-from deltasync.local.engine_agent import EngineAgent
 
 
 def _until(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:

@@ -9,8 +9,8 @@ import pytest
 from test_engine_agent import CountingStore, Run, agent_config, assert_same_bits, pulled, zeros_like
 
 from deltasync import Repository, Subscriber
+from deltasync.agents import Agent
 from deltasync.engines import TorchEngine
-from deltasync.local.agent import Agent
 from deltasync.storage import LocalStore
 
 

@@ -11,9 +11,9 @@ import pytest
 from ckpt_helpers import make_state, step_state, write_checkpoint
 
 from deltasync import Publisher, Repository
+from deltasync.agents import Agent, AgentConfig, read_status
 from deltasync.errors import CorruptObjectError, DeltasyncError, RefError, SignatureError
 from deltasync.format.signing import generate_keypair
-from deltasync.local.agent import Agent, AgentConfig, read_status
 from deltasync.ops.verify import verify_repository
 from deltasync.storage import open_store
 

@@ -20,10 +20,10 @@ import torch
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
 from deltasync import Publisher, PublisherConfig, Repository, Subscriber
+from deltasync.agents import Agent, AgentConfig
 from deltasync.errors import CorruptObjectError, HistoryError
 from deltasync.format.manifest import manifest_key, parse_manifest, seal
 from deltasync.format.signing import generate_keypair
-from deltasync.local.agent import Agent, AgentConfig
 from deltasync.local.state import read_local_state
 from deltasync.ops.retention import collect
 from deltasync.repo.history import extends, history_key
@@ -139,8 +139,8 @@ def test_a_follower_behind_the_retention_still_checks_through_gc_records(tmp_pat
 
 def test_an_engine_agent_refuses_a_fork_and_its_engine_keeps_its_bits(tmp_path: Path) -> None:
     """Without keys too: a version that provably does not extend the one held is refused."""
+    from deltasync.agents import EngineAgent
     from deltasync.engines import TorchEngine
-    from deltasync.local.engine_agent import EngineAgent
 
     run1, run2 = tmp_path / "run1", tmp_path / "run2"
     state = make_state(1, LAYOUT)

@@ -27,10 +27,10 @@ import torch
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
 from deltasync import Publisher, PublisherConfig, Repository, Subscriber
+from deltasync.agents import Agent, AgentConfig, read_status
 from deltasync.errors import ChecksumMismatchError, CorruptObjectError, DeltasyncError, RefError, SignatureError
 from deltasync.format.manifest import manifest_key, parse_manifest, seal
 from deltasync.format.signing import generate_keypair
-from deltasync.local.agent import Agent, AgentConfig, read_status
 from deltasync.local.state import StateDB
 from deltasync.ops.verify import verify_repository
 from deltasync.repo.repository import LATEST, PIN, ref_hint, squash_key

@@ -95,7 +95,7 @@ def test_a_canonical_manifest_without_the_digest_is_refused(tmp_path: Path) -> N
 
 
 def test_the_agent_refuses_it_and_keeps_its_version(forged_repo: tuple[str, list[Path]], tmp_path: Path) -> None:
-    from deltasync.local.agent import Agent, AgentConfig
+    from deltasync.agents import Agent, AgentConfig
 
     url, _ = forged_repo
     out = tmp_path / "agent"

@@ -22,10 +22,10 @@ import torch
 from ckpt_helpers import make_state, step_state, tree_digests, write_checkpoint
 
 from deltasync import Publisher, PublisherConfig, Repository, Subscriber
+from deltasync.agents import Agent, AgentConfig, read_status
 from deltasync.errors import RefError, RepositoryIdentityError
 from deltasync.format.manifest import manifest_key, parse_manifest, seal
 from deltasync.format.signing import generate_keypair
-from deltasync.local.agent import Agent, AgentConfig, read_status
 from deltasync.local.check import check_copy
 from deltasync.repo.repository import LATEST, MARKER
 from deltasync.storage import open_store

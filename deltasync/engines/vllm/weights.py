@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CheckpointError, ChecksumMismatchError, CorruptObjectError, DeltasyncError, UsageError
+from ...errors import CheckpointError, ChecksumMismatchError, DeltasyncError, UsageError
 from ...format import dtypes
 from ...format.checkpoint import FileReader
 from ...format.codec import changed_elements
@@ -50,6 +50,7 @@ from ...format.manifest import ManifestInfo, key_of, logical_shape
 from ...local import (
     CachedStore,
     CopyInUseError,
+    KeptObjects,
     LocalCache,
     StateDB,
     boot_id,
@@ -608,7 +609,7 @@ class Source:
     """Where a worker finds versions: the agent's copy first, else the repository.
 
     ``cache`` (default: ``$DELTASYNC_WORKER_CACHE``): a directory where what is read from the
-    repository is kept (local/cache.py: manifests, and the packs of the chain from the
+    repository is kept (local/kept.py: manifests, and the packs of the chain from the
     version's snapshot, pruned to that chain). Without a copy, a worker reloading a module
     needs its whole tensors, which come from the snapshot through the chain: kept here, each
     version then reads only its own delta from the repository (or relay), and the disk holds
@@ -624,7 +625,7 @@ class Source:
         if cache is None:
             cache = os.environ.get(WORKER_CACHE_ENV) or None
         self.cache = LocalCache(Path(cache)) if cache is not None else None
-        self._store: CachedStore | None = None
+        self._kept: KeptObjects | None = None
         self._sub: Any = None
         self._pulling = threading.Lock()  # one pull at a time: they share the capture and the prune
         self._chains: set[int] = set()  # versions of the chains pulled through this Source
@@ -640,34 +641,28 @@ class Source:
             if self.cache is None:
                 self._sub = Subscriber(self.repo_url, trusted_keys=keys)
             else:
-                self._store = CachedStore(open_store(self.repo_url), self.cache)
-                self._sub = Subscriber(self._store, trusted_keys=keys)
+                self._kept = KeptObjects(self.cache, CachedStore(open_store(self.repo_url)),
+                                         what=f"worker cache {self.cache.root}")
+                self._sub = Subscriber(self._kept.store, trusted_keys=keys)
                 identity = self._sub.repo.identity()
-                if self.cache.bind(identity):
+                if self._kept.bind(identity):
                     log.info("worker cache %s held another repository's objects: dropped", self.cache.root)
         return self._sub
 
     def _pull(self, info: ManifestInfo, names: Sequence[str]) -> dict[str, torch.Tensor]:
         sub = self._subscriber(f"the copy at {self.copy} does not hold version {info.version}")
-        if self._store is None or self.cache is None:
+        kept = self._kept
+        if kept is None:
             pulled: dict[str, torch.Tensor] = sub.pull(info.version, tensors=list(names))
             return pulled
         with self._pulling:  # staging diffs the held version while it reads the target: in turn
             chain = sub.repo.chain(info.version)
-            self._store.capture = {p.key for step in chain for p in step.pb.packs}
-            try:
-                try:
-                    pulled = sub.pull(info.version, tensors=list(names))
-                except (CorruptObjectError, ChecksumMismatchError) as e:
-                    # A damaged kept object costs a download, never a wrong bit: once, from the repository.
-                    log.warning("worker cache %s: %s; reading from the repository instead", self.cache.root, e)
-                    self.cache.forget_packs()
-                    pulled = sub.pull(info.version, tensors=list(names))
-            finally:
-                self._store.capture = set()
+            kept.capture(p.key for step in chain for p in step.pb.packs)
+            # A damaged kept object costs a download, never a wrong bit: once, from the repository.
+            pulled = kept.read(lambda: sub.pull(info.version, tensors=list(names)), retry=True)
             # Kept: the chains of every version this update read (the held one's and the target's).
             self._chains.update(step.version for step in chain)
-            self.cache.prune(self._chains, snapshots=self._chains)
+            kept.prune(self._chains, chains=self._chains)
         return pulled
 
     def manifest(self, version: int, version_digest: str | None = None) -> ManifestInfo:

@@ -1,7 +1,7 @@
 """Reports up the tree: every agent tells a relay what it serves (``deltasync fleet``).
 
 A :class:`Reporter` runs beside any agent (directory copy, engine-first, packcast node, vLLM):
-it reads the agent's figures from its state directory (:func:`~deltasync.local.agent.read_status`,
+it reads the agent's figures from its state directory (:func:`~deltasync.agents.status.read_status`,
 an LMDB read) four times a second and sends a small report (:class:`NodeReport`) to a relay
 when something that matters changed (the version served, its digest, the live check, the
 error, the target, the agent's state), and every ``interval`` seconds regardless: a node
@@ -31,7 +31,7 @@ from ..errors import DeltasyncError, UsageError
 from ..storage.fleet import MAX_ERROR_CHARS, FleetClient
 from ..v1 import fleet_pb2 as fpb
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deltasync.agents")
 
 #: Fields whose change sends a report at once (the rest ride on the periodic one).
 _CHANGES = ("version", "version_digest", "repository_id", "check", "check_unix", "last_error", "target_version",
@@ -153,7 +153,7 @@ class Reporter:
     def send_once(self, *, force: bool = False) -> bool:
         """Send a report if something changed or the interval passed (always with ``force``)."""
         try:
-            from .agent import read_status
+            from .status import read_status
 
             status = read_status(self.state_dir)
         except UsageError:  # no state yet
@@ -176,7 +176,7 @@ def served_by(agent: Any) -> Callable[[], int | None]:
     """What an agent's engine (or copy) holds by its own account: an engine-first agent's
     ``current()`` (its engine, once checked in this run), an engine's version beside a copy,
     else the copy's version."""
-    from .engine_agent import EngineAgent
+    from .engine import EngineAgent
 
     if isinstance(agent, EngineAgent) or agent.engine is None:
         return agent.current  # type: ignore[no-any-return]

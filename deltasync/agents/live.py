@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DeltasyncError, UsageError
-from .state import STATE_DIR, StateDB
+from ..local.state import STATE_DIR, StateDB
 
 if TYPE_CHECKING:
-    from .engine_agent import EngineAgent
+    from .engine import EngineAgent
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deltasync.agents")
 
 CONTROL_FILE = "control"
 THROTTLE = 9.0  # idle time after a check, as a multiple of the check's own time

@@ -1,7 +1,7 @@
 """The engine-first agent: keeps an engine at the version to serve, with no directory copy.
 
 ``EngineAgent(engine, state_dir).run(follow=True)`` follows the repository the engine stages
-from (the pin, else the latest; see agent.py for watching, retries and figures) and brings
+from (the pin, else the latest; see watch.py for watching, base.py for retries, figures.py for figures) and brings
 the engine to each target with ``engine.update``: the engine fetches, decodes and verifies
 only the chunks that changed (or, for an engine holding some tensors, only those covering
 what it holds) and writes them in place. Nothing goes through a directory: a version costs
@@ -11,9 +11,9 @@ the local disk what its state and kept objects take, about its stored bytes, not
 
 * ``state.lmdb`` — the version the engine holds and its version digest (one small record per
   version, ``StateDB.record_engine``), the repository's URL, the agent's figures and last
-  error (``deltasync status --state DIR``, :func:`deltasync.local.agent.read_status`);
+  error (``deltasync status --state DIR``, :func:`deltasync.agents.status.read_status`);
 * ``objects/`` — the manifests and packs read for the chain from the latest snapshot to the
-  version held, and the deltas of the last ``keep_versions`` versions (cache.py). A restart,
+  version held, and the deltas of the last ``keep_versions`` versions (local/cache.py). A restart,
   a fresh engine or a rollback among them reads them here, not from the repository.
 
 The engine's own bits are the truth, not the numbers: on its first update in a run the
@@ -24,7 +24,7 @@ others come from a snapshot plus the chain). A kill at any point loses at most t
 being staged; the next run starts over from the engine's bits.
 
 Engines that load versions from files (``http:...``, a ``VllmEngine`` given a copy;
-``Engine.needs_files``) need a directory copy: use :class:`~deltasync.local.agent.Agent` with
+``Engine.needs_files``) need a directory copy: use :class:`~deltasync.agents.directory.Agent` with
 ``engine=`` instead. A ``VllmEngine`` with no copy is taken: the server's workers pull what
 changes from the repository, so the agent reads manifests only and keeps no packs.
 """
@@ -37,23 +37,24 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ..errors import DeltasyncError, RepositoryNotFoundError, StoreError, UsageError
+from ..errors import DeltasyncError, UsageError
 from ..format.signing import PublicKeyLike
+from ..local.kept import chain_packs
+from ..local.state import StateDB, WorkInProgress
 from ..pull.subscriber import Subscriber, state_url
 from ..repo.history import check_extends
 from ..repo.repository import Repository
 from ..storage import Store
-from .agent import Agent, AgentConfig, Update, engine_keys
-from .cache import LocalCache
-from .state import STATE_DIR, StateDB, WorkInProgress
+from .base import BaseAgent, engine_keys
+from .config import AgentConfig, Update
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deltasync.agents")
 
 
-class EngineAgent(Agent):
+class EngineAgent(BaseAgent):
     """Keeps ``engine`` at the version to serve, recording its state in ``state_dir`` (see the module doc).
 
     >>> engine = TorchEngine(model, "s3://bucket/run-7")
@@ -62,8 +63,10 @@ class EngineAgent(Agent):
     ``repo`` defaults to the repository the engine stages from; the engine is rebound to read
     it through the agent's store (counted, and served from the kept objects when they hold
     what it reads). ``on_update`` receives each :class:`Update`, its ``swap`` the engine's
-    record. :meth:`run`, :meth:`stop` and :meth:`rollback` are the agent's.
+    record. :meth:`run`, :meth:`stop` and :meth:`rollback` are every agent's.
     """
+
+    engine: Engine
 
     def __init__(
         self,
@@ -74,7 +77,7 @@ class EngineAgent(Agent):
         repo: str | Store | None = None,
         trusted_keys: PublicKeyLike | Iterable[PublicKeyLike] | None = None,
         on_update: Callable[[Update], None] | None = None,
-        on_ready: Callable[[Agent], None] | None = None,
+        on_ready: Callable[[EngineAgent], None] | None = None,
     ) -> None:
         if engine.needs_files:
             raise UsageError(
@@ -88,14 +91,13 @@ class EngineAgent(Agent):
             repo = sub.repo.store
         if trusted_keys is None:
             trusted_keys = engine_keys(sub)
-        super().__init__(repo, state_dir, config, trusted_keys=trusted_keys, on_update=on_update, on_ready=on_ready,
-                         engine=engine)  # which rebinds the engine to read through self.store
+        # Always kept objects: the chain from the latest snapshot is what a restart is rebuilt from.
+        super().__init__(repo, state_dir, config, trusted_keys=trusted_keys, engine=engine,
+                         keep=True)  # which rebinds the engine to read through self.store
+        self.on_update, self.on_ready = on_update, on_ready
         db = StateDB.open(self.root, create=False)
         if db is not None and db.slots() is not None:
             raise UsageError(f"{self.root} is a directory copy; give an engine-first agent a state directory of its own")
-        # Always a cache: the chain from the latest snapshot is what a restart is rebuilt from.
-        self.cache = LocalCache(self.root / STATE_DIR / "objects")
-        self.store.cache = self.cache
         self._verified = False  # the engine's bits were checked against a target in this run
         self._restore_tried = False  # a restore from the kept objects was tried (_restore_offline)
 
@@ -103,7 +105,6 @@ class EngineAgent(Agent):
 
     def current(self) -> int | None:
         """The version the engine holds, once this agent has brought it there (None before)."""
-        assert self.engine is not None
         return self.engine.version if self._verified else None
 
     def recorded(self) -> int | None:
@@ -116,122 +117,99 @@ class EngineAgent(Agent):
         """Have the run's loop check the engine's bits against its target chunk by chunk again
         and rewrite those that differ (as at a start): the repair of a live check's drift."""
         self._verified = False
-        self._wake.set()
+        self.wake()
 
     def _needs_update(self, target: int) -> bool:
-        assert self.engine is not None
         return not self._verified or not self.engine.holds(target)
 
-    def _observe(self) -> int | None:
-        try:
-            target = super()._observe()
-            if target is None and not self._verified:
-                self._repository().ensure_exists()  # a repository path gone (not mounted yet): out of reach too
-            return target
-        except (StoreError, OSError, RepositoryNotFoundError) as e:
-            # The repository is out of reach at the start of a run: the engine need not wait
-            # for it to serve what it held. The version the state records is restored from
-            # the kept objects, then the run retries the repository as usual.
-            if not self._verified and not self._restore_tried:
-                self._restore_tried = True  # once per agent: a restore that failed is not retried per poll
-                self._restore_offline(e)
-            raise
+    def unreachable(self, cause: BaseException) -> None:
+        # The repository is out of reach at the start of a run: the engine need not wait for
+        # it to serve what it held. The version the state records is restored from the kept
+        # objects, then the run retries the repository as usual.
+        if not self._verified and not self._restore_tried:
+            self._restore_tried = True  # once per agent: a restore that failed is not retried per poll
+            self._restore_offline(cause)
 
-    def _check_identity(self, repo: Repository) -> None:
-        before = self._identity
-        super()._check_identity(repo)
-        if before is not None and self._identity != before:
-            # Another repository at the URL now (one deleted and created again, a relay pointed
-            # elsewhere): what the engine holds was of the old one, so its bits are checked
-            # against the new one's digests at the next move, as at a start.
-            self._verified = False
-            self._engine_phase("loading")
+    def other_repository(self) -> None:
+        super().other_repository()
+        # What the engine holds was of the old one (one deleted and created again, a relay
+        # pointed elsewhere), so its bits are checked against the new one's digests at the
+        # next move, as at a start.
+        self._verified = False
+        self.book.engine_phase("loading")
 
     def _restore_offline(self, cause: BaseException) -> None:
         """Bring the engine to the version the state records from the kept objects alone (the
-        chain from its snapshot: cache.py), when they hold it and its manifest is the one the
-        state recorded (same version digest and repository). Every chunk is still checked by
-        its digest; when the kept objects lack one, the engine is left claiming no version
+        chain from its snapshot: local/kept.py), when they hold it and its manifest is the one
+        the state recorded (same version digest and repository). Every chunk is still checked
+        by its digest; when the kept objects lack one, the engine is left claiming no version
         (a load may have written some of its tensors) and waits for the repository, which
         then brings it to its target checked chunk by chunk, as at any start. The identity
         the objects were kept by stands as the one read: when the repository answers with
-        another, the engine is rebound and checked again (:meth:`_check_identity`)."""
-        assert self.engine is not None and self.cache is not None
+        another, the engine is rebound and checked again (:meth:`other_repository`)."""
+        assert self.kept is not None
         db = StateDB.open(self.root, create=False)
         state = db.state() if db is not None else None
         if state is None:
             return
-        kept, bound = self.cache.manifest(state.version), self.cache.bound()
+        kept, bound = self.kept.cache.manifest(state.version), self.kept.bound()
         if kept is None or bound is None or not state.holds(kept):
             return
         sub = getattr(self.engine, "subscriber", None)
         if isinstance(sub, Subscriber):  # the engine reads the identity the objects were kept by
             sub.repo.assume_identity(bound[0])
-        self._engine_phase("restoring")
+        self.book.engine_phase("restoring")
         try:
             swap = self._swap_engine(state.version, force=True)
         except (DeltasyncError, OSError) as e:
             log.warning("version %d is not restorable from the kept objects (%s); waiting for the repository",
                         state.version, e)
-            self._engine_phase("loading")
+            self.book.engine_phase("loading")
             return
         self._verified = True
-        self._engine_phase("serving")
-        self._identity = bound  # what the engine now holds is of this repository
+        self.book.engine_phase("serving")
+        self.watch.identity = bound  # what the engine now holds is of this repository
         self.last_swap = swap
         log.warning("repository unreachable (%s): the engine serves version %d, restored from the kept objects",
                     cause, state.version)
-        with self._lock:
-            self.figures.last_update = {
-                "version": state.version, "previous": None, "how": "restored from the kept objects (offline)",
-                "fetched_bytes": 0, "seconds": swap.pause_s if swap is not None else 0.0,
-                "finished_unix": time.time(),
-            }
-        self._flush(force=True)
+        self.book.restored(state.version, "restored from the kept objects (offline)",
+                           swap.pause_s if swap is not None else 0.0)
 
     def _move(self, sub: Subscriber, repo: Repository, previous: int | None, target: int) -> str:
-        assert self.engine is not None
         info = repo.manifest(target)
-        db = self._state_db()
+        db = self.state_db()
         held = db.state()
         if held is not None and held.repository_id == info.pb.repository_id.hex():
             # History only moves forward (repo/history.py): a fork is refused, the engine stays.
             check_extends(repo.store, repo.url, held.version, held.history_digest, info,
                           strict=repo.trusted_keys is not None)
-        self.store.capture = self._capture(repo, previous, target)
+        assert self.kept is not None
+        # Worth keeping: the chain from the target's snapshot, what a restart is rebuilt from
+        # (_retain then prunes to the held version's chain and the last keep_versions).
+        self.kept.capture(chain_packs(repo, target))
         db.set_wip(WorkInProgress(target, "engine", time.time()))
         # First update of a run: the engine's bits are checked chunk by chunk against the
         # target's digests (whatever version it or the state claims); one that knows no
-        # version is loaded in place (Agent._engine_update).
-        swap = self._swap_engine(target, force=not self._verified)
+        # version is loaded in place (BaseAgent._engine_update). The source may carry the
+        # version's bytes to the engine itself (packcast rounds).
+        swap = self._swap_engine(target, force=not self._verified, via=self.source)
         self._verified = True
         db.record_engine(info, repo=state_url(repo.url), engine=self.engine.kind)
-        self._engine_phase("serving")
+        self.book.engine_phase("serving")
         self.last_swap = swap
         if swap is None:
             return "engine already there"
         how = f"engine: {swap.chunks_changed}/{swap.chunks_total} chunks changed, pause {swap.pause_s * 1e3:.1f} ms"
         return how if previous is not None else f"{how} (from a snapshot)"
 
-    def _capture(self, repo: Repository, previous: int | None, target: int) -> set[str]:
-        """Packs worth keeping: those of the chain from the target's snapshot, and of the
-        deltas within ``keep_versions`` (read only when the plan needs them)."""
-        try:
-            chain = repo.chain(target)
-        except DeltasyncError:
-            return set()
-        return {p.key for info in chain for p in info.pb.packs}
-
     def _retain(self, current: int) -> None:
-        if self.cache is None:
-            return
+        assert self.kept is not None
         newest = max(self.figures.highest_version, current)
-        recent = {v for v in self.cache.versions() if v > newest - self.config.keep_versions}
         try:
-            chain = [info.version for info in self._repository().chain(current)]
+            chain = [info.version for info in self.repository().chain(current)]
         except DeltasyncError:
             chain = [current]
-        self.cache.prune(recent | set(chain), snapshots=chain)
+        self.kept.prune(self.kept.recent(newest, self.config.keep_versions) | set(chain), chains=chain)
 
 
 __all__ = ["EngineAgent"]
