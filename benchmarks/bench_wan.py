@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_wan [--mib 256] [--fraction 0.2] [--mbps 800] [--rtts 2,50,200]
         [--reps 3] [--rows publish,tree,publish2,tree2,uploaders64] [--shard-mbps 200]
-        [--uploaders 64] [--upload-mib 16] [--baseline]
+        [--uploaders 64] [--upload-mib 16] [--baseline | --per-object]
 
 The link is :mod:`benchmarks.wan_link`: a userspace TCP proxy between loopback ports, in a
 process of its own, that paces each direction at ``--mbps`` and delays every byte by half the
@@ -32,6 +32,9 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
 ``--baseline`` runs the paths before issue 30's second turn, to compare in the same run on the
 same machine: publishers upload with the old Put to relays serving ``upload_window`` 16 MiB,
 and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4).
+``--per-object``: publishers upload with one credited Upload call per object (the first turn
+of issue 30's credit), not on upload sessions (standing credit carried from one object to the
+next).
 
 Per row and round trip: elapsed (every repetition and the median), the bytes that crossed
 the link (both ways), link time (the larger direction's bytes over the rate, plus 4 round
@@ -85,6 +88,7 @@ def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 BASELINE = False  # --baseline: the old upload and fetch paths (module docstring)
+PER_OBJECT = False  # --per-object: one Upload call per object, no upload session (module docstring)
 
 
 def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool, conn: Connection) -> None:
@@ -189,8 +193,11 @@ def _publisher(url: str) -> Any:
     import deltasync
 
     pub = deltasync.Publisher(url, deltasync.PublisherConfig(progress=False, snapshot_every=1000))
-    for relay in getattr(pub.repo.store, "_relays", []) if BASELINE else []:
-        relay.legacy_put = True  # the old Put, uncredited
+    for relay in getattr(pub.repo.store, "_relays", []):
+        if BASELINE:
+            relay.legacy_put = True  # the old Put, uncredited
+        elif PER_OBJECT:
+            relay.legacy_upload = True  # one credited Upload call per object (no session)
     return pub
 
 
@@ -365,9 +372,10 @@ def main() -> None:
     ap.add_argument("--uploaders", type=int, default=64, help="stores uploading at once in the uploaders64 row")
     ap.add_argument("--upload-mib", type=int, default=16, help="MiB each uploader puts in the uploaders64 row")
     ap.add_argument("--baseline", action="store_true", help="the old upload (Put, 16M window) and fetch (4 in flight) paths")
+    ap.add_argument("--per-object", action="store_true", help="publishers upload with one Upload call per object")
     args = ap.parse_args()
-    global BASELINE
-    BASELINE = args.baseline
+    global BASELINE, PER_OBJECT
+    BASELINE, PER_OBJECT = args.baseline, args.per_object
 
     shapes = layout(args.mib)
     states = [first_state(shapes)]
@@ -378,7 +386,8 @@ def main() -> None:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     print(f"model {args.mib} MiB bf16 ({len(shapes)} tensors), {args.fraction:.0%} of elements moved per version; "
           f"link {args.mbps:g} Mbit/s each way ({args.shard_mbps:g} per link in the two-relay rows); "
-          f"round trips {args.rtts} ms; {args.reps} repetitions{'; BASELINE (old paths)' if args.baseline else ''}")
+          f"round trips {args.rtts} ms; {args.reps} repetitions{'; BASELINE (old paths)' if args.baseline else ''}"
+          f"{'; PER-OBJECT (Upload, no session)' if args.per_object else ''}")
     results: dict[tuple[str, str, float], list[tuple[float, int]]] = {}
     plans: list[tuple[str, str, float, int]] = []
     for row in rows:

@@ -15,7 +15,11 @@ written to the file, each grant taken from the budget and given back as the piec
 disk. However many upload at once, the bytes of uploads in the relay's memory (granted, not
 yet on disk) stay within the budget; one that waits for its turn or for the budget is granted
 nothing and sends nothing but its header (which may carry a whole object of at most
-``UNCREDITED_BYTES``, 256 KiB: a lease, a ref, a manifest in one round trip). The old Put (clients before Upload) cannot be held
+``UNCREDITED_BYTES``, 256 KiB: a lease, a ref, a manifest in one round trip). An
+UploadSession call (what clients use now) carries objects one after another under one
+:class:`Session` credit that outlives each object, so the next object's first bytes need no
+grant of their own (that credit, too, from the budget, and only while no upload waits).
+The old Put (clients before Upload) cannot be held
 back that way: grpc may park up to a window of its bytes before the relay reads them, so each
 Put call is charged one window from the same budget while it waits and runs, and refused
 (UNAVAILABLE: the client tries again, at another relay or a moment later) when it does not
