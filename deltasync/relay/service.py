@@ -294,9 +294,13 @@ class RelayService:
                 self.counters["uploads"] += 1
                 self.counters["uploaded_bytes"] += size
         finally:
-            await call.stop_granting()
             reader.cancel()
-            budget.give(session.granted - session.landed)  # granted, never sent (or never landed)
+            try:
+                await call.stop_granting()
+            finally:
+                if call.granter is not None:  # stopping was itself cancelled: the granter goes now
+                    call.granter.cancel()
+                budget.give(session.granted - session.landed)  # granted, never sent (or never landed)
 
     async def _upload(self, requests: AsyncIterator[Any], context: Any, send_credit: SendCredit | None,
                       data_of: Callable[[Any], memoryview], session: Session | None = None) -> int:
