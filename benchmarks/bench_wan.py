@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_wan [--mib 256] [--fraction 0.2] [--mbps 800] [--rtts 2,50,200]
         [--reps 3] [--rows publish,tree,publish2,tree2,uploaders64] [--shard-mbps 200]
-        [--uploaders 64] [--upload-mib 16] [--baseline]
+        [--uploaders 64] [--upload-mib 16] [--upload-objects 1] [--baseline | --per-object]
 
 The link is :mod:`benchmarks.wan_link`: a userspace TCP proxy between loopback ports, in a
 process of its own, that paces each direction at ``--mbps`` and delays every byte by half the
@@ -23,8 +23,9 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
   naming both; ``--no-warm`` relays, each fetching its share), next to ``publish1``/``tree1``:
   one relay over one such link (``tree1`` also ``--no-warm``). Printed: the throughput of two
   over one.
-* ``uploaders64``: ``--uploaders`` grpc:// stores (each its own connection), each putting one
-  object of ``--upload-mib`` MiB at once, through one link at the largest round trip into a
+* ``uploaders64``: ``--uploaders`` grpc:// stores (each its own connection), each putting
+  ``--upload-objects`` objects (one after another) of ``--upload-mib`` MiB at once, through
+  one link at the largest round trip into a
   relay serving ``--accept-writes`` at its defaults (``--upload-buffer`` 256M). Printed: the
   relay process's resident memory (VmRSS, RssAnon: sampled from /proc every 5 ms) before and
   at its peak, the growth against the target (budget + 64 MiB), and the link's throughput.
@@ -32,6 +33,9 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
 ``--baseline`` runs the paths before issue 30's second turn, to compare in the same run on the
 same machine: publishers upload with the old Put to relays serving ``upload_window`` 16 MiB,
 and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4).
+``--per-object``: publishers upload with one credited Upload call per object (the first turn
+of issue 30's credit), not on upload sessions (standing credit carried from one object to the
+next).
 
 Per row and round trip: elapsed (every repetition and the median), the bytes that crossed
 the link (both ways), link time (the larger direction's bytes over the rate, plus 4 round
@@ -85,6 +89,7 @@ def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 BASELINE = False  # --baseline: the old upload and fetch paths (module docstring)
+PER_OBJECT = False  # --per-object: one Upload call per object, no upload session (module docstring)
 
 
 def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool, conn: Connection) -> None:
@@ -188,8 +193,11 @@ def _publisher(url: str) -> Any:
     import deltasync
 
     pub = deltasync.Publisher(url, deltasync.PublisherConfig(progress=False, snapshot_every=1000))
-    for relay in getattr(pub.repo.store, "_relays", []) if BASELINE else []:
-        relay.legacy_put = True  # the old Put, uncredited
+    for relay in getattr(pub.repo.store, "_relays", []):
+        if BASELINE:
+            relay.legacy_put = True  # the old Put, uncredited
+        elif PER_OBJECT:
+            relay.legacy_upload = True  # one credited Upload call per object (no session)
     return pub
 
 
@@ -280,8 +288,9 @@ def _memory(pid: int) -> tuple[int, int]:
     return fields["VmRSS"], fields["RssAnon"]
 
 
-def row_uploaders(root: Path, uploaders: int, mib: int, rtt: float, mbps: float) -> None:
-    """``uploaders`` stores putting one object each at once through one link into one relay: its memory."""
+def row_uploaders(root: Path, uploaders: int, mib: int, rtt: float, mbps: float, each: int = 1) -> None:
+    """``uploaders`` stores putting ``each`` objects each (one after another: the second and later
+    on standing credit where the relay grants it) at once through one link into one relay: its memory."""
     from deltasync.format.digest import digest
     from deltasync.relay.config import RelayConfig
     from deltasync.storage import _grpc
@@ -295,8 +304,10 @@ def row_uploaders(root: Path, uploaders: int, mib: int, rtt: float, mbps: float)
     # One connection per store, as separate publishers have (grpc shares one between channels otherwise).
     _grpc.CHANNEL_OPTIONS.append(("grpc.use_local_subchannel_pool", 1))
     base = np.random.default_rng(7).bytes(mib * MIB)
-    objects = [base[:-8] + i.to_bytes(8, "little") for i in range(uploaders)]
+    objects = [[base[:-8] + (i * each + j).to_bytes(8, "little") for j in range(each)] for i in range(uploaders)]
     stores = [GrpcStore(f"grpc://{link.address}?timeout=600", write_token=WRITE_TOKEN) for _ in objects]
+    for store in stores if PER_OBJECT else []:
+        store._relays[0].legacy_upload = True  # one Upload call per object, no session
     errors: list[str] = []
     done = threading.Event()
     pid = relay.proc.pid
@@ -310,9 +321,10 @@ def row_uploaders(root: Path, uploaders: int, mib: int, rtt: float, mbps: float)
             peak[0], peak[1] = max(peak[0], rss), max(peak[1], anon)
             time.sleep(0.005)
 
-    def put(store: GrpcStore, data: bytes) -> None:
+    def put(store: GrpcStore, datas: list[bytes]) -> None:
         try:
-            store.put(f"packs/{digest(data).hex()}.pack", data)
+            for data in datas:
+                store.put(f"packs/{digest(data).hex()}.pack", data)
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}")
 
@@ -339,9 +351,9 @@ def row_uploaders(root: Path, uploaders: int, mib: int, rtt: float, mbps: float)
     if errors:
         raise SystemExit(f"uploaders: {len(errors)} uploads failed: {errors[0]}")
     landed = len(list((repo / "packs").iterdir()))
-    assert landed == uploaders, f"{landed} of {uploaders} objects landed"
+    assert landed == uploaders * each, f"{landed} of {uploaders * each} objects landed"
     growth = peak[0] - start_rss
-    print(f"  {uploaders} uploaders x {mib} MiB at rtt {rtt * 1000:.0f} ms, {mbps:g} Mbit/s: {elapsed:.2f}s, "
+    print(f"  {uploaders} uploaders x {each} x {mib} MiB at rtt {rtt * 1000:.0f} ms, {mbps:g} Mbit/s: {elapsed:.2f}s, "
           f"{up / elapsed * 8 / 1e6:.0f} Mbit/s up ({up / 1e6:.0f} MB crossed); relay VmRSS {start_rss / MIB:.0f} -> "
           f"peak {peak[0] / MIB:.0f} MiB (+{growth / MIB:.0f}), RssAnon {start_anon / MIB:.0f} -> "
           f"{peak[1] / MIB:.0f} MiB (+{(peak[1] - start_anon) / MIB:.0f}); target: growth <= budget "
@@ -363,10 +375,12 @@ def main() -> None:
     ap.add_argument("--shard-mbps", type=float, default=200, help="link rate of each link in the two-relay rows")
     ap.add_argument("--uploaders", type=int, default=64, help="stores uploading at once in the uploaders64 row")
     ap.add_argument("--upload-mib", type=int, default=16, help="MiB each uploader puts in the uploaders64 row")
+    ap.add_argument("--upload-objects", type=int, default=1, help="objects each uploader puts, one after another")
     ap.add_argument("--baseline", action="store_true", help="the old upload (Put, 16M window) and fetch (4 in flight) paths")
+    ap.add_argument("--per-object", action="store_true", help="publishers upload with one Upload call per object")
     args = ap.parse_args()
-    global BASELINE
-    BASELINE = args.baseline
+    global BASELINE, PER_OBJECT
+    BASELINE, PER_OBJECT = args.baseline, args.per_object
 
     shapes = layout(args.mib)
     states = [first_state(shapes)]
@@ -377,13 +391,14 @@ def main() -> None:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     print(f"model {args.mib} MiB bf16 ({len(shapes)} tensors), {args.fraction:.0%} of elements moved per version; "
           f"link {args.mbps:g} Mbit/s each way ({args.shard_mbps:g} per link in the two-relay rows); "
-          f"round trips {args.rtts} ms; {args.reps} repetitions{'; BASELINE (old paths)' if args.baseline else ''}")
+          f"round trips {args.rtts} ms; {args.reps} repetitions{'; BASELINE (old paths)' if args.baseline else ''}"
+          f"{'; PER-OBJECT (Upload, no session)' if args.per_object else ''}")
     results: dict[tuple[str, str, float], list[tuple[float, int]]] = {}
     plans: list[tuple[str, str, float, int]] = []
     for row in rows:
         if row == "uploaders64":
             with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
-                row_uploaders(Path(tmp), args.uploaders, args.upload_mib, rtts[-1], args.mbps)
+                row_uploaders(Path(tmp), args.uploaders, args.upload_mib, rtts[-1], args.mbps, args.upload_objects)
         elif row in ("publish", "tree"):
             plans.append((row, row, args.mbps, 1))
         elif row in ("publish2", "tree2"):

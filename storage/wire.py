@@ -42,11 +42,12 @@ METHODS: dict[str, tuple[Any, Any, str]] = {
     "Watch": (pb.WatchRequest, pb.VersionEvent, SERVER_STREAM),
     "Put": (pb.PutChunk, pb.PutResponse, CLIENT_STREAM),
     "Upload": (pb.PutChunk, pb.UploadCredit, BIDI_STREAM),
+    "UploadSession": (pb.PutChunk, pb.UploadCredit, BIDI_STREAM),
     "Delete": (pb.DeleteRequest, pb.DeleteResponse, UNARY),
 }
 #: Methods that change the repository: only a relay serving with --accept-writes takes them,
 #: and only from a client carrying its write token.
-WRITE_METHODS = frozenset({"Put", "Upload", "Delete"})
+WRITE_METHODS = frozenset({"Put", "Upload", "UploadSession", "Delete"})
 
 
 def method_path(name: str) -> str:

@@ -24,7 +24,7 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
   reaction to the event rather than following their first request.
 - The upstream is any repository URL: a path, ``s3://…``, or ``grpc://`` of another relay,
   so relays form trees across clusters.
-- **Upload**/**Put**/**Delete** (only with ``accept_writes``, only from clients carrying the
+- **UploadSession**/**Upload**/**Put**/**Delete** (only with ``accept_writes``, only from clients carrying the
   write token, only of the repository layout's names: ``repo.repository.is_layout_key``): a
   publisher in another cluster writes the repository through the relay. An upload
   streams in 1 MiB pieces, into memory up to :data:`~.uploads.SPOOL_BYTES` (4 MiB) and, when larger, into
@@ -32,8 +32,9 @@ instead of from its origin, so every byte crosses the WAN once per cluster:
   upstream put, removed after): at most ``max_uploads`` at once. Its memory is one budget for
   all uploads (``upload_buffer``): an Upload sends only within the credit the relay grants it
   from that budget (at most ``upload_window`` ahead of its bytes on disk), and one waiting for
-  its turn sends nothing past its header; an old Put is charged a window of the budget
-  (:mod:`.uploads`). It is checked (its size, the digest its
+  its turn sends nothing past its header; an UploadSession carries objects one after another
+  under credit that outlives each (the next one's first bytes leave with its header); an old
+  Put is charged a window of the budget (:mod:`.uploads`). It is checked (its size, the digest its
   header announces, for ``packs/<xxh3>.pack`` and ``blobs/<xxh3>`` the digest in the
   key, a manifest or squash as every reader validates it) and only then written with the upstream store's own
   atomic put, so nothing partial or corrupt is ever visible; ``if_absent`` passes through, so

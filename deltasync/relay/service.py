@@ -28,7 +28,7 @@ from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, ca
 from .config import RelayConfig
 from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
-from .uploads import Refused, SendCredit, Uploads, piece_data
+from .uploads import SESSION_IDLE_SECONDS, Budget, Refused, SendCredit, Session, Uploads, piece_data
 
 log = logging.getLogger("deltasync.relay")
 
@@ -64,13 +64,13 @@ class RelayService:
     def handler(self) -> Any:
         behaviors: dict[str, Callable[..., Any]] = {
             "Get": self.get, "Stat": self.stat, "List": self.list, "Watch": self.watch,
-            "Put": self.put, "Upload": self.upload, "Delete": self.delete,
+            "Put": self.put, "Upload": self.upload, "UploadSession": self.upload_session, "Delete": self.delete,
         }
         handlers: dict[str, Any] = {}
         for name, (request, response, kind) in METHODS.items():
             factory = HANDLER_FACTORIES[kind]
             # Upload's messages are taken as they came (see Uploads.piece_data): grpc hands the bytes over.
-            decode = None if name == "Upload" else request.FromString
+            decode = None if name in ("Upload", "UploadSession") else request.FromString
             handlers[name] = factory(
                 behaviors[name], request_deserializer=decode, response_serializer=response.SerializeToString
             )
@@ -268,14 +268,50 @@ class RelayService:
         self.counters["uploads"] += 1
         self.counters["uploaded_bytes"] += size
 
+    async def upload_session(self, requests: AsyncIterator[bytes], context: Any) -> None:
+        """Objects one after another under credit that outlives each (:class:`.uploads.Session`):
+        each is answered ``stored`` once written; the call ends OK when the client closes it,
+        when it has waited :data:`SESSION_IDLE_SECONDS` for a header, or at once when it is idle
+        holding standing credit another upload waits for (the client sends an object whose
+        header was not answered again, on a new call)."""
+        self.counters["requests"] += 1
+        if not self.config.accept_writes:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        loop = asyncio.get_running_loop()
+        budget = self.uploads.budget
+        call = _SessionCall(context)
+        session = Session(call.write, budget, self.config.upload_window)
+        inbox: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+        reader = loop.create_task(_read_into(aiter(requests), inbox))
+        call.granter = loop.create_task(session.keep_granting())
+        try:
+            while True:
+                head = await _next_header(inbox, session, budget)
+                if head is None:
+                    return
+                size = await self._upload(_object_messages(head, inbox), call, None, piece_data, session)
+                await session.answer_stored()
+                self.counters["uploads"] += 1
+                self.counters["uploaded_bytes"] += size
+        finally:
+            reader.cancel()
+            try:
+                await call.stop_granting()
+            finally:
+                if call.granter is not None:  # stopping was itself cancelled: the granter goes now
+                    call.granter.cancel()
+                budget.give(session.granted - session.landed)  # granted, never sent (or never landed)
+
     async def _upload(self, requests: AsyncIterator[Any], context: Any, send_credit: SendCredit | None,
-                      data_of: Callable[[Any], memoryview]) -> int:
+                      data_of: Callable[[Any], memoryview], session: Session | None = None) -> int:
         """Take one upload (its turn first); its size, or the call aborted with why not.
         ``data_of``: a message's piece of the object."""
         assert self.uploads.turn is not None
         key = ""
         size = 0
-        async with self.uploads.turn:  # bounds the spool: max_uploads objects received at once
+        turn = self.uploads.turn
+        await self.uploads.budget.turn(turn)  # bounds the spool: max_uploads objects received at once
+        try:
             try:
                 messages = aiter(requests)
                 head = await anext(messages, None)
@@ -283,13 +319,15 @@ class RelayService:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
                 first = head if isinstance(head, pb.PutChunk) else _header(head)
                 key, size = first.key, first.total_bytes
-                await self.uploads.take(first, _pieces(messages, data_of), send_credit)
+                await self.uploads.take(first, _pieces(messages, data_of), send_credit, session)
             except Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.warning("refused upload of %s: %s", key or "?", e.message)
                 await context.abort(e.code, e.message)
             except Exception as e:
                 await self._abort(context, e, key or None)
+        finally:
+            turn.release()
         return size
 
     async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
@@ -352,6 +390,101 @@ async def _pieces(messages: AsyncIterator[Any], data_of: Callable[[Any], memoryv
         del message
         yield piece
         del piece
+
+
+_EOF = object()
+
+
+class _SessionCall:
+    """An UploadSession's context, its writes one at a time: grpc takes one write (or the
+    status) in progress on a call, and the credit granter writes while the session answers
+    ``stored`` or aborts. The granter is stopped between writes, never inside one."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.lock = asyncio.Lock()
+        self.granter: asyncio.Task[None] | None = None
+
+    async def write(self, message: pb.UploadCredit) -> None:
+        async with self.lock:
+            await self.context.write(message)
+
+    async def stop_granting(self) -> None:
+        async with self.lock:
+            if self.granter is not None:
+                self.granter.cancel()  # not inside a write: that holds the lock
+                self.granter = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        await self.stop_granting()
+        async with self.lock:
+            await self.context.abort(code, details)
+        raise AssertionError("abort returned")  # pragma: no cover - context.abort raises
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.context, name)
+
+
+async def _read_into(messages: AsyncIterator[Any], inbox: asyncio.Queue[Any]) -> None:
+    """An UploadSession's messages into ``inbox`` (one at a time), then :data:`_EOF` or the error."""
+    try:
+        async for message in messages:
+            await inbox.put(message)
+            del message
+        await inbox.put(_EOF)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        await inbox.put(e)
+
+
+async def _next_header(inbox: asyncio.Queue[Any], session: Session, budget: Budget) -> Any:
+    """The next object's header, or None when the session ends: the client closed it, it waited
+    :data:`SESSION_IDLE_SECONDS`, or it holds standing credit another upload waits for."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SESSION_IDLE_SECONDS
+    get = loop.create_task(inbox.get())
+    try:
+        while not get.done():
+            now = loop.time()
+            if now >= deadline:
+                return None
+            if budget.waiting:
+                if session.standing:
+                    return None  # give it back: the client sends its next object on a new call
+                await asyncio.wait({get}, timeout=min(0.1, deadline - now))  # look again: it may get some
+            else:
+                wanted = loop.create_task(budget.wanted.wait())
+                try:
+                    await asyncio.wait({get, wanted}, timeout=deadline - now, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wanted.cancel()
+        item = get.result()
+    finally:
+        get.cancel()
+    if item is _EOF:
+        return None
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+async def _object_messages(head: Any, inbox: asyncio.Queue[Any]) -> AsyncIterator[Any]:
+    """One object's messages of an UploadSession: its header, then those that carry its bytes
+    (up to its size; the call ending first is a short upload, refused as such)."""
+    yield head
+    first = head if isinstance(head, pb.PutChunk) else _header(head)
+    remaining = first.total_bytes - len(first.data)
+    del head, first
+    while remaining > 0:
+        item = await inbox.get()
+        if item is _EOF:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        remaining -= len(piece_data(item))
+        yield item
+        del item
 
 
 def _header(raw: bytes) -> pb.PutChunk:

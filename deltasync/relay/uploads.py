@@ -15,7 +15,11 @@ written to the file, each grant taken from the budget and given back as the piec
 disk. However many upload at once, the bytes of uploads in the relay's memory (granted, not
 yet on disk) stay within the budget; one that waits for its turn or for the budget is granted
 nothing and sends nothing but its header (which may carry a whole object of at most
-``UNCREDITED_BYTES``, 256 KiB: a lease, a ref, a manifest in one round trip). The old Put (clients before Upload) cannot be held
+``UNCREDITED_BYTES``, 256 KiB: a lease, a ref, a manifest in one round trip). An
+UploadSession call (what clients use now) carries objects one after another under one
+:class:`Session` credit that outlives each object, so the next object's first bytes need no
+grant of their own (that credit, too, from the budget, and only while no upload waits).
+The old Put (clients before Upload) cannot be held
 back that way: grpc may park up to a window of its bytes before the relay reads them, so each
 Put call is charged one window from the same budget while it waits and runs, and refused
 (UNAVAILABLE: the client tries again, at another relay or a moment later) when it does not
@@ -72,6 +76,8 @@ class Budget:
         self.used = 0
         self.peak = 0
         self._waiters: list[asyncio.Future[None]] = []
+        self.waiting = 0  # uploads waiting for room (grant()) or for their turn (turn())
+        self.wanted = asyncio.Event()  # set while any is (made unbound: any loop may wait on it)
 
     def take(self, n: int) -> bool:
         """Reserve ``n`` bytes if they fit (True), else nothing."""
@@ -87,15 +93,37 @@ class Budget:
         while self.limit - self.used < least:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
+            self.want(1)
             try:
                 await waiter
             finally:
+                self.want(-1)
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
         n = min(want, self.limit - self.used)
         self.used += n
         self.peak = max(self.peak, self.used)
         return n
+
+    def want(self, n: int) -> None:
+        """One more (1) or one fewer (-1) upload waiting: for this budget, or for its turn."""
+        self.waiting += n
+        if self.waiting:
+            self.wanted.set()
+        else:
+            self.wanted.clear()
+
+    async def turn(self, turn: asyncio.Semaphore) -> None:
+        """Acquire an upload's turn, counted as waiting while it waits (standing credit is then
+        neither granted nor kept: :class:`Session`)."""
+        if not turn.locked():
+            await turn.acquire()
+            return
+        self.want(1)
+        try:
+            await turn.acquire()
+        finally:
+            self.want(-1)
 
     def give(self, n: int) -> None:
         if n <= 0:
@@ -129,7 +157,7 @@ class Credit:
         """A spooled upload: credit up to ``ahead`` bytes past what landed, while the budget
         has it, until the whole size is granted."""
         while self.granted < size:
-            need = min(CHUNK_BYTES, size - self.granted)
+            need = min(CHUNK_BYTES, size - self.granted, ahead)  # a window under 1 MiB: pieces of it
             room = ahead - (self.granted - self.landed)
             if room < need:
                 self.progress.clear()
@@ -143,6 +171,78 @@ class Credit:
         if budget is not None:
             budget.give(n)
         self.progress.set()
+SESSION_IDLE_SECONDS = 10.0
+"""How long an UploadSession may wait for its next header before the relay ends it (it ends
+at once when it is idle holding credit that another upload waits for)."""
+
+
+class Session:
+    """(Loop) One UploadSession call's credit, counted over all its objects together: the client
+    may send to ``granted`` (taken from the budget); ``received`` arrived; ``landed`` of them
+    are on disk or written (given back). ``end`` is where the object in progress (or the last
+    one) ends. Credit is granted up to ``ahead`` past ``landed``; past ``end`` (the *standing*
+    credit the next object's first bytes use, so they go out with its header) only once an
+    object has begun, from room the budget has now, while no other upload waits (for the
+    budget or for its turn: :meth:`Budget.turn`), so an uploader waiting for its turn is
+    granted nothing, and an idle session never holds what a waiting upload needs for long
+    (``RelayService.upload_session`` then ends the call)."""
+
+    def __init__(self, send: SendCredit, budget: Budget, ahead: int) -> None:
+        self.send = send
+        self.budget = budget
+        self.ahead = ahead
+        self.granted = 0
+        self.received = 0
+        self.landed = 0
+        self.end = 0
+        self.stored = 0
+        self.started = False  # no standing credit before the first object: it comes with its header
+        self.progress = asyncio.Event()
+
+    @property
+    def standing(self) -> int:
+        """Credit granted past the object in progress (idle: the next object's)."""
+        return max(0, self.granted - self.end)
+
+    def begin(self, credited: int) -> None:
+        """A new object of ``credited`` bytes (those not in its header) starts at ``received``."""
+        self.end = self.received + credited
+        self.started = True
+        self.progress.set()
+
+    def landed_piece(self, n: int) -> None:
+        self.landed += n
+        self.budget.give(n)
+        self.progress.set()
+
+    async def keep_granting(self) -> None:
+        """Runs for the whole call (cancelled at its end)."""
+        budget = self.budget
+        while True:
+            self.progress.clear()
+            room = self.landed + self.ahead - self.granted
+            if self.granted < self.end:  # the object in progress: wait for the budget if need be
+                need = min(CHUNK_BYTES, self.end - self.granted, self.ahead)  # a window under 1 MiB: pieces of it
+                if room >= need:
+                    self.granted += await budget.grant(min(room, self.end - self.granted), need)
+                    await self._send()
+                    continue
+            elif self.started and not budget.waiting:  # standing credit: only what is free now, and not wanted
+                n = min(room, budget.limit - budget.used)
+                if n >= min(CHUNK_BYTES, self.ahead) and budget.take(n):
+                    self.granted += n
+                    await self._send()
+                    continue
+            await self.progress.wait()
+
+    async def _send(self) -> None:
+        await self.send(pb.UploadCredit(send_until=self.granted))
+
+    async def answer_stored(self) -> None:
+        self.stored += 1
+        await self.send(pb.UploadCredit(send_until=self.granted, stored=self.stored))
+
+
 def piece_data(raw: bytes) -> memoryview:
     """The data (field 5) of a serialized PutChunk, a view of ``raw`` rather than a copy: a
     1 MiB piece is then held once in the relay's memory, not three times over (grpc's message,
@@ -290,12 +390,14 @@ class Uploads:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
 
     async def take(self, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
-                   send_credit: SendCredit | None = None) -> None:
+                   send_credit: SendCredit | None = None, session: Session | None = None) -> None:
         """Check an upload's header (``first``), take its pieces (``requests``: the data of
         each message after the header), check and store it. Refused
         (or the store's error) when it cannot be written. Call holding :attr:`turn`. With
         ``send_credit`` (an Upload call) the client sends only within the credit granted;
-        without (an old Put), the caller has charged the budget a window for it."""
+        without (an old Put), the caller has charged the budget a window for it. With
+        ``session`` (an UploadSession call) the credit is the session's, and ``requests`` ends
+        with the object's last byte."""
         key, size = first.key, first.total_bytes
         check_writable(key)
         kind_cap = size_limit(key)  # what a valid object of this kind can be (manifests: 64 MiB)
@@ -309,10 +411,14 @@ class Uploads:
         if self.quota is not None:
             self.quota.check(key, size)  # before receiving: a refused upload costs no memory
         credit = Credit(send_credit) if send_credit is not None else None
-        whole = credit is not None and len(first.data) == size  # sent in its header, before credit
-        if credit is not None and first.data and not (whole and size <= UNCREDITED_BYTES):
+        credited = credit is not None or session is not None
+        whole = credited and len(first.data) == size  # sent in its header, before credit
+        if credited and first.data and not (whole and size <= UNCREDITED_BYTES):
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"upload of {key} sent {len(first.data):,} bytes before any credit")
+        if session is not None:
+            await self._take_in_session(key, size, first, requests, session, whole)
+            return
         # Created and removed on the event loop itself (a file open and an unlink): an
         # executor job can be cancelled before it runs when the client cancels the
         # upload, which would leave the spool file behind.
@@ -343,8 +449,27 @@ class Uploads:
             if in_memory:
                 self.budget.give(size)
 
+    async def _take_in_session(self, key: str, size: int, first: pb.PutChunk,
+                               requests: AsyncIterator[bytes | memoryview], session: Session, whole: bool) -> None:
+        """An object of an UploadSession: its bytes come under the session's credit, which
+        stays taken while they are in memory (a small object, until it is written) and goes
+        back as a spooled one's pieces land on disk."""
+        if whole:
+            self.budget.used += size  # already here: held, counted, whatever the budget says
+        session.begin(0 if whole else size)
+        in_memory = whole or size <= min(SPOOL_BYTES, self.config.upload_window)
+        spool = None if in_memory else Spool(self.cache.root / "tmp")
+        try:
+            await self._receive(key, size, first, requests, spool, None, session)
+        finally:
+            if spool is not None:
+                spool.close()
+            if whole:
+                self.budget.give(size)
+            session.landed_piece(session.received - session.landed)  # what this object held, freed
+
     async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
-                       spool: Spool | None, credit: Credit | None) -> None:
+                       spool: Spool | None, credit: Credit | None, session: Session | None = None) -> None:
         """Take an upload's pieces (into memory, or into ``spool``), then check and store it.
         With ``credit``, a spooled piece's credit goes back to the budget once it is written."""
         data = bytearray(first.data) if spool is None else None
@@ -358,6 +483,11 @@ class Uploads:
             if credit is not None and received + n > credit.granted:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"upload of {key} sent past its credit ({credit.granted:,} bytes)")
+            if session is not None:
+                if session.received + n > session.granted:
+                    raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"upload of {key} sent past the session's credit ({session.granted:,} bytes)")
+                session.received += n
             received += n
             if data is not None:
                 data += piece
@@ -367,6 +497,8 @@ class Uploads:
                 del piece  # before its credit goes back: the next piece may be on its way
                 if credit is not None:
                     credit.landed_piece(n, self.budget)
+                elif session is not None:
+                    session.landed_piece(n)
         if received != size:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
         if data is not None:  # the bytearray itself: a copy would double the memory an upload holds

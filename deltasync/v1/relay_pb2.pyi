@@ -83,10 +83,12 @@ class PutResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class UploadCredit(_message.Message):
-    __slots__ = ("send_until",)
+    __slots__ = ("send_until", "stored")
     SEND_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
     send_until: int
-    def __init__(self, send_until: _Optional[int] = ...) -> None: ...
+    stored: int
+    def __init__(self, send_until: _Optional[int] = ..., stored: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("key",)

@@ -476,12 +476,14 @@ def test_uploads_spread_over_relays_and_fail_over(tmp_path: Path, start_relay: S
 
 def test_a_relay_before_upload_is_written_with_put(tmp_path: Path, start_relay: StartRelay,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # A relay of the version before the Upload call answers it UNIMPLEMENTED: the store
-    # writes there with Put (and keeps doing so), small and large objects alike, bit-exact.
+    # A relay of the version before the Upload call answers it (and UploadSession)
+    # UNIMPLEMENTED: the store writes there with Put (and keeps doing so), small and large
+    # objects alike, bit-exact.
     from deltasync.relay import service
     from deltasync.storage.wire import METHODS
 
-    monkeypatch.setattr(service, "METHODS", {k: v for k, v in METHODS.items() if k != "Upload"})
+    monkeypatch.setattr(service, "METHODS",
+                        {k: v for k, v in METHODS.items() if k not in ("Upload", "UploadSession")})
     origin = LocalStore(tmp_path / "origin")
     relay = start_relay(origin)
     store = GrpcStore(relay.url, write_token=WRITE, timeout=10)
@@ -511,6 +513,118 @@ def test_a_large_upload_sent_before_its_credit_is_refused(
     assert not origin.exists(key)
 
 
+def _budget_used(relay: RelayServer) -> int:
+    assert relay._service is not None
+    return relay._service.uploads.budget.used
+
+
+def test_a_second_upload_on_a_session_sends_its_first_bytes_with_its_header(
+        writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    # Issue 30: credit outlives an object on an upload session, so the next object's bytes go
+    # out with its header; it never waits a round trip for a grant of its own. Counted, not timed.
+    store, relay, origin = writer
+    first, second = os.urandom(6 * CHUNK_BYTES + 5), os.urandom(6 * CHUNK_BYTES + 7)  # spooled (> 4 MiB)
+    store.put(pack_key(first), first, if_absent=True)
+    session = store._relays[0]._idle[0]
+    assert (session.headers_sent, session.headers_with_credit) == (1, 0)  # the first waited for its grant
+    waits = session.credit_waits
+    assert waits >= 1
+    store.put(pack_key(second), second, if_absent=True)
+    assert store._relays[0]._idle == [session]  # the same call carried both
+    assert (session.headers_sent, session.headers_with_credit) == (2, 1)
+    assert session.credit_waits == waits  # every byte of the second went out without waiting for credit
+    assert origin.get(pack_key(first)) == first and origin.get(pack_key(second)) == second
+    assert relay.metrics()["uploads"] == 2
+    # Idle, it holds standing credit (within the budget); closed, it gives it back.
+    assert 0 < _budget_used(relay) <= relay.config.upload_window
+    store.close()
+    wait_until(lambda: _budget_used(relay) == 0)
+
+
+def _session_call(store: GrpcStore, requests: Iterator[pb.PutChunk]) -> Any:
+    return store._relays[0].upload_session(requests, timeout=10)
+
+
+def test_a_session_cut_mid_object_leaves_nothing_visible(writer: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    # A stored object stays; the one cut off mid-transfer is not visible, and every byte of
+    # credit goes back to the budget.
+    store, relay, origin = writer
+    done, cut = os.urandom(5 * CHUNK_BYTES), os.urandom(8 * CHUNK_BYTES)
+    answers: list[pb.UploadCredit] = []
+    stored = threading.Event()
+    granted = threading.Event()
+
+    def requests() -> Iterator[pb.PutChunk]:
+        yield pb.PutChunk(key=pack_key(done), total_bytes=len(done), digest=digest(done))
+        granted.wait(10)
+        for offset in range(0, len(done), CHUNK_BYTES):
+            yield pb.PutChunk(data=done[offset : offset + CHUNK_BYTES])
+        stored.wait(10)
+        yield pb.PutChunk(key=pack_key(cut), total_bytes=len(cut), digest=digest(cut))
+        for offset in range(0, 3 * CHUNK_BYTES, CHUNK_BYTES):  # within the standing credit
+            yield pb.PutChunk(data=cut[offset : offset + CHUNK_BYTES])
+        time.sleep(0.3)
+        call.cancel()  # the cut
+
+    call = _session_call(store, requests())
+    with pytest.raises(grpc.RpcError) as ended:
+        for answer in call:
+            answers.append(answer)
+            granted.set()
+            if answer.stored:
+                stored.set()
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+    assert [a.stored for a in answers if a.stored] == [1]
+    assert answers[-1].send_until >= len(done) + 3 * CHUNK_BYTES  # the cut object's bytes were credited
+    assert origin.get(pack_key(done)) == done
+    assert not origin.exists(pack_key(cut))
+    wait_until(lambda: _budget_used(relay) == 0)
+
+
+def test_bytes_past_a_sessions_credit_are_refused(tmp_path: Path, start_relay: StartRelay) -> None:
+    # A client that sends without waiting for credit: at a 64 KiB window its first 1 MiB piece
+    # is past it; refused, nothing visible, the credit given back. (With a window of a piece or
+    # more the relay, which reads one piece at a time, grants ahead of what it reads: a hostile
+    # client's excess waits in grpc's per-stream window, docs/trust.md.)
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin, upload_window=64 << 10)
+    store = GrpcStore(relay.url, write_token=WRITE)
+    data = os.urandom(3 * CHUNK_BYTES)
+    key = pack_key(data)
+    eager = iter([pb.PutChunk(key=key, total_bytes=len(data), digest=digest(data))]
+                 + [pb.PutChunk(data=data[o : o + CHUNK_BYTES]) for o in range(0, len(data), CHUNK_BYTES)])
+    with pytest.raises(grpc.RpcError) as refused:
+        list(_session_call(store, eager))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "past the session's credit" in (refused.value.details() or "")
+    assert not origin.exists(key)
+    wait_until(lambda: _budget_used(relay) == 0)
+    store.put(key, data)  # a client that follows the credit gets there at any window, in pieces of it
+    assert origin.get(key) == data
+    store.close()
+
+
+def test_an_idle_session_gives_its_standing_credit_to_a_waiting_upload(
+        tmp_path: Path, start_relay: StartRelay) -> None:
+    # A budget of one window: an idle session holding it is ended (OK) when another upload
+    # waits, so that upload is not held up; the first store's next object goes on a new call.
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin, upload_buffer=8 * CHUNK_BYTES, upload_window=8 * CHUNK_BYTES)
+    idle, other = (GrpcStore(relay.url, write_token=WRITE, timeout=20) for _ in range(2))
+    a, b, c = (os.urandom(6 * CHUNK_BYTES + i) for i in range(3))
+    idle.put(pack_key(a), a, if_absent=True)
+    session = idle._relays[0]._idle[0]
+    wait_until(lambda: _budget_used(relay) == 8 * CHUNK_BYTES)  # standing credit: all the budget
+    other.put(pack_key(b), b, if_absent=True)  # waits for the budget, which the idle session gives back
+    wait_until(lambda: not session.alive)
+    idle.put(pack_key(c), c, if_absent=True)
+    assert idle._relays[0]._idle and idle._relays[0]._idle[0] is not session
+    assert [origin.get(pack_key(x)) == x for x in (a, b, c)] == [True] * 3
+    idle.close()
+    other.close()
+    wait_until(lambda: _budget_used(relay) == 0)
+
+
 def test_uploads_in_flight_together_split_evenly_over_the_relays() -> None:
     # Issue 30, item 4: a snapshot's few large packs, hashed, can land 3:1 on two relays (one
     # link carries three quarters); started by the bytes each relay has in flight, 2:2.
@@ -527,7 +641,7 @@ def test_a_conditional_put_retried_after_a_lost_answer_is_ours(writer: tuple[Grp
     """The relay wrote the manifest, the answer was lost (UNAVAILABLE), the retry finds it:
     our own bytes are success, not a lost race."""
     store, _, origin = writer
-    real = store._upload
+    real = store._in_session
 
     class Lost(grpc.RpcError):  # type: ignore[misc]
         def code(self) -> grpc.StatusCode:
@@ -538,13 +652,14 @@ def test_a_conditional_put_retried_after_a_lost_answer_is_ours(writer: tuple[Grp
 
     calls = []
 
-    def upload_then_lose(*args: Any) -> None:
+    def upload_then_lose(*args: Any) -> bool:
         calls.append(1)
-        real(*args)
+        assert real(*args)
         if len(calls) == 1:
             raise Lost()
+        return True
 
-    store._upload = upload_then_lose  # type: ignore[method-assign,assignment]
+    store._in_session = upload_then_lose  # type: ignore[method-assign,assignment]
     key = "manifests/00000000000000000007.pb"
     data = _manifest(7)
     store.put(key, data, if_absent=True)

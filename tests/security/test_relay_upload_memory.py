@@ -8,9 +8,11 @@ counted) must grow with ``max_uploads``, not with the number of uploaders. Befor
 every stream waiting for a slot had megabytes parked in grpc's receive buffers (BDP-grown
 flow-control windows): 2 slots, 16 uploaders grew it by about 90 MiB, 2 uploaders by 15.
 
-Uploads use the credited Upload call (``GrpcStore``, each store on a connection of its own) at
-the relay's defaults, whose 32 MiB window per stream would otherwise let every uploader park
-32 MiB; the old Put is checked at the small window it needs (64 KiB).
+Uploads use the credited UploadSession call (``GrpcStore``, each store on a connection of its
+own) at the relay's defaults, whose 32 MiB window per stream would otherwise let every uploader
+park 32 MiB; the old Put is checked at the small window it needs (64 KiB). A session's standing
+credit (granted past an object for the next one's first bytes) is taken from the same budget,
+and only while no upload waits for the budget or its turn, so the bounds below hold with it.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _upload(address: str, data: bytes, errors: list[str]) -> None:
 
 
 def _store_upload(address: str, data: bytes, errors: list[str]) -> None:
-    """Upload (under the relay's credit), as a publisher's grpc:// store does."""
+    """An upload session (under the relay's credit), as a publisher's grpc:// store does."""
     store = GrpcStore(f"grpc://{address}", write_token=TOKEN)
     try:
         store.put(f"packs/{digest(data).hex()}.pack", data)
