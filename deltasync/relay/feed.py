@@ -1,7 +1,17 @@
 """What a relay knows of its upstream's versions: :class:`VersionFeed`, one per relay and shared
 by every watcher, follows the upstream while anyone watches (polling ``refs/latest`` and listing
 the manifests, or following an upstream relay's Watch stream); :class:`Warmer` fetches each
-version it learns of into the cache before anyone asks."""
+version it learns of into the cache before anyone asks.
+
+Copies (issue 30 item 2): an event for a new version carries the small mutable objects a
+reader of it asks for next, as stored upstream (:data:`COPIED`: the refs, the marker, the
+``squashes/`` listing; ``VersionEvent.copies``). A relay following an upstream relay keeps the
+copies of the newest event for ``hint_ttl`` seconds and answers those reads from them (and
+forwards them to its own watchers), so a reader behind a long link learns of a version and
+reads its refs without a round trip across it per read. They are hints like any read through
+a relay: agents check refs (signed ones against their trusted keys), the marker and every
+object exactly as before. A relay over a repository (not a relay) reads them there once per
+new version; one over a relay that sends none sends none (its readers ask as before)."""
 
 from __future__ import annotations
 
@@ -14,10 +24,10 @@ from collections.abc import Callable
 
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError
 from ..format.manifest import BLOB_PART_SIZE, manifest_key, parse_manifest
-from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint
+from ..repo.repository import LATEST, MARKER, MAX_REF_BYTES, PIN, SQUASHES, Repository, blob_key, ref_hint
 from ..storage import GrpcStore, Store, VersionWatch, check_key
-from ..v1 import manifest_pb2 as manifest_pb
-from .cache import ObjectCache
+from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
+from .cache import ObjectCache, served
 from .config import RelayConfig
 from .fetch import Fetches, InThread
 
@@ -26,6 +36,10 @@ log = logging.getLogger("deltasync.relay")
 _RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
 _IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
 _WARM_BACKLOG = 8  # newest versions of one feed update that are warmed (older ones: on demand)
+#: What an event for a new version carries copies of (module doc): objects, and listed prefixes.
+COPIED = (PIN, LATEST, MARKER, SQUASHES)
+_COPY_BYTES = 64 << 10  # a larger ref or marker is not copied (readers ask for it as before)
+_COPY_KEYS = 1000  # nor a listing of more keys
 
 
 class VersionFeed:
@@ -56,6 +70,9 @@ class VersionFeed:
         self._closed = False
         self._next_scan = 0.0  # poller thread state
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._hints: dict[str, pb.UpstreamCopy] = {}  # from the upstream relay's newest event
+        self._hints_at = -float("inf")
+        self._copies: dict[int, asyncio.Task[list[pb.UpstreamCopy]]] = {}  # sent with our events
 
     def start(self) -> None:
         if self._task is None and not self._closed:
@@ -82,6 +99,50 @@ class VersionFeed:
     def wake(self) -> None:
         old, self.changed = self.changed, asyncio.Event()
         old.set()
+
+    def hint(self, key: str) -> pb.UpstreamCopy | None:
+        """The upstream relay's copy of ``key`` (an object, or a listed prefix) sent with its
+        newest event, while under ``hint_ttl`` old; None: ask the upstream."""
+        if time.monotonic() - self._hints_at >= self.config.hint_ttl:
+            return None
+        return self._hints.get(key)
+
+    def copies(self, version: int) -> asyncio.Task[list[pb.UpstreamCopy]]:
+        """(Loop) The copies to send with the event for ``version``, gathered once per version
+        for every watcher: the upstream relay's (fresh, as they came), else, over a
+        repository, read there now; none over a relay that sent none."""
+        task = self._copies.get(version)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._gather(version))
+            self._copies[version] = task
+            for old in sorted(self._copies)[:-8]:
+                del self._copies[old]
+        return task
+
+    async def _gather(self, version: int) -> list[pb.UpstreamCopy]:
+        if isinstance(self.upstream, GrpcStore):
+            return [c for k in COPIED if (c := self.hint(k)) is not None]
+        got = await asyncio.gather(*(self.in_thread(self._read_copy, key) for key in COPIED), return_exceptions=True)
+        return [c for c in got if isinstance(c, pb.UpstreamCopy)]
+
+    def _read_copy(self, key: str) -> pb.UpstreamCopy | None:
+        """(Thread) ``key`` as stored upstream now, or None when it is not to be copied."""
+        if key.endswith("/"):
+            keys = [k for k in self.upstream.list(key) if served(k)]
+            return pb.UpstreamCopy(key=key, keys=keys) if len(keys) <= _COPY_KEYS else None
+        try:
+            return pb.UpstreamCopy(key=key, data=self.upstream.get(key, max_bytes=_COPY_BYTES))
+        except ObjectNotFoundError:
+            return pb.UpstreamCopy(key=key, absent=True)
+        except ObjectTooLargeError:
+            return None
+
+    def _announced(self, version: int, copies: list[pb.UpstreamCopy]) -> None:
+        """(Loop) The upstream relay announced ``version`` with ``copies``."""
+        if version > self.latest:
+            hints = {c.key: c for c in copies if c.key in COPIED}
+            self._hints, self._hints_at = hints, (time.monotonic() if hints else -float("inf"))
+        self.publish([version])
 
     def publish(self, versions: list[int]) -> None:
         new = sorted({v for v in versions if v > self.latest})
@@ -166,7 +227,7 @@ class VersionFeed:
         if self._closed:
             watch.close()
         for version in watch:
-            self._loop.call_soon_threadsafe(self.publish, [version])
+            self._loop.call_soon_threadsafe(self._announced, version, watch.copies)
 
 
 class Warmer:
@@ -206,14 +267,16 @@ class Warmer:
         key = manifest_key(version)
         try:
             await self._warm_object(key)
-            keys, total = await self.in_thread(self._version_objects, key, version)
+            keys, total, sizes = await self.in_thread(self._version_objects, key, version)
             limit = self.cache.max_bytes
             if limit is not None and total > limit // 2:
                 # Warming it would evict what agents behind it still read: leave it to demand.
                 self.counters["warm_skipped"] += 1
                 log.info("not warming version %d: %s bytes to fetch, over half the cache limit", version, f"{total:,}")
                 return
-            await asyncio.gather(*(self._warm_object(k) for k in keys))
+            # Packs by the size their manifest names: their ranges requested at once, with the
+            # manifest's round trip the only one before them (the bytes checked as always).
+            await asyncio.gather(*(self._warm_object(k, sizes.get(k)) for k in keys))
             self.counters["warmed_versions"] += 1
         except asyncio.CancelledError:
             raise
@@ -221,16 +284,16 @@ class Warmer:
             self.counters["warm_errors"] += 1
             log.warning("cannot warm version %d from %s: %s", version, self.upstream_url, e)
 
-    async def _warm_object(self, key: str) -> None:
+    async def _warm_object(self, key: str, size_hint: int | None = None) -> None:
         assert self._slots is not None
         async with self._slots:
             if self.stopping or self.cache.lookup(key, touch=False) is not None:
                 return
-            await asyncio.shield(self.fetches.fetch(key, warm=True).task)
+            await asyncio.shield(self.fetches.fetch(key, warm=True, size_hint=size_hint).task)
 
-    def _version_objects(self, key: str, version: int) -> tuple[list[str], int]:
+    def _version_objects(self, key: str, version: int) -> tuple[list[str], int, dict[str, int]]:
         """(Thread) The packs and blobs the cached manifest ``key`` names that the cache lacks,
-        and their bytes (blobs counted at their bound)."""
+        their bytes (blobs counted at their bound), and the packs' sizes as it names them."""
         entry = self.cache.lookup(key, touch=False)
         if entry is None:
             raise CorruptObjectError(key, "evicted before it could be read")
@@ -242,4 +305,4 @@ class Warmer:
         missing = sorted(k for k in sizes if self.cache.lookup(k, touch=False) is None)
         for k in missing:
             check_key(k)
-        return missing, sum(sizes[k] for k in missing)
+        return missing, sum(sizes[k] for k in missing), {p.key: p.size for p in info.pb.packs}
