@@ -34,7 +34,8 @@ class RelayConfig:
     """Seconds a relay following an upstream relay's Watch answers reads of the refs, the marker
     and the ``squashes/`` listing from the copies sent with the newest version's event (a
     hint readers check as any read: relay/feed.py) instead of asking across its link; 0: never.
-    A ref moved upstream without a new version (a pin) is seen this much later at most."""
+    A ref moved upstream without a new version (a pin) is seen this much later at most (the
+    marker and the listing, which change rarely, are served 10 times as long)."""
     fetch_piece_bytes: int = 8 << 20
     """Objects larger than this are fetched from the upstream in ranges of this size."""
     fetch_pieces_in_flight: int = 32

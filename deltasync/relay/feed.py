@@ -40,6 +40,10 @@ _WARM_BACKLOG = 8  # newest versions of one feed update that are warmed (older o
 COPIED = (PIN, LATEST, MARKER, SQUASHES)
 _COPY_BYTES = 64 << 10  # a larger ref or marker is not copied (readers ask for it as before)
 _COPY_KEYS = 1000  # nor a listing of more keys
+# The marker and the squashes/ listing change rarely (a repository created again, a squash
+# added, neither of which a reader misses for long: identities are read again every 30 s, a
+# squash is only a shorter path): their copies serve this many times ``hint_ttl``.
+_LASTING = 10
 
 
 class VersionFeed:
@@ -70,8 +74,7 @@ class VersionFeed:
         self._closed = False
         self._next_scan = 0.0  # poller thread state
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._hints: dict[str, pb.UpstreamCopy] = {}  # from the upstream relay's newest event
-        self._hints_at = -float("inf")
+        self._hints: dict[str, tuple[pb.UpstreamCopy, float]] = {}  # from the upstream relay's events, and when
         self._copies: dict[int, asyncio.Task[list[pb.UpstreamCopy]]] = {}  # sent with our events
 
     def start(self) -> None:
@@ -102,10 +105,13 @@ class VersionFeed:
 
     def hint(self, key: str) -> pb.UpstreamCopy | None:
         """The upstream relay's copy of ``key`` (an object, or a listed prefix) sent with its
-        newest event, while under ``hint_ttl`` old; None: ask the upstream."""
-        if time.monotonic() - self._hints_at >= self.config.hint_ttl:
+        newest event, while under ``hint_ttl`` old (the marker and the listing, which change
+        rarely: ``_LASTING`` times that); None: ask the upstream."""
+        got = self._hints.get(key)
+        if got is None:
             return None
-        return self._hints.get(key)
+        ttl = self.config.hint_ttl * (1 if key.startswith("refs/") else _LASTING)
+        return got[0] if time.monotonic() - got[1] < ttl else None
 
     def copies(self, version: int) -> asyncio.Task[list[pb.UpstreamCopy]]:
         """(Loop) The copies to send with the event for ``version``, gathered once per version
@@ -140,8 +146,8 @@ class VersionFeed:
     def _announced(self, version: int, copies: list[pb.UpstreamCopy]) -> None:
         """(Loop) The upstream relay announced ``version`` with ``copies``."""
         if version > self.latest:
-            hints = {c.key: c for c in copies if c.key in COPIED}
-            self._hints, self._hints_at = hints, (time.monotonic() if hints else -float("inf"))
+            now = time.monotonic()
+            self._hints.update((c.key, (c, now)) for c in copies if c.key in COPIED)
         self.publish([version])
 
     def publish(self, versions: list[int]) -> None:
@@ -244,6 +250,7 @@ class Warmer:
         self.stopping = False
         self._slots: asyncio.Semaphore | None = None  # made on the loop, in start()
         self._warming: set[asyncio.Task[None]] = set()
+        self._versions: dict[int, asyncio.Task[None]] = {}  # the newest versions' warms
 
     def start(self) -> None:
         self._slots = asyncio.Semaphore(self.config.warm_concurrency)
@@ -259,9 +266,25 @@ class Warmer:
         if not self.config.warm or self.stopping or not versions:
             return
         for version in versions[-1:] if fresh else versions[-_WARM_BACKLOG:]:
+            running = self._versions.get(version)
+            if running is not None and not running.done():
+                continue  # begun already (from a ref read: warm_ahead)
             task = asyncio.get_running_loop().create_task(self._warm(version))
             self._warming.add(task)
             task.add_done_callback(self._warming.discard)
+            self._versions[version] = task
+            for old in sorted(self._versions)[:-_WARM_BACKLOG]:
+                del self._versions[old]
+
+    def warm_ahead(self, ref: bytes, known: int) -> None:
+        """(Loop) A reader's ``refs/latest``, read through from the upstream, names a version
+        newer than ``known`` (the feed's newest): a reader polling the ref learns of a version
+        before the upstream's event comes, and will read its manifest and packs next, so
+        their fetches begin now, joined by its reads (the ref is only a hint: a version it
+        names that is not there is a failed warm, nothing more)."""
+        version = ref_hint(ref)
+        if version is not None and version > known:
+            self.warm_new([version], False)
 
     async def _warm(self, version: int) -> None:
         key = manifest_key(version)

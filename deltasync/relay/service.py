@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from ..errors import CorruptObjectError, ObjectNotFoundError, ObjectRangeError
+from ..repo.repository import LATEST
 from ..storage import Store, check_key
 from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, status_code
 from ..v1 import relay_pb2 as pb
@@ -192,6 +193,8 @@ class RelayService:
             try:
                 async for chunk in self.fetches.from_upstream(key, byte_range):
                     self.counters["served_bytes"] += len(chunk.data)
+                    if key == LATEST and byte_range is None:  # (one chunk: a ref is small)
+                        self.warmer.warm_ahead(chunk.data, self.feed.latest)
                     yield chunk
             except Exception as e:
                 await self._abort(context, e, key)

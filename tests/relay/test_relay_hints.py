@@ -144,3 +144,21 @@ def test_a_pin_moved_is_served_from_the_upstream_once_the_hints_expire(tree: Any
         assert Repository(reader).pinned() == 1
     finally:
         watch.close()
+
+
+@pytest.mark.parametrize("tree", [{}], indirect=True)
+def test_a_ref_read_naming_a_newer_version_starts_its_warming(tree: Any) -> None:
+    # A polling reader learns of a version before any Watch event: its manifest and packs are
+    # fetched from the moment the relay passes the ref on, the reader's reads joining them.
+    repo, counted, cluster = tree
+    pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
+    pub.publish(_state(1))
+    reader = GrpcStore(f"grpc://{cluster.address}")
+    assert Repository(reader).latest_ref() == 1  # nobody watches: no feed, no event
+    deadline = time.monotonic() + 10
+    while cluster.metrics()["warmed_versions"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.metrics()["warmed_versions"] == 1
+    calls = counted.take()
+    assert any(op == "get" and k.startswith("packs/") for op, k in calls), calls
+    assert not any(op == "size" for op, _ in calls), calls  # the packs by their manifest's sizes
