@@ -20,12 +20,13 @@ import bisect
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError
 from ..format.manifest import BLOB_PART_SIZE, manifest_key, parse_manifest
 from ..repo.repository import LATEST, MARKER, MAX_REF_BYTES, PIN, SQUASHES, Repository, blob_key, ref_hint
-from ..storage import GrpcStore, Store, VersionWatch, check_key
+from ..storage import GrpcStore, MemoryStore, Store, VersionWatch, check_key
 from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
 from .cache import ObjectCache, served
 from .config import RelayConfig
@@ -40,6 +41,7 @@ _WARM_BACKLOG = 8  # newest versions of one feed update that are warmed (older o
 COPIED = (PIN, LATEST, MARKER, SQUASHES)
 _COPY_BYTES = 64 << 10  # a larger ref or marker is not copied (readers ask for it as before)
 _COPY_KEYS = 1000  # nor a listing of more keys
+_MANIFEST_COPY_BYTES = 256 << 10  # a version's manifest up to this is sent with its event
 # The marker and the squashes/ listing change rarely (a repository created again, a squash
 # added, neither of which a reader misses for long: identities are read again every 30 s, a
 # squash is only a shorter path): their copies serve this many times ``hint_ttl``.
@@ -56,12 +58,18 @@ class VersionFeed:
         watchers: Callable[[], int],
         config: RelayConfig,
         on_new: Callable[[list[int], bool], None] | None = None,
+        fetches: Fetches | None = None,
+        on_manifest: Callable[[str, bytes], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.upstream = upstream
         self.in_thread = in_thread
         self.watchers = watchers
         self.config = config
         self.on_new = on_new  # (versions, fresh): new versions, and whether the feed just (re)started
+        self.fetches = fetches  # the cache, where the manifests sent with events are (_manifest_copy)
+        self.cache = fetches.cache if fetches is not None else None
+        self.on_manifest = on_manifest  # (key, bytes): a manifest an event carried, into the cache
+        self._pending: asyncio.Task[None] | None = None  # the newest announced version, landing its manifest
         self._fresh = True
         self.latest = 0
         self.recent: list[int] = []  # newest committed versions, ascending
@@ -126,10 +134,34 @@ class VersionFeed:
         return task
 
     async def _gather(self, version: int) -> list[pb.UpstreamCopy]:
+        manifest = self._manifest_copy(version)
         if isinstance(self.upstream, GrpcStore):
-            return [c for k in COPIED if (c := self.hint(k)) is not None]
-        got = await asyncio.gather(*(self.in_thread(self._read_copy, key) for key in COPIED), return_exceptions=True)
-        return [c for c in got if isinstance(c, pb.UpstreamCopy)]
+            copies = [c for k in COPIED if (c := self.hint(k)) is not None]
+            got: list[object] = list(await asyncio.gather(manifest, return_exceptions=True))
+        else:
+            got = await asyncio.gather(manifest, *(self.in_thread(self._read_copy, key) for key in COPIED),
+                                       return_exceptions=True)
+            copies = []
+        return copies + [c for c in got if isinstance(c, pb.UpstreamCopy)]
+
+    async def _manifest_copy(self, version: int) -> pb.UpstreamCopy | None:
+        """The manifest of ``version`` when it is small (most deltas'), from the cache: where a
+        copy from the upstream relay landed, or, over a repository, fetched now (the warmer's
+        fetch of it, single flight; not with warming off). A relay following this one starts its packs on the event.
+        Over a relay that sent none: none (not a round trip across the link before the event)."""
+        key = manifest_key(version)
+        if self.cache is None or self.fetches is None:
+            return None
+        entry = self.cache.lookup(key, touch=False)
+        if entry is None and self.config.warm and not isinstance(self.upstream, GrpcStore):
+            entry = await asyncio.shield(self.fetches.fetch(key, warm=True).task)
+        if entry is None or entry.size > _MANIFEST_COPY_BYTES:
+            return None
+        try:
+            data = await self.in_thread(entry.path.read_bytes)
+        except OSError:  # evicted meanwhile
+            return None
+        return pb.UpstreamCopy(key=key, data=data)
 
     def _read_copy(self, key: str) -> pb.UpstreamCopy | None:
         """(Thread) ``key`` as stored upstream now, or None when it is not to be copied."""
@@ -144,10 +176,32 @@ class VersionFeed:
             return None
 
     def _announced(self, version: int, copies: list[pb.UpstreamCopy]) -> None:
-        """(Loop) The upstream relay announced ``version`` with ``copies``."""
+        """(Loop) The upstream relay announced ``version`` with ``copies``: the hints kept,
+        its manifest (if sent) into the cache as if fetched (checked the same way), then the
+        version published (so the warmer finds the manifest there and asks for its packs)."""
         if version > self.latest:
             now = time.monotonic()
             self._hints.update((c.key, (c, now)) for c in copies if c.key in COPIED)
+        key = manifest_key(version)
+        manifest = next((c for c in copies if c.key == key and not c.absent), None)
+        if self.on_manifest is None or version <= self.latest:
+            manifest = None
+        before = self._pending
+        if manifest is None and (before is None or before.done()):
+            self.publish([version])
+            return
+        # Published in the order announced, each after its manifest landed.
+        self._pending = asyncio.get_running_loop().create_task(self._land_then_publish(version, manifest, before))
+
+    async def _land_then_publish(self, version: int, manifest: pb.UpstreamCopy | None,
+                                 before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        if manifest is not None and self.on_manifest is not None:
+            try:
+                await self.on_manifest(manifest.key, manifest.data)
+            except Exception as e:  # not that manifest: the warmer (or a reader) fetches it as before
+                log.warning("the manifest of version %d that the upstream relay sent is refused: %s", version, e)
         self.publish([version])
 
     def publish(self, versions: list[int]) -> None:
@@ -163,6 +217,8 @@ class VersionFeed:
 
     async def close(self) -> None:
         self._closed = True
+        if self._pending is not None:
+            self._pending.cancel()
         if self._watch is not None:
             self._watch.close()
         if self._task is not None:
@@ -306,6 +362,16 @@ class Warmer:
         except Exception as e:
             self.counters["warm_errors"] += 1
             log.warning("cannot warm version %d from %s: %s", version, self.upstream_url, e)
+
+    async def land(self, key: str, data: bytes) -> None:
+        """(Loop) ``data``, the upstream relay's copy of manifest ``key``, into the cache as a
+        fetch of it (one flight: readers asking meanwhile join it), checked as every fetched
+        manifest is; a copy refused is fetched from the upstream when next asked for."""
+        if self.cache.lookup(key, touch=False) is not None or key in self.fetches.inflight:
+            return
+        source = MemoryStore("memory://upstream-copy")
+        source.put(key, data)
+        await asyncio.shield(self.fetches.fetch(key, warm=True, source=source).task)
 
     async def _warm_object(self, key: str, size_hint: int | None = None) -> None:
         assert self._slots is not None

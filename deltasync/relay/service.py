@@ -59,7 +59,8 @@ class RelayService:
         }
         self.fetches = Fetches(upstream, cache, config, self.in_thread, self.counters)
         self.warmer = Warmer(self.fetches, upstream_url, config, self.counters)
-        self.feed = VersionFeed(upstream, self.in_thread, lambda: self.counters["watchers"], config, self.warmer.warm_new)
+        self.feed = VersionFeed(upstream, self.in_thread, lambda: self.counters["watchers"], config, self.warmer.warm_new,
+                                fetches=self.fetches, on_manifest=self.warmer.land)
         self.uploads = Uploads(upstream, cache, config, self.in_thread)
 
     def handler(self) -> Any:
