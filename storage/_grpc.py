@@ -756,6 +756,9 @@ class VersionWatch(Iterator[int]):
         self.store = store
         self.last = after_version  # newest version yielded (or known to the caller)
         self.latest = after_version  # newest version a relay reported, keepalives included
+        # What the relay sent with the version last yielded (VersionEvent.copies): hints for a
+        # relay following this one, which serves them for a short while (relay/feed.py).
+        self.copies: list[pb.UpstreamCopy] = []
         self._lock = threading.Lock()  # orders close() against opening the next stream
         self._stream: _Stream | None = None
         self._closed = threading.Event()
@@ -796,6 +799,7 @@ class VersionWatch(Iterator[int]):
                     self.latest = max(self.latest, event.latest)
                     if event.version > self.last and not self._closed.is_set():
                         self.last = event.version
+                        self.copies = list(event.copies)
                         yield event.version
                 error = "the relay ended the stream"
             except grpc.RpcError as e:

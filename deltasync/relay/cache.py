@@ -390,11 +390,16 @@ class ObjectCache:
 
     # -- fetch ---------------------------------------------------------------------------------
 
-    def fetch(self, key: str, upstream: Store, *, max_size: int | None = None, landing: Landing | None = None) -> Entry:
+    def fetch(self, key: str, upstream: Store, *, max_size: int | None = None, landing: Landing | None = None,
+              size_hint: int | None = None) -> Entry:
         """Download ``key`` from ``upstream`` into the cache (one read for objects up to
         ``piece_bytes``, ranged reads beyond) and index it; an object larger than
         ``max_size`` is refused (ObjectTooLargeError) before anything is downloaded.
-        ``landing`` (given by the caller to read along) follows the download's progress."""
+        ``landing`` (given by the caller to read along) follows the download's progress.
+        ``size_hint``: a pack's size as a manifest names it (warming), so its ranges are
+        requested at once, without asking the upstream its size first; only a hint: the bytes
+        are checked against the key's digest as always, and a wrong size fails the fetch
+        (CorruptObjectError, or the upstream's range error), the next reader's fetches again."""
         landing = landing if landing is not None else Landing(key)
         tmp = self.root / "tmp" / uuid.uuid4().hex
         path = self._path(key)
@@ -417,6 +422,8 @@ class ObjectCache:
                 size = len(small)
             elif told is not None:
                 size = told
+            elif size_hint is not None and key.startswith("packs/"):
+                size = size_hint
             else:
                 began = time.monotonic()
                 size = upstream.size(key)

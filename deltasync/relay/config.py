@@ -30,6 +30,12 @@ class RelayConfig:
     """Seconds of silence after which a watcher gets a keepalive event."""
     upstream_grace: float = 10.0
     """Seconds the upstream may stay unreachable before watchers are sent elsewhere."""
+    hint_ttl: float = 3.0
+    """Seconds a relay following an upstream relay's Watch answers reads of the refs, the marker
+    and the ``squashes/`` listing from the copies sent with the newest version's event (a
+    hint readers check as any read: relay/feed.py) instead of asking across its link; 0: never.
+    A ref moved upstream without a new version (a pin) is seen this much later at most (the
+    marker and the listing, which change rarely, are served 10 times as long)."""
     fetch_piece_bytes: int = 8 << 20
     """Objects larger than this are fetched from the upstream in ranges of this size."""
     fetch_pieces_in_flight: int = 32
@@ -86,6 +92,8 @@ class RelayConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise UsageError(f"invalid listen address {self.listen!r} (expected HOST:PORT)")
+        if not 0 <= self.hint_ttl <= 600:
+            raise UsageError(f"hint_ttl must be in 0..600 seconds, got {self.hint_ttl}")
         for name in ("poll_interval", "rescan_interval", "keepalive_interval", "upstream_grace"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,7 +1,17 @@
 """What a relay knows of its upstream's versions: :class:`VersionFeed`, one per relay and shared
 by every watcher, follows the upstream while anyone watches (polling ``refs/latest`` and listing
 the manifests, or following an upstream relay's Watch stream); :class:`Warmer` fetches each
-version it learns of into the cache before anyone asks."""
+version it learns of into the cache before anyone asks.
+
+Copies (issue 30 item 2): an event for a new version carries the small mutable objects a
+reader of it asks for next, as stored upstream (:data:`COPIED`: the refs, the marker, the
+``squashes/`` listing; ``VersionEvent.copies``). A relay following an upstream relay keeps the
+copies of the newest event for ``hint_ttl`` seconds and answers those reads from them (and
+forwards them to its own watchers), so a reader behind a long link learns of a version and
+reads its refs without a round trip across it per read. They are hints like any read through
+a relay: agents check refs (signed ones against their trusted keys), the marker and every
+object exactly as before. A relay over a repository (not a relay) reads them there once per
+new version; one over a relay that sends none sends none (its readers ask as before)."""
 
 from __future__ import annotations
 
@@ -10,14 +20,15 @@ import bisect
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError
 from ..format.manifest import BLOB_PART_SIZE, manifest_key, parse_manifest
-from ..repo.repository import LATEST, MAX_REF_BYTES, Repository, blob_key, ref_hint
-from ..storage import GrpcStore, Store, VersionWatch, check_key
-from ..v1 import manifest_pb2 as manifest_pb
-from .cache import ObjectCache
+from ..repo.repository import LATEST, MARKER, MAX_REF_BYTES, PIN, SQUASHES, Repository, blob_key, ref_hint
+from ..storage import GrpcStore, MemoryStore, Store, VersionWatch, check_key
+from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
+from .cache import ObjectCache, served
 from .config import RelayConfig
 from .fetch import Fetches, InThread
 
@@ -26,6 +37,15 @@ log = logging.getLogger("deltasync.relay")
 _RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
 _IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
 _WARM_BACKLOG = 8  # newest versions of one feed update that are warmed (older ones: on demand)
+#: What an event for a new version carries copies of (module doc): objects, and listed prefixes.
+COPIED = (PIN, LATEST, MARKER, SQUASHES)
+_COPY_BYTES = 64 << 10  # a larger ref or marker is not copied (readers ask for it as before)
+_COPY_KEYS = 1000  # nor a listing of more keys
+_MANIFEST_COPY_BYTES = 256 << 10  # a version's manifest up to this is sent with its event
+# The marker and the squashes/ listing change rarely (a repository created again, a squash
+# added, neither of which a reader misses for long: identities are read again every 30 s, a
+# squash is only a shorter path): their copies serve this many times ``hint_ttl``.
+_LASTING = 10
 
 
 class VersionFeed:
@@ -38,12 +58,18 @@ class VersionFeed:
         watchers: Callable[[], int],
         config: RelayConfig,
         on_new: Callable[[list[int], bool], None] | None = None,
+        fetches: Fetches | None = None,
+        on_manifest: Callable[[str, bytes], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.upstream = upstream
         self.in_thread = in_thread
         self.watchers = watchers
         self.config = config
         self.on_new = on_new  # (versions, fresh): new versions, and whether the feed just (re)started
+        self.fetches = fetches  # the cache, where the manifests sent with events are (_manifest_copy)
+        self.cache = fetches.cache if fetches is not None else None
+        self.on_manifest = on_manifest  # (key, bytes): a manifest an event carried, into the cache
+        self._pending: asyncio.Task[None] | None = None  # the newest announced version, landing its manifest
         self._fresh = True
         self.latest = 0
         self.recent: list[int] = []  # newest committed versions, ascending
@@ -56,6 +82,8 @@ class VersionFeed:
         self._closed = False
         self._next_scan = 0.0  # poller thread state
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._hints: dict[str, tuple[pb.UpstreamCopy, float]] = {}  # from the upstream relay's events, and when
+        self._copies: dict[int, asyncio.Task[list[pb.UpstreamCopy]]] = {}  # sent with our events
 
     def start(self) -> None:
         if self._task is None and not self._closed:
@@ -83,6 +111,99 @@ class VersionFeed:
         old, self.changed = self.changed, asyncio.Event()
         old.set()
 
+    def hint(self, key: str) -> pb.UpstreamCopy | None:
+        """The upstream relay's copy of ``key`` (an object, or a listed prefix) sent with its
+        newest event, while under ``hint_ttl`` old (the marker and the listing, which change
+        rarely: ``_LASTING`` times that); None: ask the upstream."""
+        got = self._hints.get(key)
+        if got is None:
+            return None
+        ttl = self.config.hint_ttl * (1 if key.startswith("refs/") else _LASTING)
+        return got[0] if time.monotonic() - got[1] < ttl else None
+
+    def copies(self, version: int) -> asyncio.Task[list[pb.UpstreamCopy]]:
+        """(Loop) The copies to send with the event for ``version``, gathered once per version
+        for every watcher: the upstream relay's (fresh, as they came), else, over a
+        repository, read there now; none over a relay that sent none."""
+        task = self._copies.get(version)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._gather(version))
+            self._copies[version] = task
+            for old in sorted(self._copies)[:-8]:
+                del self._copies[old]
+        return task
+
+    async def _gather(self, version: int) -> list[pb.UpstreamCopy]:
+        manifest = self._manifest_copy(version)
+        if isinstance(self.upstream, GrpcStore):
+            copies = [c for k in COPIED if (c := self.hint(k)) is not None]
+            got: list[object] = list(await asyncio.gather(manifest, return_exceptions=True))
+        else:
+            got = await asyncio.gather(manifest, *(self.in_thread(self._read_copy, key) for key in COPIED),
+                                       return_exceptions=True)
+            copies = []
+        return copies + [c for c in got if isinstance(c, pb.UpstreamCopy)]
+
+    async def _manifest_copy(self, version: int) -> pb.UpstreamCopy | None:
+        """The manifest of ``version`` when it is small (most deltas'), from the cache: where a
+        copy from the upstream relay landed, or, over a repository, fetched now (the warmer's
+        fetch of it, single flight; not with warming off). A relay following this one starts its packs on the event.
+        Over a relay that sent none: none (not a round trip across the link before the event)."""
+        key = manifest_key(version)
+        if self.cache is None or self.fetches is None:
+            return None
+        entry = self.cache.lookup(key, touch=False)
+        if entry is None and self.config.warm and not isinstance(self.upstream, GrpcStore):
+            entry = await asyncio.shield(self.fetches.fetch(key, warm=True).task)
+        if entry is None or entry.size > _MANIFEST_COPY_BYTES:
+            return None
+        try:
+            data = await self.in_thread(entry.path.read_bytes)
+        except OSError:  # evicted meanwhile
+            return None
+        return pb.UpstreamCopy(key=key, data=data)
+
+    def _read_copy(self, key: str) -> pb.UpstreamCopy | None:
+        """(Thread) ``key`` as stored upstream now, or None when it is not to be copied."""
+        if key.endswith("/"):
+            keys = [k for k in self.upstream.list(key) if served(k)]
+            return pb.UpstreamCopy(key=key, keys=keys) if len(keys) <= _COPY_KEYS else None
+        try:
+            return pb.UpstreamCopy(key=key, data=self.upstream.get(key, max_bytes=_COPY_BYTES))
+        except ObjectNotFoundError:
+            return pb.UpstreamCopy(key=key, absent=True)
+        except ObjectTooLargeError:
+            return None
+
+    def _announced(self, version: int, copies: list[pb.UpstreamCopy]) -> None:
+        """(Loop) The upstream relay announced ``version`` with ``copies``: the hints kept,
+        its manifest (if sent) into the cache as if fetched (checked the same way), then the
+        version published (so the warmer finds the manifest there and asks for its packs)."""
+        if version > self.latest:
+            now = time.monotonic()
+            self._hints.update((c.key, (c, now)) for c in copies if c.key in COPIED)
+        key = manifest_key(version)
+        manifest = next((c for c in copies if c.key == key and not c.absent), None)
+        if self.on_manifest is None or version <= self.latest:
+            manifest = None
+        before = self._pending
+        if manifest is None and (before is None or before.done()):
+            self.publish([version])
+            return
+        # Published in the order announced, each after its manifest landed.
+        self._pending = asyncio.get_running_loop().create_task(self._land_then_publish(version, manifest, before))
+
+    async def _land_then_publish(self, version: int, manifest: pb.UpstreamCopy | None,
+                                 before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        if manifest is not None and self.on_manifest is not None:
+            try:
+                await self.on_manifest(manifest.key, manifest.data)
+            except Exception as e:  # not that manifest: the warmer (or a reader) fetches it as before
+                log.warning("the manifest of version %d that the upstream relay sent is refused: %s", version, e)
+        self.publish([version])
+
     def publish(self, versions: list[int]) -> None:
         new = sorted({v for v in versions if v > self.latest})
         if new:
@@ -96,6 +217,8 @@ class VersionFeed:
 
     async def close(self) -> None:
         self._closed = True
+        if self._pending is not None:
+            self._pending.cancel()
         if self._watch is not None:
             self._watch.close()
         if self._task is not None:
@@ -166,7 +289,7 @@ class VersionFeed:
         if self._closed:
             watch.close()
         for version in watch:
-            self._loop.call_soon_threadsafe(self.publish, [version])
+            self._loop.call_soon_threadsafe(self._announced, version, watch.copies)
 
 
 class Warmer:
@@ -183,6 +306,7 @@ class Warmer:
         self.stopping = False
         self._slots: asyncio.Semaphore | None = None  # made on the loop, in start()
         self._warming: set[asyncio.Task[None]] = set()
+        self._versions: dict[int, asyncio.Task[None]] = {}  # the newest versions' warms
 
     def start(self) -> None:
         self._slots = asyncio.Semaphore(self.config.warm_concurrency)
@@ -198,22 +322,40 @@ class Warmer:
         if not self.config.warm or self.stopping or not versions:
             return
         for version in versions[-1:] if fresh else versions[-_WARM_BACKLOG:]:
+            running = self._versions.get(version)
+            if running is not None and not running.done():
+                continue  # begun already (from a ref read: warm_ahead)
             task = asyncio.get_running_loop().create_task(self._warm(version))
             self._warming.add(task)
             task.add_done_callback(self._warming.discard)
+            self._versions[version] = task
+            for old in sorted(self._versions)[:-_WARM_BACKLOG]:
+                del self._versions[old]
+
+    def warm_ahead(self, ref: bytes, known: int) -> None:
+        """(Loop) A reader's ``refs/latest``, read through from the upstream, names a version
+        newer than ``known`` (the feed's newest): a reader polling the ref learns of a version
+        before the upstream's event comes, and will read its manifest and packs next, so
+        their fetches begin now, joined by its reads (the ref is only a hint: a version it
+        names that is not there is a failed warm, nothing more)."""
+        version = ref_hint(ref)
+        if version is not None and version > known:
+            self.warm_new([version], False)
 
     async def _warm(self, version: int) -> None:
         key = manifest_key(version)
         try:
             await self._warm_object(key)
-            keys, total = await self.in_thread(self._version_objects, key, version)
+            keys, total, sizes = await self.in_thread(self._version_objects, key, version)
             limit = self.cache.max_bytes
             if limit is not None and total > limit // 2:
                 # Warming it would evict what agents behind it still read: leave it to demand.
                 self.counters["warm_skipped"] += 1
                 log.info("not warming version %d: %s bytes to fetch, over half the cache limit", version, f"{total:,}")
                 return
-            await asyncio.gather(*(self._warm_object(k) for k in keys))
+            # Packs by the size their manifest names: their ranges requested at once, with the
+            # manifest's round trip the only one before them (the bytes checked as always).
+            await asyncio.gather(*(self._warm_object(k, sizes.get(k)) for k in keys))
             self.counters["warmed_versions"] += 1
         except asyncio.CancelledError:
             raise
@@ -221,16 +363,26 @@ class Warmer:
             self.counters["warm_errors"] += 1
             log.warning("cannot warm version %d from %s: %s", version, self.upstream_url, e)
 
-    async def _warm_object(self, key: str) -> None:
+    async def land(self, key: str, data: bytes) -> None:
+        """(Loop) ``data``, the upstream relay's copy of manifest ``key``, into the cache as a
+        fetch of it (one flight: readers asking meanwhile join it), checked as every fetched
+        manifest is; a copy refused is fetched from the upstream when next asked for."""
+        if self.cache.lookup(key, touch=False) is not None or key in self.fetches.inflight:
+            return
+        source = MemoryStore("memory://upstream-copy")
+        source.put(key, data)
+        await asyncio.shield(self.fetches.fetch(key, warm=True, source=source).task)
+
+    async def _warm_object(self, key: str, size_hint: int | None = None) -> None:
         assert self._slots is not None
         async with self._slots:
             if self.stopping or self.cache.lookup(key, touch=False) is not None:
                 return
-            await asyncio.shield(self.fetches.fetch(key, warm=True).task)
+            await asyncio.shield(self.fetches.fetch(key, warm=True, size_hint=size_hint).task)
 
-    def _version_objects(self, key: str, version: int) -> tuple[list[str], int]:
+    def _version_objects(self, key: str, version: int) -> tuple[list[str], int, dict[str, int]]:
         """(Thread) The packs and blobs the cached manifest ``key`` names that the cache lacks,
-        and their bytes (blobs counted at their bound)."""
+        their bytes (blobs counted at their bound), and the packs' sizes as it names them."""
         entry = self.cache.lookup(key, touch=False)
         if entry is None:
             raise CorruptObjectError(key, "evicted before it could be read")
@@ -242,4 +394,4 @@ class Warmer:
         missing = sorted(k for k in sizes if self.cache.lookup(k, touch=False) is None)
         for k in missing:
             check_key(k)
-        return missing, sum(sizes[k] for k in missing)
+        return missing, sum(sizes[k] for k in missing), {p.key: p.size for p in info.pb.packs}

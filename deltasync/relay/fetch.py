@@ -178,9 +178,13 @@ class Fetches:
         # Not damage and not a bad request: the cache is churning (evicting faster than it is read).
         raise OSError(f"the relay cache keeps losing {key} between finding and opening it; try again")
 
-    def fetch(self, key: str, *, warm: bool = False) -> Flight:
+    def fetch(self, key: str, *, warm: bool = False, size_hint: int | None = None,
+              source: Store | None = None) -> Flight:
         """Single flight: concurrent requests for one key share one upstream fetch, which
-        carries on into the cache even if the client that started it goes away."""
+        carries on into the cache even if the client that started it goes away. ``size_hint``:
+        see ObjectCache.fetch (the warmer's, from the manifest). ``source``: where to read it
+        instead of the upstream (a manifest an upstream relay's event carried: feed.py),
+        checked on arrival as anything fetched is."""
         flight = self.inflight.get(key)
         if flight is not None:
             if not (warm or flight.landing.entry is not None):
@@ -188,7 +192,8 @@ class Fetches:
             return flight
         loop = asyncio.get_running_loop()
         flight = Flight(key, loop)
-        fetch = functools.partial(self.cache.fetch, key, self.upstream, max_size=size_limit(key), landing=flight.landing)
+        fetch = functools.partial(self.cache.fetch, key, source or self.upstream, max_size=size_limit(key),
+                                  landing=flight.landing, size_hint=size_hint)
         flight.task = loop.create_task(self.in_thread(fetch))
         self.inflight[key] = flight
         flight.task.add_done_callback(functools.partial(self._landed, flight))

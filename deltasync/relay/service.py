@@ -19,7 +19,8 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from ..errors import CorruptObjectError, ObjectRangeError
+from ..errors import CorruptObjectError, ObjectNotFoundError, ObjectRangeError
+from ..repo.repository import LATEST
 from ..storage import Store, check_key
 from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, status_code
 from ..v1 import relay_pb2 as pb
@@ -58,7 +59,8 @@ class RelayService:
         }
         self.fetches = Fetches(upstream, cache, config, self.in_thread, self.counters)
         self.warmer = Warmer(self.fetches, upstream_url, config, self.counters)
-        self.feed = VersionFeed(upstream, self.in_thread, lambda: self.counters["watchers"], config, self.warmer.warm_new)
+        self.feed = VersionFeed(upstream, self.in_thread, lambda: self.counters["watchers"], config, self.warmer.warm_new,
+                                fetches=self.fetches, on_manifest=self.warmer.land)
         self.uploads = Uploads(upstream, cache, config, self.in_thread)
 
     def handler(self) -> Any:
@@ -177,11 +179,23 @@ class RelayService:
                 source.close(self.cache)
             await self._abort(context, e, key)
         if source is None:
+            copy = self.feed.hint(key) if byte_range is None else None
+            if copy is not None and not copy.key.endswith("/"):
+                # The upstream relay sent it with its newest event (feed.py): no read across the
+                # link. A hint, as any read through a relay is: the reader checks it.
+                if copy.absent:
+                    await self._abort(context, ObjectNotFoundError(key), key)
+                self.counters["hinted"] = self.counters.get("hinted", 0) + 1
+                self.counters["served_bytes"] += len(copy.data)
+                yield pb.GetChunk(data=copy.data, total_bytes=len(copy.data))
+                return
             # Refs and the marker: never cached, never held whole (a hostile upstream's 2 GiB
             # refs/latest passes through in 1 MiB pieces).
             try:
                 async for chunk in self.fetches.from_upstream(key, byte_range):
                     self.counters["served_bytes"] += len(chunk.data)
+                    if key == LATEST and byte_range is None:  # (one chunk: a ref is small)
+                        self.warmer.warm_ahead(chunk.data, self.feed.latest)
                     yield chunk
             except Exception as e:
                 await self._abort(context, e, key)
@@ -215,6 +229,11 @@ class RelayService:
         try:
             check_served(key)
             known = self.fetches.known_size(key) if cacheable(key) else None
+            copy = self.feed.hint(key) if known is None else None
+            if copy is not None and not copy.key.endswith("/"):
+                if copy.absent:
+                    raise ObjectNotFoundError(key)
+                known = len(copy.data)
             size = known if known is not None else await self.in_thread(self.upstream.size, key)
         except Exception as e:
             await self._abort(context, e, key)
@@ -226,7 +245,11 @@ class RelayService:
         try:
             if prefix:
                 check_key(prefix.rstrip("/"))
-            keys = await self.in_thread(_layout_keys, self.upstream, prefix)
+            copy = self.feed.hint(prefix) if prefix.endswith("/") else None
+            if copy is not None:  # a listing the upstream relay sent with its newest event
+                keys = list(copy.keys)
+            else:
+                keys = await self.in_thread(_layout_keys, self.upstream, prefix)
         except Exception as e:
             await self._abort(context, e, prefix or None)
         for start in range(0, len(keys), LIST_BATCH):
@@ -368,7 +391,8 @@ class RelayService:
                     new = new[-1:]
                 caught_up = caught_up or feed.succeeded
                 for version in new:
-                    yield pb.VersionEvent(version=version, latest=feed.latest)
+                    copies = await asyncio.shield(feed.copies(version)) if version == feed.latest else []
+                    yield pb.VersionEvent(version=version, latest=feed.latest, copies=copies)
                     last = version
                     sent_at = time.monotonic()
                 wait = self.config.keepalive_interval - (time.monotonic() - sent_at)

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -57,12 +57,26 @@ class WatchRequest(_message.Message):
     def __init__(self, after_version: _Optional[int] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
-    __slots__ = ("version", "latest")
+    __slots__ = ("version", "latest", "copies")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     version: int
     latest: int
-    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[UpstreamCopy]
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[UpstreamCopy, _Mapping]]] = ...) -> None: ...
+
+class UpstreamCopy(_message.Message):
+    __slots__ = ("key", "data", "absent", "keys")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    data: bytes
+    absent: bool
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key: _Optional[str] = ..., data: _Optional[bytes] = ..., absent: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutChunk(_message.Message):
     __slots__ = ("key", "total_bytes", "if_absent", "digest", "data")
