@@ -313,9 +313,10 @@ class RelayService:
                 if head is None:
                     return
                 size = await self._upload(_object_messages(head, inbox), call, None, piece_data, session)
-                await session.answer_stored()
+                # Counted before the answer: a client that saw ``stored`` sees the relay's counters too.
                 self.counters["uploads"] += 1
                 self.counters["uploaded_bytes"] += size
+                await session.answer_stored()
         finally:
             reader.cancel()
             try:
