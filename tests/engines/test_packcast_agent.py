@@ -180,9 +180,15 @@ class _Nodes:
     def wait_for(self, ranks: list[int], version: int, timeout: float = 120.0) -> None:
         from deltasync.agents import read_status
 
+        def at(r: int) -> bool:
+            try:
+                return bool(read_status(self.state(r)).get("version") == version)
+            except UsageError:  # the node's agent made its directory but not its state yet
+                return False
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(self.state(r).exists() and read_status(self.state(r)).get("version") == version for r in ranks):
+            if all(at(r) for r in ranks):
                 return
             for r in ranks:
                 if self.procs[r].poll() is not None:
