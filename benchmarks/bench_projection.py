@@ -2,18 +2,40 @@
 the mechanisms built, nothing else; the hardware and deployment counts are the only
 assumptions, printed.
 
-    python -m benchmarks.bench_projection [--runs 3] [--rate-mib 64] [--fractions 0.01,0.07] [--shards 1,8,32]
+    python -m benchmarks.bench_projection [--runs 3] [--rate-mib 64] [--fractions 0.01,0.07] [--shards 1,8,16,32]
 
-Measured here, per run and per stream (``--fractions`` of the bf16 elements moved by one ulp
-at random: 1% is the lr 1e-6 stream, 7% lr 1e-5), on a ``--rate-mib`` model (16 MiB tensors):
+Measured here, once per run:
 
-* the trainer's side through the code path ``DistributedPublisher`` ranks run (each rank
-  encodes, digests and stores its shard; rank 0 commits): a real gloo group of 1 rank and of
-  2 ranks (processes, one thread each), the second version's publish timed on every rank,
-  wall and CPU. The per-core rate is the 2-rank run's slowest rank (its shard's bytes ÷ its
-  CPU seconds): ranks are processes, so they really run at once; the 1 -> 2 rank wall ratio
-  is printed beside it;
-* the stored delta ÷ the model (what crosses the WAN, the relay's link and every chain link);
+* the trainer's commit: ``DistributedPublisher`` ranks (real gloo groups of 2, 4, 8 and 16
+  processes, ``--commit-worlds``, one thread each) publishing a tiny model (4 chunks of 64
+  bytes per rank: encode negligible), three versions each after a barrier; on every rank the
+  publish's wall less its encode's (``_encode_mine``, timed by wrapping it from here), i.e.
+  the rounds before (gather what every rank holds, rank 0's decision, its broadcast) and after
+  the encode (gather every rank's chunks, rank 0's commit, the broadcast of its outcome). Per
+  world size the slowest rank's figure, least of the three versions; fitted as a + b N and as
+  a + b log2 N (residuals printed), the one of smaller RMS taken to ``--trainer-cores`` ranks.
+  On this machine's few cores N processes share them, so the rounds are latency-bound by
+  scheduling (load printed): an upper figure for ranks on cores of their own. The commit's
+  work per chunk (the chunks' records gathered, merged into the manifest, sealed, stored):
+  2 ranks of ``--commit-chunks`` chunks less 2 ranks of 4, charged for every chunk of 1 TB;
+* packcast's node 0 (``PackcastNode``, ``TorchEngine`` behind it) reading one version
+  through one relay and through a ``grpc://`` URL naming ``--relays`` relays, each relay
+  ``warm=False`` over its own ``ThrottledStore`` link of ``--relay-rate-mb`` (sizes 1/64 of
+  the real ones, ratios kept): the largest share a relay fetched, and the efficiency (that
+  share's time on its link ÷ the wall). Each object is read at the relay its key hashes to,
+  and node 0 asks each relay for its next objects ahead (engines/packcast.py), so the links
+  add up as far as the shares allow.
+
+Measured per run and per stream (``--fractions`` of the bf16 elements moved by one ulp at
+random: 1% is the lr 1e-6 stream, 7% lr 1e-5), on a ``--rate-mib`` model (16 MiB tensors):
+
+* the trainer's encode and digests through the code path ``DistributedPublisher`` ranks run
+  (each rank encodes, digests and stores its shard; rank 0 commits): a real gloo group of 1
+  rank and of 2 ranks (processes, one thread each), the second version's publish timed on
+  every rank, wall and CPU. The per-core rate is the 2-rank run's slowest rank (its shard's
+  bytes ÷ its CPU seconds): ranks are processes, so they really run at once; the 1 -> 2 rank
+  wall ratio is printed beside it;
+* the stored delta ÷ the model (what crosses the WAN, the relays' links and every chain link);
 * one node's engine path, ``TorchEngine`` staging (fetch, decode, verify, diff, build the
   writes) then the pause, with 1 worker and with 2, bit-exact, best of 3 each after a
   warm-up: wall, and CPU split into the calling thread's (serial: one core whatever the
@@ -27,7 +49,7 @@ at random: 1% is the lr 1e-6 stream, 7% lr 1e-5), on a ``--rate-mib`` model (16 
 What a node holds (``--shards``, a deployment count): k = 1, the whole model on every node;
 k > 1, a shard of 1/k of the tensors per node (``--shard I/N``, ``TorchEngine`` holding some
 tensors or ``Slice``s): packcast groups the nodes by shard, node 0 reads the union from the
-relay once and sends each class its ranges, so a node fetches, decodes, verifies and writes
+relays once and sends each class its ranges, so a node fetches, decodes, verifies and writes
 only its 1/k (engines/packcast.py). Memory floors, from the code as built: staging passes
 over the held bytes ``STAGE_PASSES`` times (the held chunk's digest, decode's copy of it into
 a new buffer, read and write, the target's digest, the diff reading both) at ``--mem-gbs``;
@@ -37,10 +59,17 @@ floor the touched lines at HBM bandwidth per GPU, with the host mirror's staging
 (its floor as above), outside the pause; no GPU was measured here, so that row is a floor only.
 
 Mechanisms as built: the trainer commits before anything moves (the relay serves a version
-once its manifest is written); one relay per cluster on the packcast path (node 0 reads one
-relay, so the relays per cluster beyond one do not shorten it; printed); node 0's stream goes
-down the pipelined chain (engines/_chain.py: every link carries it once, fill N/k - 1
-pieces); stages overlap at pack granularity. Three runs' spread (min-max) is printed for every row.
+once its manifest is written); the WAN: packcast's node 0 reads the cluster's relays, each
+object at the relay its key hashes to, the largest share (the packs as the trainer's ranks
+write them, assigned by hash: the expected maximum of 2000 draws) over one relay's link at
+the measured efficiency, the relays started ``--no-warm`` (a relay that warms fetches every
+object of a version it learns of, whatever its share of the reads: that row, one relay's
+link carrying all of it, is printed beside); then node 0's own link (the union of the
+shards, once); node 0's stream goes down the pipelined chain (engines/_chain.py: every link
+carries it once, fill N/k - 1 pieces); stages overlap at pack granularity. Each stream and
+holding ends in a verdict against the targets (<= 20 s at 1%, <= 40 s at 7%, pause <= 2 s)
+with the pause's memory floor beside it, and the run ends with the holdings that meet all
+three at every stream. Three runs' spread (min-max) is printed for every row.
 """
 
 from __future__ import annotations
@@ -287,11 +316,18 @@ def measure_relays(work: Path, relays: int, rate: float, seed: int) -> dict[str,
     return out
 
 
-def largest_share(packs: int, relays: int) -> float:
-    """The expected largest share of ``packs`` equal packs a relay reads when each goes to the
-    relay its key hashes to (uniform): the mean over 2000 draws."""
+def largest_share(delta: float, ranks: int, pack: float, relays: int) -> float:
+    """The expected largest share of a ``delta``-byte version a relay reads when every object
+    goes to the relay its key hashes to (uniformly): the packs as ``ranks`` publisher ranks
+    write them (each rank its 1/``ranks`` of the delta in packs of at most ``pack`` bytes), the
+    mean over 2000 draws."""
+    per_rank = delta / ranks
+    sizes = np.array([pack] * int(per_rank // pack) + ([per_rank % pack] if per_rank % pack else []))
+    sizes = np.tile(sizes, ranks)
     rng = np.random.default_rng(0)
-    return float(rng.multinomial(max(1, packs), [1 / relays] * relays, size=2000).max(axis=1).mean() / max(1, packs))
+    where = rng.integers(0, relays, (2000, sizes.size))
+    loads = np.stack([(sizes * (where == r)).sum(axis=1) for r in range(relays)])
+    return float(loads.max(axis=0).mean() / sizes.sum())
 
 
 def measure(work: Path, mib: float, fraction: float, seed: int) -> dict[str, float]:
@@ -363,14 +399,16 @@ def project(m: dict[str, float], a: argparse.Namespace, k: int) -> dict[str, flo
     pause_cpu = scale * m["pause_cpu1"] / a.node_cores
     pause_floor = 2 * held * m["lines"] / mem
     chunks = model / m["chunk_bytes"]
-    share = largest_share(int(delta // (a.pack_mib * 2**20)) + 1, a.relays)
+    sizes = [int(w) for w in a.commit_worlds.split(",")]
+    worlds = f"{min(sizes)}..{max(sizes)}"
+    share = largest_share(delta, a.trainer_cores, a.pack_mib * 2**20, a.relays)
     rows = {
         "trainer: encode + digests (DistributedPublisher ranks)": model / (a.trainer_cores * m["rate2"]),
-        f"trainer: commit at {a.trainer_cores} ranks (fitted from {a.commit_worlds})": m["commit_at"],
-        f"trainer: commit's per-chunk work ({chunks / 1e3:.0f}k chunks, from 2 ranks)": m["commit_per_chunk"] * chunks,
-        "WAN, one relay's link (relays warming: each fetches all)": delta / wan,
-        f"WAN, {a.relays} relays --no-warm, each its share ({share:.0%})": share * delta / (wan * m[f"relay_eff{a.relays}"]),
-        "relay -> node 0 (the union of the shards, once)": delta / lan,
+        f"trainer: commit at {a.trainer_cores} ranks (fitted from {worlds})": m["commit_at"],
+        f"trainer: commit, per chunk ({chunks / 1e3:.0f}k chunks, at 2 ranks)": m["commit_per_chunk"] * chunks,
+        "WAN, one relay's link (warming relays: each fetches all)": delta / wan,
+        f"WAN, {a.relays} relays --no-warm, largest share {share:.0%}": share * delta / (wan * m[f"relay_eff{a.relays}"]),
+        "relays -> node 0 (the union of the shards, once)": delta / lan,
         "chain: node 0 -> every node of its shard": delta / lan + (per_class - 1) * a.piece_bytes / lan,
         "stage per node: CPU (serial + parallel / cores)": stage_cpu,
         "stage per node: memory floor": stage_floor,
@@ -379,8 +417,8 @@ def project(m: dict[str, float], a: argparse.Namespace, k: int) -> dict[str, flo
         "pause, GPU engine: HBM floor (not measured)": 2 * held / a.gpus_per_node * m["lines"] / (a.hbm_gbs * 1e9),
     }
     stage = max(stage_cpu, stage_floor)
-    flow = [rows[f"WAN, {a.relays} relays --no-warm, each its share ({share:.0%})"],
-            rows["relay -> node 0 (the union of the shards, once)"],
+    flow = [rows[f"WAN, {a.relays} relays --no-warm, largest share {share:.0%}"],
+            rows["relays -> node 0 (the union of the shards, once)"],
             rows["chain: node 0 -> every node of its shard"], stage]
     pack = a.pack_mib * 2**20
     slowest = max(flow)

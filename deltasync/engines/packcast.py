@@ -16,7 +16,11 @@ another, so the bytes on each link are the stored delta, not decoded changes.
 
 Stages overlap at pack granularity: node 0 fetches pack k+1 while pack k is broadcast, and
 every engine's pull pipeline decodes pack k as soon as it has arrived (a read of an
-announced object waits for it), while later pieces are still on the wire.
+announced object waits for it), while later pieces are still on the wire. Through a
+``grpc://`` URL naming several relays, each object is read at the relay its key hashes to
+(storage/_grpc.py), and node 0 asks for one byte of each of the next two objects per relay
+ahead of the one it reads, so every relay fetches its share over its own link at once
+(a relay fetches an object whole on its first read) instead of one relay after another.
 
 Everything stays bit-exact through the usual path: the bytes received sit in a
 :class:`PackCache`, the store the node's engine reads its repository through. Packs are
