@@ -16,11 +16,12 @@ another, so the bytes on each link are the stored delta, not decoded changes.
 
 Stages overlap at pack granularity: node 0 fetches pack k+1 while pack k is broadcast, and
 every engine's pull pipeline decodes pack k as soon as it has arrived (a read of an
-announced object waits for it), while later pieces are still on the wire. Through a
-``grpc://`` URL naming several relays, each object is read at the relay its key hashes to
-(storage/_grpc.py), and node 0 asks for one byte of each of the next two objects per relay
-ahead of the one it reads, so every relay fetches its share over its own link at once
-(a relay fetches an object whole on its first read) instead of one relay after another.
+announced object waits for it), while later pieces are still on the wire. Through relays
+(a ``grpc://`` URL; several comma-separated), each object is read at the relay its key
+hashes to (storage/_grpc.py), and node 0 asks for one byte of each of the next four objects
+per relay ahead of the one it reads: a relay fetches an object whole on its first read, so
+every relay fetches its share over its own link at once, without a gap between its packs,
+instead of one relay after another.
 
 Everything stays bit-exact through the usual path: the bytes received sit in a
 :class:`PackCache`, the store the node's engine reads its repository through. Packs are
@@ -102,6 +103,12 @@ Holds = dict[str, list[list[int]] | None] | None
 Apply = Callable[[int], SwapRecord | None]
 
 log = logging.getLogger("deltasync.engines")
+
+#: Objects node 0 asks each relay for ahead of its reads (one byte each: the relay fetches the
+#: object whole): enough that a relay's link has its next packs on the way (_send;
+#: benchmarks/bench_projection.py measures the links added up).
+_AHEAD_PER_RELAY = 4
+
 
 @dataclass(frozen=True)
 class RoundReport:
@@ -250,9 +257,9 @@ class PackcastNode:
             self._put_next(1)
             self._fetchers = max(2, min(8, cache.io_concurrency))
             self._fetch_pool = ThreadPoolExecutor(self._fetchers, thread_name_prefix="deltasync-packcast")
-            # Several relays named (grpc://a,b,…): the packs node 0 asks for ahead of its reads,
-            # two per relay, so every relay's link carries its share at once (_send).
-            self._lead = 2 * _relays_named(cache) if _relays_named(cache) > 1 else 0
+            # Reading through relays (grpc://a[,b,…]): the objects node 0 asks for ahead of its
+            # reads, four per relay, so every relay's link carries its share without gaps (_send).
+            self._lead = _AHEAD_PER_RELAY * _relays_named(cache)
             self._touch_pool = ThreadPoolExecutor(max(1, self._lead), thread_name_prefix="deltasync-packcast-ahead")
         else:
             try:
@@ -418,7 +425,7 @@ class PackcastNode:
         return out
 
     def _touch(self, key: str, offset: int) -> None:
-        """One byte of ``key`` read ahead (node 0, several relays): its relay starts fetching it
+        """One byte of ``key`` read ahead (node 0, through relays): its relay starts fetching it
         whole. A failure is only a lost head start: the window's reads of it fail over as any."""
         try:
             self.cache.add_upstream(len(self.cache.inner.get(key, (offset, 1))))
@@ -764,13 +771,17 @@ class PackcastNode:
         window: deque[Future[bytes]] = deque()
         ahead = 2 * self._fetchers
         todo = iter(parts)
-        # With several relays named, each read starts at the relay its key hashes to
-        # (storage/_grpc.py), but the window spans about one pack: alone, the relays would
-        # fetch their shares one after another. So node 0 asks for one byte of each of the
-        # next ``_lead`` objects (two per relay) ahead of the one it reads: a relay fetches an
-        # object whole, once, on its first read (relay/fetch.py), so every relay's link
-        # carries its next packs while node 0 reads, and the window's reads find them landing.
-        first = {key: off for key, _size, off, _n in reversed(parts) if key not in self._retained_raw}
+        # Through relays, each read starts at the relay its key hashes to (storage/_grpc.py),
+        # but the window spans about one pack: alone, the relays would fetch their shares one
+        # after another, and one relay would start each pack only when the window reached it.
+        # So node 0 asks for one byte of each of the next ``_lead`` objects (four per relay)
+        # ahead of the one it reads: a relay fetches an object whole, once, on its first read
+        # (relay/fetch.py), so every relay's link carries its next packs while node 0 reads,
+        # and the window's reads find them landing.
+        first: dict[str, int] = {}  # each object's first offset read, in the stream's order
+        for key, _size, off, _n in parts:
+            if key not in self._retained_raw:
+                first.setdefault(key, off)
         objects = list(first)
         index = {key: i for i, key in enumerate(objects)}
         touched = 0
@@ -1009,11 +1020,12 @@ def _want(info: ManifestInfo, holds: Holds) -> dict[str, list[int]] | None:
 
 
 def _relays_named(cache: PackCache) -> int:
-    """How many relays the store behind ``cache`` reads through (a ``grpc://`` URL's addresses; 1 else)."""
+    """How many relays the store behind ``cache`` reads through (a ``grpc://`` URL's
+    addresses; 0 for any other store: no relay to fetch ahead)."""
     store: Any = cache.inner
     while isinstance(store, WrappingStore) and not hasattr(store, "addresses"):
         store = store.inner
-    return max(1, len(getattr(store, "addresses", ()) or ()))
+    return len(getattr(store, "addresses", ()) or ())
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
