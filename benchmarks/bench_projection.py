@@ -480,7 +480,7 @@ def main() -> None:
     ap.add_argument("--pack-mib", type=float, default=64.0)
     ap.add_argument("--piece-bytes", type=int, default=4 << 20, help="packcast's piece (its default)")
     ap.add_argument("--commit-worlds", default="2,4,8,16", help="rank counts the commit's rounds are measured at")
-    ap.add_argument("--commit-chunks", type=int, default=4096, help="chunks per rank for the commit's per-chunk work")
+    ap.add_argument("--commit-chunks", type=int, default=16384, help="chunks per rank for the commit's per-chunk work")
     ap.add_argument("--relay-rate-mb", type=float, default=4.0,
                     help="each relay's link in the relay measurement, MB/s (low enough to bound it on this machine)")
     a = ap.parse_args()
