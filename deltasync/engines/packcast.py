@@ -16,7 +16,12 @@ another, so the bytes on each link are the stored delta, not decoded changes.
 
 Stages overlap at pack granularity: node 0 fetches pack k+1 while pack k is broadcast, and
 every engine's pull pipeline decodes pack k as soon as it has arrived (a read of an
-announced object waits for it), while later pieces are still on the wire.
+announced object waits for it), while later pieces are still on the wire. Through relays
+(a ``grpc://`` URL; several comma-separated), each object is read at the relay its key
+hashes to (storage/_grpc.py), and node 0 asks for one byte of each of the next four objects
+per relay ahead of the one it reads: a relay fetches an object whole on its first read, so
+every relay fetches its share over its own link at once, without a gap between its packs,
+instead of one relay after another.
 
 Everything stays bit-exact through the usual path: the bytes received sit in a
 :class:`PackCache`, the store the node's engine reads its repository through. Packs are
@@ -98,6 +103,12 @@ Holds = dict[str, list[list[int]] | None] | None
 Apply = Callable[[int], SwapRecord | None]
 
 log = logging.getLogger("deltasync.engines")
+
+#: Objects node 0 asks each relay for ahead of its reads (one byte each: the relay fetches the
+#: object whole): enough that a relay's link has its next packs on the way (_send;
+#: benchmarks/bench_projection.py measures the links added up).
+_AHEAD_PER_RELAY = 4
+
 
 @dataclass(frozen=True)
 class RoundReport:
@@ -246,6 +257,10 @@ class PackcastNode:
             self._put_next(1)
             self._fetchers = max(2, min(8, cache.io_concurrency))
             self._fetch_pool = ThreadPoolExecutor(self._fetchers, thread_name_prefix="deltasync-packcast")
+            # Reading through relays (grpc://a[,b,…]): the objects node 0 asks for ahead of its
+            # reads, four per relay, so every relay's link carries its share without gaps (_send).
+            self._lead = _AHEAD_PER_RELAY * _relays_named(cache)
+            self._touch_pool = ThreadPoolExecutor(max(1, self._lead), thread_name_prefix="deltasync-packcast-ahead")
         else:
             try:
                 self._store.wait(["next"], timedelta(seconds=timeout))
@@ -320,6 +335,7 @@ class PackcastNode:
         if self.rank == 0:
             self._put(f"round/{self._round + 1}", "round", self._round + 1, {"stop": True})
             self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+            self._touch_pool.shutdown(wait=False, cancel_futures=True)
 
     def _gather_ready(self, n: int) -> tuple[tuple[int, ...], dict[int, int | None]]:
         """Last round's members and nodes that joined since, those that say they are ready
@@ -407,6 +423,14 @@ class PackcastNode:
             else:  # the ranges it reads (all of the pack, often: one whole object, checked on arrival)
                 out.extend((key, size, off, n) for off, n in _merged(ranges))
         return out
+
+    def _touch(self, key: str, offset: int) -> None:
+        """One byte of ``key`` read ahead (node 0, through relays): its relay starts fetching it
+        whole. A failure is only a lost head start: the window's reads of it fail over as any."""
+        try:
+            self.cache.add_upstream(len(self.cache.inner.get(key, (offset, 1))))
+        except (DeltasyncError, OSError) as e:
+            log.debug("packcast: reading ahead %s failed (%s)", key, e)
 
     def _fetch(self, key: str, size: int, offset: int, length: int) -> bytes:
         """Bytes ``offset .. offset+length`` of an object of the round (ranged reads: a piece
@@ -747,7 +771,25 @@ class PackcastNode:
         window: deque[Future[bytes]] = deque()
         ahead = 2 * self._fetchers
         todo = iter(parts)
+        # Through relays, each read starts at the relay its key hashes to (storage/_grpc.py),
+        # but the window spans about one pack: alone, the relays would fetch their shares one
+        # after another, and one relay would start each pack only when the window reached it.
+        # So node 0 asks for one byte of each of the next ``_lead`` objects (four per relay)
+        # ahead of the one it reads: a relay fetches an object whole, once, on its first read
+        # (relay/fetch.py), so every relay's link carries its next packs while node 0 reads,
+        # and the window's reads find them landing.
+        first: dict[str, int] = {}  # each object's first offset read, in the stream's order
         for key, _size, off, _n in parts:
+            if key not in self._retained_raw:
+                first.setdefault(key, off)
+        objects = list(first)
+        index = {key: i for i, key in enumerate(objects)}
+        touched = 0
+        for key, _size, off, _n in parts:
+            if self._lead and key in index:
+                while touched < min(len(objects), index[key] + 1 + self._lead):
+                    self._touch_pool.submit(self._touch, objects[touched], first[objects[touched]])
+                    touched += 1
             while len(window) < ahead and (nxt := next(todo, None)) is not None:
                 window.append(self._fetch_pool.submit(self._fetch, *nxt))
             data = window.popleft().result()
@@ -975,6 +1017,15 @@ def _want(info: ManifestInfo, holds: Holds) -> dict[str, list[int]] | None:
     regions = {n: Region(tuple(r[0]), tuple(r[1])) for n, r in holds.items() if r is not None and n in names}
     chunks = select_tensors(info, None, regions)[0] if regions else None
     return want_of(info.entries(), keys, chunks)
+
+
+def _relays_named(cache: PackCache) -> int:
+    """How many relays the store behind ``cache`` reads through (a ``grpc://`` URL's
+    addresses; 0 for any other store: no relay to fetch ahead)."""
+    store: Any = cache.inner
+    while isinstance(store, WrappingStore) and not hasattr(store, "addresses"):
+        store = store.inner
+    return len(getattr(store, "addresses", ()) or ())
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
