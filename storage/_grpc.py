@@ -44,6 +44,7 @@ from ..format.digest import digest
 from ..v1 import relay_pb2 as pb
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
+from ._grpc_upload import SESSION_TRIES, UploadSession, upload
 from .wire import (
     BIDI_STREAM,
     CA_ENV as CA_ENV,
@@ -220,19 +221,19 @@ class _Relay:
         self.upload_session = calls["UploadSession"]
         self.legacy_put = False  # the relay predates Upload (answered UNIMPLEMENTED): Put is used
         self.legacy_upload = False  # the relay predates UploadSession: Upload is used
-        self._idle: list[_UploadSession] = []  # sessions no upload is using
+        self._idle: list[UploadSession] = []  # sessions no upload is using
         self._idle_lock = threading.Lock()
 
-    def take_session(self, timeout: float) -> _UploadSession:
+    def take_session(self) -> UploadSession:
         """An idle upload session (its standing credit ready for the next object), else a new one."""
         with self._idle_lock:
             while self._idle:
                 session = self._idle.pop()
                 if session.alive:
                     return session
-        return _UploadSession(self, timeout)
+        return UploadSession(self.upload_session, _Stream)
 
-    def keep_session(self, session: _UploadSession) -> None:
+    def keep_session(self, session: UploadSession) -> None:
         with self._idle_lock:
             if session.alive:
                 self._idle.append(session)
@@ -428,8 +429,8 @@ class GrpcStore(Store):
         """Write one object on an upload session of ``relay`` (True once stored); False when the
         relay predates UploadSession, or ended the sessions it was sent on before answering
         (idle, or its credit wanted): it was not written, and goes by Upload."""
-        for _ in range(_SESSION_TRIES):
-            session = relay.take_session(self.timeout)
+        for _ in range(SESSION_TRIES):
+            session = relay.take_session()
             try:
                 stored = session.put(header, view, self.timeout)
             except grpc.RpcError as e:
@@ -443,30 +444,8 @@ class GrpcStore(Store):
         return False
 
     def _upload(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> None:
-        """One Upload call: the header, then the object's bytes as the relay grants credit
-        (pieces of at most 1 MiB, never past the last grant); returns once it is stored."""
-        credit = _Credit()
-        size = len(view)
-
-        def requests() -> Iterator[pb.PutChunk]:  # consumed by grpc on a thread of its own
-            yield header
-            offset = len(header.data)
-            while offset < size:
-                until = credit.beyond(offset)
-                if until is None:
-                    return  # the call is over
-                while offset < until:
-                    end = min(offset + CHUNK_BYTES, until)
-                    yield pb.PutChunk(data=bytes(view[offset:end]))
-                    offset = end
-
-        call = relay.upload(requests(), timeout=self.timeout)
-        try:
-            for grant in _Stream(call):
-                credit.grant(grant.send_until)
-        finally:
-            credit.stop()
-            call.cancel()
+        """One Upload call (:func:`._grpc_upload.upload`); returns once it is stored."""
+        upload(lambda requests: relay.upload(requests, timeout=self.timeout), _Stream, header, view)
 
     def _holds(self, key: str, view: memoryview) -> bool:
         try:
@@ -554,151 +533,6 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
         )
     what = f" {key}" if key else ""
     return StoreError(f"cannot {action}{what} through relay {address}: {describe(e)}")
-
-
-class _Credit:
-    """The credit of one Upload call: the offset its bytes may be sent to, raised by the relay's
-    grants (read on the caller's thread), waited on by the request iterator (grpc's thread)."""
-
-    def __init__(self) -> None:
-        self._until = 0
-        self._stopped = False
-        self._changed = threading.Condition()
-
-    def grant(self, until: int) -> None:
-        with self._changed:
-            self._until = max(self._until, until)
-            self._changed.notify_all()
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped = True
-            self._changed.notify_all()
-
-    def beyond(self, offset: int) -> int | None:
-        """The granted offset once it is past ``offset``; None once the call is over."""
-        with self._changed:
-            while self._until <= offset and not self._stopped:
-                self._changed.wait()
-            return None if self._stopped else self._until
-
-
-_SESSION_TRIES = 3  # sessions an object is sent on that the relay ends before answering, then Upload
-
-
-class _SessionFailed(grpc.RpcError):  # type: ignore[misc]
-    """An upload session's failure as an RpcError, for the failover (a deadline, mostly)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class _UploadSession:
-    """One UploadSession call: objects sent one after another (:meth:`put`, one at a time),
-    their bytes under credit counted over the call, which the relay keeps granting past each
-    object while its budget is not wanted, so the next object's first bytes go out with its
-    header. Its answers are read on a helper thread (:class:`_Stream`); the request iterator
-    runs on grpc's."""
-
-    def __init__(self, relay: _Relay, timeout: float) -> None:
-        self._jobs: queue.SimpleQueue[tuple[pb.PutChunk, memoryview] | None] = queue.SimpleQueue()
-        self._changed = threading.Condition()
-        self._until = 0  # credit: bytes of the call (header data aside) that may be sent
-        self._sent = 0
-        self._stored = 0  # objects the relay answered stored
-        self._over = False  # the call ended (OK: the relay ended it; else _error)
-        self._error: grpc.RpcError | None = None
-        self.headers_sent = 0  # for tests: headers sent, and of them those with credit already there
-        self.headers_with_credit = 0
-        self.credit_waits = 0  # times the request iterator waited for a grant
-        self._call = relay.upload_session(self._requests())
-        threading.Thread(target=self._read, name="deltasync-upload-session", daemon=True).start()
-
-    @property
-    def alive(self) -> bool:
-        return not self._over
-
-    def _read(self) -> None:
-        error: grpc.RpcError | None = None
-        try:
-            for answer in _Stream(self._call):
-                with self._changed:
-                    self._until = max(self._until, answer.send_until)
-                    self._stored = max(self._stored, answer.stored)
-                    self._changed.notify_all()
-        except grpc.RpcError as e:
-            error = e
-        except BaseException as e:  # handed to the uploader
-            error = _SessionFailed(grpc.StatusCode.UNKNOWN, str(e))
-        with self._changed:
-            self._over, self._error = True, error
-            self._changed.notify_all()
-
-    def _requests(self) -> Iterator[pb.PutChunk]:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            header, view = job
-            with self._changed:
-                self.headers_sent += 1
-                self.headers_with_credit += self._until > self._sent
-            yield header
-            offset, size = len(header.data), len(view)
-            while offset < size:
-                with self._changed:
-                    if self._until <= self._sent:
-                        self.credit_waits += 1
-                    while self._until <= self._sent and not self._over:
-                        self._changed.wait()
-                    if self._over:
-                        return
-                    until = self._until
-                while offset < size and self._sent < until:
-                    n = min(CHUNK_BYTES, size - offset, until - self._sent)
-                    yield pb.PutChunk(data=bytes(view[offset : offset + n]))
-                    offset += n
-                    self._sent += n
-            del job, header, view
-
-    def put(self, header: pb.PutChunk, view: memoryview, timeout: float) -> bool:
-        """Send one object and wait for the relay's answer: True once stored, False when the
-        relay ended the call first (not written); its error, raised, when the call failed."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            if self._over:
-                return False
-            stored = self._stored
-        self._jobs.put((header, view))
-        with self._changed:
-            while self._stored == stored and not self._over:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            if self._stored > stored:
-                return True
-            error, over = self._error, self._over
-        if not over:
-            self.close()
-            raise _SessionFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout:g} s")
-        if error is not None:
-            raise error
-        return False
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        with self._changed:
-            self._over = True
-            self._changed.notify_all()
-        self._call.cancel()
 
 
 class _Download:
