@@ -88,8 +88,17 @@ FAILOVER_CODES = frozenset(
 WRITE_FAILOVER_CODES = FAILOVER_CODES - {grpc.StatusCode.RESOURCE_EXHAUSTED}
 #: Keys whose reads are spread over the relays named by their hash (immutable objects).
 _SHARDED_READS = ("packs/", "blobs/", "manifests/", "squashes/")
-#: Uploads a writable store keeps in flight per relay named (each holds one pack in memory).
-UPLOADS_PER_RELAY = 4
+#: Uploads a writable store keeps in flight per relay named (threads; they pipeline on its
+#: upload sessions, so the bytes they hold, not their count, is what fills a long link).
+UPLOADS_PER_RELAY = 8
+#: Bytes of packs a publisher holds waiting for or in upload, per relay named: about a long
+#: link's bandwidth x round trip (800 Mbit/s x 200 ms is 20 MB) with room for the pack whose
+#: answer is on its way, and within the memory four 64 MiB packs a relay took before.
+UPLOAD_BYTES_PER_RELAY = 96 << 20
+#: Upload sessions a writable store opens per relay named; uploads beyond them pipeline on
+#: them (each call is granted at most the relay's ``--upload-window``, 32 MiB by default,
+#: ahead of its disk: four cover about a 5 Gbit/s link at 200 ms).
+SESSIONS_PER_RELAY = 4
 
 #: Client keepalive: a dead TCP connection under an idle Watch stream is noticed in ~40 s.
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
@@ -221,27 +230,27 @@ class _Relay:
         self.upload_session = calls["UploadSession"]
         self.legacy_put = False  # the relay predates Upload (answered UNIMPLEMENTED): Put is used
         self.legacy_upload = False  # the relay predates UploadSession: Upload is used
-        self._idle: list[UploadSession] = []  # sessions no upload is using
-        self._idle_lock = threading.Lock()
+        self._sessions: list[UploadSession] = []  # open upload sessions, shared by this store's uploads
+        self._sessions_lock = threading.Lock()
 
     def take_session(self) -> UploadSession:
-        """An idle upload session (its standing credit ready for the next object), else a new one."""
-        with self._idle_lock:
-            while self._idle:
-                session = self._idle.pop()
-                if session.alive:
-                    return session
-        return UploadSession(self.upload_session, _Stream)
-
-    def keep_session(self, session: UploadSession) -> None:
-        with self._idle_lock:
-            if session.alive:
-                self._idle.append(session)
+        """The upload session an object goes on: an open one with nothing waiting for an answer,
+        else a new one, up to :data:`SESSIONS_PER_RELAY` (the relay stores a session's objects
+        one after another: several calls store in parallel), else the open one with the fewest
+        bytes waiting, the object pipelined behind them."""
+        with self._sessions_lock:
+            self._sessions = [s for s in self._sessions if s.alive]
+            least = min(self._sessions, key=lambda s: s.pending_bytes, default=None)
+            if least is not None and (least.pending_bytes == 0 or len(self._sessions) >= SESSIONS_PER_RELAY):
+                return least
+            session = UploadSession(self.upload_session, _Stream)
+            self._sessions.append(session)
+            return session
 
     def close_sessions(self) -> None:
-        with self._idle_lock:
-            idle, self._idle = self._idle, []
-        for session in idle:
+        with self._sessions_lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
             session.close()
 
 
@@ -290,6 +299,7 @@ class GrpcStore(Store):
         self._sending_lock = threading.Lock()
         if self._write_token is not None:
             self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
+            self.upload_bytes = UPLOAD_BYTES_PER_RELAY * len(self._relays)
             self.overlap_uploads = True
 
     @property
@@ -439,7 +449,6 @@ class GrpcStore(Store):
                 relay.legacy_upload = True
                 return False
             if stored:
-                relay.keep_session(session)
                 return True
         return False
 

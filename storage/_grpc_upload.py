@@ -124,18 +124,26 @@ class SessionFailed(grpc.RpcError):  # type: ignore[misc]
 
 
 class UploadSession:
-    """One UploadSession call: objects sent one after another (:meth:`put`, one at a time),
-    their bytes under one :class:`Credit` counted over the call (header data aside). Its
-    answers are read on a helper thread; the request iterator runs on grpc's."""
+    """One UploadSession call: objects sent one after another, their bytes under one
+    :class:`Credit` counted over the call (header data aside). Several threads may
+    :meth:`put` on one session at once: objects are *pipelined*, each sent as soon as the one
+    before it is (under the credit), not once it is answered ``stored``; the relay takes them
+    in order and answers each in order, so an object's answer is the ``stored`` count that
+    reaches its place. A stream then idles no round trip between objects, and the relay's
+    credit still bounds the bytes on their way. Its answers are read on a helper thread; the
+    request iterator runs on grpc's."""
 
     def __init__(self, open_call: OpenCall, read: ReadAnswers) -> None:
         self._jobs: queue.SimpleQueue[tuple[pb.PutChunk, memoryview] | None] = queue.SimpleQueue()
         self._credit = Credit()
         self._changed = threading.Condition()
         self._sent = 0  # credited bytes sent (header data aside)
+        self._queued = 0  # objects handed to the request iterator
         self._stored = 0  # objects the relay answered stored
         self._over = False  # the call ended (OK: the relay ended it; else _error)
         self._error: grpc.RpcError | None = None
+        self.pending_bytes = 0  # bytes of objects put and not yet answered
+        self.most_pending = 0  # for tests: the most objects put and not yet answered at once
         self.headers_sent = 0  # for tests: headers sent, and of them those with credit already there
         self.headers_with_credit = 0
         self._call = open_call(self._requests())
@@ -187,23 +195,32 @@ class UploadSession:
             del job, header, view
 
     def put(self, header: pb.PutChunk, view: memoryview, timeout: float) -> bool:
-        """Send one object and wait for the relay's answer: True once stored, False when the
-        relay ended the call first (not written); its error, raised, when the call failed."""
+        """Send one object (after those put before it) and wait for the relay's answer: True
+        once stored, False when the relay ended the call first (not written); its error,
+        raised, when the call failed."""
         deadline = time.monotonic() + timeout
+        size = len(view)
         with self._changed:
             if self._over:
                 return False
-            stored = self._stored
-        self._jobs.put((header, view))
-        with self._changed:
-            while self._stored == stored and not self._over:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            if self._stored > stored:
-                return True
-            error, over = self._error, self._over
+            place = self._queued  # answered once the relay has stored place + 1 objects
+            self._queued += 1
+            self.pending_bytes += size
+            self.most_pending = max(self.most_pending, self._queued - self._stored)
+            self._jobs.put((header, view))  # under the lock: the queue's order is the places' order
+        try:
+            with self._changed:
+                while self._stored <= place and not self._over:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                if self._stored > place:
+                    return True
+                error, over = self._error, self._over
+        finally:
+            with self._changed:
+                self.pending_bytes -= size
         if not over:
             self.close()
             raise SessionFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout:g} s")
