@@ -81,6 +81,14 @@ class Store(ABC):
     #: relay), whose link is then busy while encoding goes on; false where a write is a local copy.
     overlap_uploads: bool = False
 
+    @property
+    def checks_references(self) -> bool:
+        """Whether a put of a manifest is refused (MissingReferencesError, nothing written) when
+        a pack or blob it names, or a delta's parent manifest, is missing at that moment, as a
+        writable relay checks beside the write: a publisher then needs no check of its own
+        right before its commit (publish/commit.py)."""
+        return False
+
     def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.
 
@@ -201,6 +209,10 @@ class WrappingStore(Store):
         self.upload_concurrency = inner.upload_concurrency
         self.upload_bytes = inner.upload_bytes
         self.overlap_uploads = inner.overlap_uploads
+
+    @property
+    def checks_references(self) -> bool:
+        return self.inner.checks_references
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         return self.inner.get(key, byte_range)

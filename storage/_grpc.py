@@ -35,6 +35,7 @@ import grpc
 from ..errors import (
     CorruptObjectError,
     DeltasyncError,
+    MissingReferencesError,
     ObjectExistsError,
     ObjectNotFoundError,
     StoreError,
@@ -230,6 +231,9 @@ class _Relay:
         self.upload_session = calls["UploadSession"]
         self.legacy_put = False  # the relay predates Upload (answered UNIMPLEMENTED): Put is used
         self.legacy_upload = False  # the relay predates UploadSession: Upload is used
+        # The relay refuses a manifest whose packs, blobs or parent are missing (learnt from
+        # its upload sessions; a relay before that check never says so).
+        self.checks_references = False
         self._sessions: list[UploadSession] = []  # open upload sessions, shared by this store's uploads
         self._sessions_lock = threading.Lock()
 
@@ -243,9 +247,12 @@ class _Relay:
             least = min(self._sessions, key=lambda s: s.pending_bytes, default=None)
             if least is not None and (least.pending_bytes == 0 or len(self._sessions) >= SESSIONS_PER_RELAY):
                 return least
-            session = UploadSession(self.upload_session, _Stream)
+            session = UploadSession(self.upload_session, _Stream, self._checks)
             self._sessions.append(session)
             return session
+
+    def _checks(self) -> None:
+        self.checks_references = True
 
     def close_sessions(self) -> None:
         with self._sessions_lock:
@@ -306,6 +313,13 @@ class GrpcStore(Store):
     def writable(self) -> bool:
         """Whether this store has a write token (the relays decide whether it is good)."""
         return self._write_token is not None
+
+    @property
+    def checks_references(self) -> bool:
+        """Whether every relay named has said it refuses a manifest whose packs, blobs or delta
+        parent are missing (a relay says so on each upload session: a publisher learns it from
+        its pack uploads, before its commit)."""
+        return self._write_token is not None and all(r.checks_references for r in self._relays)
 
     @property
     def addresses(self) -> list[str]:
@@ -527,7 +541,9 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
                 f"relay {address} refused to {action} {key}: {details or 'not authorised'} "
                 f"(the write token: ${WRITE_TOKEN_ENV}, ${WRITE_TOKEN_FILE_ENV} or ?write_token_file=)"
             )
-        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
+        if code == grpc.StatusCode.FAILED_PRECONDITION:  # the one refusal a relay gives it: what a manifest names is missing
+            return MissingReferencesError(f"relay {address} refused to {action} {key}: {details or 'failed precondition'}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return StoreError(f"relay {address} refused to {action} {key}: {details or code.name.lower()}")
         if error is CorruptObjectError:
             return CorruptObjectError(key or "object", f"relay {address} refused the upload: {details}")

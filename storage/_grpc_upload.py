@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from ..v1 import relay_pb2 as pb
-from .wire import CHUNK_BYTES
+from .wire import CHUNK_BYTES, UPLOAD_CHECKS
 
 #: Opens a call given its request iterator (a bound client-streaming or bidi method).
 OpenCall = Callable[[Iterator[pb.PutChunk]], Any]
@@ -34,6 +34,10 @@ ReadAnswers = Callable[[Any], Iterable[pb.UploadCredit]]
 
 #: Sessions an object is sent on that the relay ends before answering, then Upload.
 SESSION_TRIES = 3
+def _checks_references(metadata: Any) -> bool:
+    """Whether a relay's initial metadata says :data:`~.wire.UPLOAD_CHECKS`."""
+    key, value = UPLOAD_CHECKS
+    return any(k == key and set(value.split(",")) <= set(str(v).split(",")) for k, v in metadata or ())
 
 
 class Credit:
@@ -133,7 +137,10 @@ class UploadSession:
     credit still bounds the bytes on their way. Its answers are read on a helper thread; the
     request iterator runs on grpc's."""
 
-    def __init__(self, open_call: OpenCall, read: ReadAnswers) -> None:
+    def __init__(self, open_call: OpenCall, read: ReadAnswers, on_checks: Callable[[], None] | None = None) -> None:
+        """``on_checks``: called once the relay says (in the call's initial metadata) that it
+        refuses a manifest whose packs, blobs or delta parent are missing."""
+        self._on_checks = on_checks
         self._jobs: queue.SimpleQueue[tuple[pb.PutChunk, memoryview] | None] = queue.SimpleQueue()
         self._credit = Credit()
         self._changed = threading.Condition()
@@ -161,6 +168,8 @@ class UploadSession:
     def _read(self, read: ReadAnswers) -> None:
         error: grpc.RpcError | None = None
         try:
+            if self._on_checks is not None and _checks_references(self._call.initial_metadata()):
+                self._on_checks()
             for answer in read(self._call):
                 self._credit.grant(answer.send_until)
                 with self._changed:
