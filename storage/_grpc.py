@@ -11,10 +11,12 @@ stopped on the next relay.
 With a write token (``?write_token_file=``, ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``) and relays
 serving with ``--accept-writes``, the store writes: each object is streamed to one relay in
 1 MiB pieces with its xxh3-128 digest (the relay checks it before the object becomes
-visible) under the credit the relay grants (the Upload call; Put for relays before it),
-starting at the relay with the fewest of this store's upload bytes in flight, so a
-publisher's concurrent pack uploads (``upload_concurrency``) spread evenly over every relay
-named, and failing over like reads.
+visible) under the credit the relay grants (on an upload session, where objects pipeline;
+Upload, then Put, for relays before it: :mod:`._grpc_upload`), starting at the relay with the
+fewest of this store's upload bytes in flight, so a publisher's concurrent pack uploads
+(``upload_concurrency``, ``upload_bytes``) spread evenly over every relay named, and failing
+over like reads. A manifest a relay refuses because what it names is missing raises
+MissingReferencesError (``checks_references``: every relay named has said it checks).
 
 The wire definition it shares with the server is :mod:`deltasync.storage.wire`.
 """

@@ -206,7 +206,8 @@ class UploadSession:
     def put(self, header: pb.PutChunk, view: memoryview, timeout: float) -> bool:
         """Send one object (after those put before it) and wait for the relay's answer: True
         once stored, False when the relay ended the call first (not written); its error,
-        raised, when the call failed."""
+        raised, when the call failed. ``timeout``: the longest the session may go without
+        storing an object (this one or one before it) while this one waits."""
         deadline = time.monotonic() + timeout
         size = len(view)
         with self._changed:
@@ -219,7 +220,10 @@ class UploadSession:
             self._jobs.put((header, view))  # under the lock: the queue's order is the places' order
         try:
             with self._changed:
+                progress = self._stored
                 while self._stored <= place and not self._over:
+                    if self._stored > progress:  # an object before it was stored: the session moves
+                        progress, deadline = self._stored, time.monotonic() + timeout
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break

@@ -526,9 +526,8 @@ def test_a_second_upload_on_a_session_sends_its_first_bytes_with_its_header(
     first, second = os.urandom(6 * CHUNK_BYTES + 5), os.urandom(6 * CHUNK_BYTES + 7)  # spooled (> 4 MiB)
     store.put(pack_key(first), first, if_absent=True)
     session = store._relays[0]._sessions[0]
-    assert (session.headers_sent, session.headers_with_credit) == (1, 0)  # the first waited for its grant
-    waits = session.credit_waits
-    assert waits >= 1
+    assert (session.headers_sent, session.headers_with_credit) == (1, 0)  # the first went before any grant
+    waits = session.credit_waits  # its bytes waited for the grant, unless it came first (a busy machine)
     store.put(pack_key(second), second, if_absent=True)
     assert store._relays[0]._sessions == [session]  # the same call carried both
     assert (session.headers_sent, session.headers_with_credit) == (2, 1)
