@@ -206,8 +206,11 @@ class UploadSession:
     def put(self, header: pb.PutChunk, view: memoryview, timeout: float) -> bool:
         """Send one object (after those put before it) and wait for the relay's answer: True
         once stored, False when the relay ended the call first (not written); its error,
-        raised, when the call failed. ``timeout``: the longest the session may go without
-        storing an object (this one or one before it) while this one waits."""
+        raised, when the call failed on it. A call that fails ends on the first object not
+        answered (the relay takes them in order): that one gets the error, those behind it
+        were not written and get False (sent again on another call). ``timeout``: the
+        longest the session may go without storing an object (this one or one before it)
+        while this one waits."""
         deadline = time.monotonic() + timeout
         size = len(view)
         with self._changed:
@@ -231,6 +234,8 @@ class UploadSession:
                 if self._stored > place:
                     return True
                 error, over = self._error, self._over
+                if over and place > self._stored:
+                    error = None  # the call failed on an object before this one: not written
         finally:
             with self._changed:
                 self.pending_bytes -= size

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from ckpt_helpers import make_state, step_state
+from test_relay import wait_until
 from test_relay_writes import (
     WRITE,
     StartRelay,
@@ -199,3 +200,39 @@ def test_a_wrong_guess_of_the_latest_version_commits_a_snapshot_and_leaves_no_pa
     named = {p.key for v in repo.versions() for p in repo.manifest(v).pb.packs}
     assert set(origin.list("packs/")) == named  # the delta encoded against 1 was removed
     _assert_pulled(repo, 3, state)
+
+
+def test_a_refused_object_fails_alone_and_those_pipelined_behind_it_are_sent_again(
+        relay_store: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    # The relay ends a session on the object it refuses (here a conditional put of a key it
+    # holds): that object gets the refusal; the one pipelined behind it was not written, and is
+    # answered "not written" (sent again on another call), not with the other's error.
+    import grpc
+
+    from deltasync.format.digest import digest
+    from deltasync.v1 import relay_pb2 as pb
+
+    store, _, origin = relay_store
+    held, new = os.urandom(3 * CHUNK_BYTES), os.urandom(3 * CHUNK_BYTES + 1)
+    store.put(pack_key(held), held, if_absent=True)
+    session = store._relays[0].take_session()
+    outcomes: dict[str, object] = {}
+
+    def put(name: str, data: bytes) -> None:
+        header = pb.PutChunk(key=pack_key(data), total_bytes=len(data), if_absent=True, digest=digest(data))
+        try:
+            outcomes[name] = session.put(header, memoryview(data), 30)
+        except grpc.RpcError as e:
+            outcomes[name] = e.code()
+
+    first = threading.Thread(target=put, args=("held", held))
+    first.start()
+    wait_until(lambda: session._queued == 1)
+    second = threading.Thread(target=put, args=("new", new))
+    second.start()
+    first.join()
+    second.join()
+    assert outcomes == {"held": grpc.StatusCode.ALREADY_EXISTS, "new": False}, outcomes
+    assert not origin.exists(pack_key(new))
+    store.put(pack_key(new), new, if_absent=True)  # on a new session
+    assert origin.get(pack_key(new)) == new
