@@ -138,6 +138,11 @@ class StoreError(DeltasyncError):
     """A store backend failed (I/O error, permission, network)."""
 
 
+class MissingReferencesError(StoreError):
+    """A store refused a manifest because an object it names (a pack, a blob, a delta's parent
+    manifest) is missing there: nothing was written (a writable relay checks them)."""
+
+
 class CommittedError(StoreError):
     """Raised after a version's manifest was committed: the version exists (its id is
     ``version``), so nothing of it may be removed, but something went wrong with it."""

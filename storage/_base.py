@@ -73,10 +73,21 @@ class Store(ABC):
     io_concurrency: int = 4
     #: Uploads worth keeping in flight at once (a publisher holds one pack in memory for each).
     upload_concurrency: int = 2
+    #: Bytes of packs a publisher may hold waiting for or in upload (None: only the count
+    #: above bounds them); at least two packs are always allowed.
+    upload_bytes: int | None = None
     #: Whether a publisher should upload packs while it still encodes (early, smaller packs)
     #: rather than fill each one first: true where writes cross a network (S3, a writable
     #: relay), whose link is then busy while encoding goes on; false where a write is a local copy.
     overlap_uploads: bool = False
+
+    @property
+    def checks_references(self) -> bool:
+        """Whether a put of a manifest is refused (MissingReferencesError, nothing written) when
+        a pack or blob it names, or a delta's parent manifest, is missing at that moment, as a
+        writable relay checks beside the write: a publisher then needs no check of its own
+        right before its commit (publish/commit.py)."""
+        return False
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.
@@ -196,7 +207,12 @@ class WrappingStore(Store):
         self.url = inner.url
         self.io_concurrency = inner.io_concurrency
         self.upload_concurrency = inner.upload_concurrency
+        self.upload_bytes = inner.upload_bytes
         self.overlap_uploads = inner.overlap_uploads
+
+    @property
+    def checks_references(self) -> bool:
+        return self.inner.checks_references
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         return self.inner.get(key, byte_range)

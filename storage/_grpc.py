@@ -11,10 +11,12 @@ stopped on the next relay.
 With a write token (``?write_token_file=``, ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``) and relays
 serving with ``--accept-writes``, the store writes: each object is streamed to one relay in
 1 MiB pieces with its xxh3-128 digest (the relay checks it before the object becomes
-visible) under the credit the relay grants (the Upload call; Put for relays before it),
-starting at the relay with the fewest of this store's upload bytes in flight, so a
-publisher's concurrent pack uploads (``upload_concurrency``) spread evenly over every relay
-named, and failing over like reads.
+visible) under the credit the relay grants (on an upload session, where objects pipeline;
+Upload, then Put, for relays before it: :mod:`._grpc_upload`), starting at the relay with the
+fewest of this store's upload bytes in flight, so a publisher's concurrent pack uploads
+(``upload_concurrency``, ``upload_bytes``) spread evenly over every relay named, and failing
+over like reads. A manifest a relay refuses because what it names is missing raises
+MissingReferencesError (``checks_references``: every relay named has said it checks).
 
 The wire definition it shares with the server is :mod:`deltasync.storage.wire`.
 """
@@ -35,6 +37,7 @@ import grpc
 from ..errors import (
     CorruptObjectError,
     DeltasyncError,
+    MissingReferencesError,
     ObjectExistsError,
     ObjectNotFoundError,
     StoreError,
@@ -44,6 +47,7 @@ from ..format.digest import digest
 from ..v1 import relay_pb2 as pb
 from . import _base
 from ._base import Store, listing_too_long, read_limit, too_large
+from ._grpc_upload import SESSION_TRIES, UploadSession, upload
 from .wire import (
     BIDI_STREAM,
     CA_ENV as CA_ENV,
@@ -87,8 +91,17 @@ FAILOVER_CODES = frozenset(
 WRITE_FAILOVER_CODES = FAILOVER_CODES - {grpc.StatusCode.RESOURCE_EXHAUSTED}
 #: Keys whose reads are spread over the relays named by their hash (immutable objects).
 _SHARDED_READS = ("packs/", "blobs/", "manifests/", "squashes/")
-#: Uploads a writable store keeps in flight per relay named (each holds one pack in memory).
-UPLOADS_PER_RELAY = 4
+#: Uploads a writable store keeps in flight per relay named (threads; they pipeline on its
+#: upload sessions, so the bytes they hold, not their count, is what fills a long link).
+UPLOADS_PER_RELAY = 8
+#: Bytes of packs a publisher holds waiting for or in upload, per relay named: about a long
+#: link's bandwidth x round trip (800 Mbit/s x 200 ms is 20 MB) with room for the pack whose
+#: answer is on its way, and within the memory four 64 MiB packs a relay took before.
+UPLOAD_BYTES_PER_RELAY = 96 << 20
+#: Upload sessions a writable store opens per relay named; uploads beyond them pipeline on
+#: them (each call is granted at most the relay's ``--upload-window``, 32 MiB by default,
+#: ahead of its disk: four cover about a 5 Gbit/s link at 200 ms).
+SESSIONS_PER_RELAY = 4
 
 #: Client keepalive: a dead TCP connection under an idle Watch stream is noticed in ~40 s.
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
@@ -220,27 +233,33 @@ class _Relay:
         self.upload_session = calls["UploadSession"]
         self.legacy_put = False  # the relay predates Upload (answered UNIMPLEMENTED): Put is used
         self.legacy_upload = False  # the relay predates UploadSession: Upload is used
-        self._idle: list[_UploadSession] = []  # sessions no upload is using
-        self._idle_lock = threading.Lock()
+        # The relay refuses a manifest whose packs, blobs or parent are missing (learnt from
+        # its upload sessions; a relay before that check never says so).
+        self.checks_references = False
+        self._sessions: list[UploadSession] = []  # open upload sessions, shared by this store's uploads
+        self._sessions_lock = threading.Lock()
 
-    def take_session(self, timeout: float) -> _UploadSession:
-        """An idle upload session (its standing credit ready for the next object), else a new one."""
-        with self._idle_lock:
-            while self._idle:
-                session = self._idle.pop()
-                if session.alive:
-                    return session
-        return _UploadSession(self, timeout)
+    def take_session(self) -> UploadSession:
+        """The upload session an object goes on: an open one with nothing waiting for an answer,
+        else a new one, up to :data:`SESSIONS_PER_RELAY` (the relay stores a session's objects
+        one after another: several calls store in parallel), else the open one with the fewest
+        bytes waiting, the object pipelined behind them."""
+        with self._sessions_lock:
+            self._sessions = [s for s in self._sessions if s.alive]
+            least = min(self._sessions, key=lambda s: s.pending_bytes, default=None)
+            if least is not None and (least.pending_bytes == 0 or len(self._sessions) >= SESSIONS_PER_RELAY):
+                return least
+            session = UploadSession(self.upload_session, _Stream, self._checks)
+            self._sessions.append(session)
+            return session
 
-    def keep_session(self, session: _UploadSession) -> None:
-        with self._idle_lock:
-            if session.alive:
-                self._idle.append(session)
+    def _checks(self) -> None:
+        self.checks_references = True
 
     def close_sessions(self) -> None:
-        with self._idle_lock:
-            idle, self._idle = self._idle, []
-        for session in idle:
+        with self._sessions_lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
             session.close()
 
 
@@ -289,12 +308,20 @@ class GrpcStore(Store):
         self._sending_lock = threading.Lock()
         if self._write_token is not None:
             self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
+            self.upload_bytes = UPLOAD_BYTES_PER_RELAY * len(self._relays)
             self.overlap_uploads = True
 
     @property
     def writable(self) -> bool:
         """Whether this store has a write token (the relays decide whether it is good)."""
         return self._write_token is not None
+
+    @property
+    def checks_references(self) -> bool:
+        """Whether every relay named has said it refuses a manifest whose packs, blobs or delta
+        parent are missing (a relay says so on each upload session: a publisher learns it from
+        its pack uploads, before its commit)."""
+        return self._write_token is not None and all(r.checks_references for r in self._relays)
 
     @property
     def addresses(self) -> list[str]:
@@ -428,8 +455,8 @@ class GrpcStore(Store):
         """Write one object on an upload session of ``relay`` (True once stored); False when the
         relay predates UploadSession, or ended the sessions it was sent on before answering
         (idle, or its credit wanted): it was not written, and goes by Upload."""
-        for _ in range(_SESSION_TRIES):
-            session = relay.take_session(self.timeout)
+        for _ in range(SESSION_TRIES):
+            session = relay.take_session()
             try:
                 stored = session.put(header, view, self.timeout)
             except grpc.RpcError as e:
@@ -438,35 +465,12 @@ class GrpcStore(Store):
                 relay.legacy_upload = True
                 return False
             if stored:
-                relay.keep_session(session)
                 return True
         return False
 
     def _upload(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> None:
-        """One Upload call: the header, then the object's bytes as the relay grants credit
-        (pieces of at most 1 MiB, never past the last grant); returns once it is stored."""
-        credit = _Credit()
-        size = len(view)
-
-        def requests() -> Iterator[pb.PutChunk]:  # consumed by grpc on a thread of its own
-            yield header
-            offset = len(header.data)
-            while offset < size:
-                until = credit.beyond(offset)
-                if until is None:
-                    return  # the call is over
-                while offset < until:
-                    end = min(offset + CHUNK_BYTES, until)
-                    yield pb.PutChunk(data=bytes(view[offset:end]))
-                    offset = end
-
-        call = relay.upload(requests(), timeout=self.timeout)
-        try:
-            for grant in _Stream(call):
-                credit.grant(grant.send_until)
-        finally:
-            credit.stop()
-            call.cancel()
+        """One Upload call (:func:`._grpc_upload.upload`); returns once it is stored."""
+        upload(lambda requests: relay.upload(requests, timeout=self.timeout), _Stream, header, view)
 
     def _holds(self, key: str, view: memoryview) -> bool:
         try:
@@ -539,7 +543,9 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
                 f"relay {address} refused to {action} {key}: {details or 'not authorised'} "
                 f"(the write token: ${WRITE_TOKEN_ENV}, ${WRITE_TOKEN_FILE_ENV} or ?write_token_file=)"
             )
-        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
+        if code == grpc.StatusCode.FAILED_PRECONDITION:  # the one refusal a relay gives it: what a manifest names is missing
+            return MissingReferencesError(f"relay {address} refused to {action} {key}: {details or 'failed precondition'}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return StoreError(f"relay {address} refused to {action} {key}: {details or code.name.lower()}")
         if error is CorruptObjectError:
             return CorruptObjectError(key or "object", f"relay {address} refused the upload: {details}")
@@ -554,151 +560,6 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
         )
     what = f" {key}" if key else ""
     return StoreError(f"cannot {action}{what} through relay {address}: {describe(e)}")
-
-
-class _Credit:
-    """The credit of one Upload call: the offset its bytes may be sent to, raised by the relay's
-    grants (read on the caller's thread), waited on by the request iterator (grpc's thread)."""
-
-    def __init__(self) -> None:
-        self._until = 0
-        self._stopped = False
-        self._changed = threading.Condition()
-
-    def grant(self, until: int) -> None:
-        with self._changed:
-            self._until = max(self._until, until)
-            self._changed.notify_all()
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped = True
-            self._changed.notify_all()
-
-    def beyond(self, offset: int) -> int | None:
-        """The granted offset once it is past ``offset``; None once the call is over."""
-        with self._changed:
-            while self._until <= offset and not self._stopped:
-                self._changed.wait()
-            return None if self._stopped else self._until
-
-
-_SESSION_TRIES = 3  # sessions an object is sent on that the relay ends before answering, then Upload
-
-
-class _SessionFailed(grpc.RpcError):  # type: ignore[misc]
-    """An upload session's failure as an RpcError, for the failover (a deadline, mostly)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class _UploadSession:
-    """One UploadSession call: objects sent one after another (:meth:`put`, one at a time),
-    their bytes under credit counted over the call, which the relay keeps granting past each
-    object while its budget is not wanted, so the next object's first bytes go out with its
-    header. Its answers are read on a helper thread (:class:`_Stream`); the request iterator
-    runs on grpc's."""
-
-    def __init__(self, relay: _Relay, timeout: float) -> None:
-        self._jobs: queue.SimpleQueue[tuple[pb.PutChunk, memoryview] | None] = queue.SimpleQueue()
-        self._changed = threading.Condition()
-        self._until = 0  # credit: bytes of the call (header data aside) that may be sent
-        self._sent = 0
-        self._stored = 0  # objects the relay answered stored
-        self._over = False  # the call ended (OK: the relay ended it; else _error)
-        self._error: grpc.RpcError | None = None
-        self.headers_sent = 0  # for tests: headers sent, and of them those with credit already there
-        self.headers_with_credit = 0
-        self.credit_waits = 0  # times the request iterator waited for a grant
-        self._call = relay.upload_session(self._requests())
-        threading.Thread(target=self._read, name="deltasync-upload-session", daemon=True).start()
-
-    @property
-    def alive(self) -> bool:
-        return not self._over
-
-    def _read(self) -> None:
-        error: grpc.RpcError | None = None
-        try:
-            for answer in _Stream(self._call):
-                with self._changed:
-                    self._until = max(self._until, answer.send_until)
-                    self._stored = max(self._stored, answer.stored)
-                    self._changed.notify_all()
-        except grpc.RpcError as e:
-            error = e
-        except BaseException as e:  # handed to the uploader
-            error = _SessionFailed(grpc.StatusCode.UNKNOWN, str(e))
-        with self._changed:
-            self._over, self._error = True, error
-            self._changed.notify_all()
-
-    def _requests(self) -> Iterator[pb.PutChunk]:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            header, view = job
-            with self._changed:
-                self.headers_sent += 1
-                self.headers_with_credit += self._until > self._sent
-            yield header
-            offset, size = len(header.data), len(view)
-            while offset < size:
-                with self._changed:
-                    if self._until <= self._sent:
-                        self.credit_waits += 1
-                    while self._until <= self._sent and not self._over:
-                        self._changed.wait()
-                    if self._over:
-                        return
-                    until = self._until
-                while offset < size and self._sent < until:
-                    n = min(CHUNK_BYTES, size - offset, until - self._sent)
-                    yield pb.PutChunk(data=bytes(view[offset : offset + n]))
-                    offset += n
-                    self._sent += n
-            del job, header, view
-
-    def put(self, header: pb.PutChunk, view: memoryview, timeout: float) -> bool:
-        """Send one object and wait for the relay's answer: True once stored, False when the
-        relay ended the call first (not written); its error, raised, when the call failed."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            if self._over:
-                return False
-            stored = self._stored
-        self._jobs.put((header, view))
-        with self._changed:
-            while self._stored == stored and not self._over:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            if self._stored > stored:
-                return True
-            error, over = self._error, self._over
-        if not over:
-            self.close()
-            raise _SessionFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout:g} s")
-        if error is not None:
-            raise error
-        return False
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        with self._changed:
-            self._over = True
-            self._changed.notify_all()
-        self._call.cancel()
 
 
 class _Download:

@@ -32,6 +32,11 @@ LIST_BATCH = 1000  # keys per ListResponse
 #: as a Put: a lease, a ref, a manifest); a relay holds at most this per waiting uploader.
 UNCREDITED_BYTES = 256 << 10
 
+#: An UploadSession's initial metadata from a relay that refuses (FAILED_PRECONDITION) a
+#: manifest whose packs or blobs, or whose delta parent's manifest, are missing: a publisher
+#: then skips its own check right before its commit (``Store.checks_references``).
+UPLOAD_CHECKS = ("deltasync-upload-checks", "references,parent")
+
 UNARY, SERVER_STREAM, CLIENT_STREAM, BIDI_STREAM = "unary", "server_stream", "client_stream", "bidi_stream"
 
 #: (method, request type, response type, kind of call)

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError, CommittedError, StoreError
+from ..errors import CheckpointError, CommittedError, MissingReferencesError, StoreError
 from ..format import dtypes
 from ..format.codec import SAME, PlanesZstdCodec
 from ..format.digest import digest, version_digest
@@ -121,11 +121,58 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
         abandon(repo.store, encoded)
         return PublishResult(parent, kind="unchanged", parent=parent, raw_bytes=encoded.raw, stored_bytes=0,
                              seconds=time.monotonic() - start)
-    # The parent's manifest is checked beside the packs and blobs (one round trip for all).
+    # Where the store itself refuses a manifest naming a missing object or parent (a writable
+    # relay checks them beside the write: Store.checks_references), the check before the
+    # commit is its manifest put: one round trip less. A refused put is followed by the check
+    # here, which stores missing objects again (or fails naming them), and the put once more.
+    by_store = repo.store.checks_references
+    checked: list[list[str] | BaseException] = []
+    while True:
+        if not by_store:
+            encoded = _check_before_commit(repo, draft, encoded, restore)
+        manifest = build_manifest(repo, config.codec, draft, encoded)
+
+        # Once the manifest is written, the check that nothing it names was deleted at that
+        # moment and the caller's after-commit work run beside the ref update
+        # (Repository.commit's alongside).
+        def check_after(encoded: Encoded = encoded) -> None:
+            try:
+                checked.append(missing_objects(repo.store, files, encoded))
+            except BaseException as e:  # raised below, on the publisher's thread
+                checked.append(e)
+
+        try:
+            repo.commit(manifest, alongside=[check_after, *([after_commit] if after_commit is not None else [])],
+                        known_latest=draft.latest)
+        except MissingReferencesError as e:
+            if not by_store:
+                raise
+            log.info("version %d: the manifest put was refused (%s); checking what it names", version, e)
+            by_store = False
+            continue
+        break
+    result = checked[0] if checked else missing_objects(repo.store, files, encoded)
+    if isinstance(result, BaseException):
+        raise result
+    gone = result
+    if gone:
+        # gc deleted it between the check above and the manifest write: say so, loudly.
+        raise CommittedError(version, f"version {version} was committed but {_some(gone)} was deleted by a concurrent gc at that "
+                         "moment: it cannot be pulled; `deltasync verify` names it, and the next version should be "
+                         "published as a snapshot (--no-cache)")
+    return PublishResult(version, kind="snapshot" if draft.snapshot else "delta", parent=parent, raw_bytes=encoded.raw,
+                         stored_bytes=manifest.stored_bytes, seconds=time.monotonic() - start)
+
+
+def _check_before_commit(repo: Repository, draft: Draft, encoded: Encoded, restore: Restore | None) -> Encoded:
+    """Round 2 of the commit order: every pack and blob ``encoded`` names, and the parent's
+    manifest, still exist (one round trip for all); missing objects are stored again
+    (``restore``) and checked again, up to :data:`COMMIT_ATTEMPTS` times. The version to commit."""
+    version, parent = draft.version, draft.parent
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-check-parent") as pool:
         parent_there = pool.submit(repo.store.exists, manifest_key(parent)) if not draft.snapshot and parent else None
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
-            missing = missing_objects(repo.store, files, encoded)
+            missing = missing_objects(repo.store, draft.files, encoded)
             if not missing:
                 break
             if restore is None or attempt == COMMIT_ATTEMPTS:
@@ -138,30 +185,7 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
         if parent_there is not None and not parent_there.result():
             raise StoreError(f"version {version} not committed: its parent version {parent} was deleted while "
                              "publishing (gc); nothing of it is visible, publish again (it will be a snapshot)")
-    manifest = build_manifest(repo, config.codec, draft, encoded)
-    # Once the manifest is written, the check that nothing it names was deleted at that moment
-    # and the caller's after-commit work run beside the ref update (Repository.commit's alongside).
-    checked: list[list[str] | BaseException] = []
-
-    def check_after() -> None:
-        try:
-            checked.append(missing_objects(repo.store, files, encoded))
-        except BaseException as e:  # raised below, on the publisher's thread
-            checked.append(e)
-
-    repo.commit(manifest, alongside=[check_after, *([after_commit] if after_commit is not None else [])],
-                known_latest=draft.latest)
-    result = checked[0] if checked else missing_objects(repo.store, files, encoded)
-    if isinstance(result, BaseException):
-        raise result
-    gone = result
-    if gone:
-        # gc deleted it between the check above and the manifest write: say so, loudly.
-        raise CommittedError(version, f"version {version} was committed but {_some(gone)} was deleted by a concurrent gc at that "
-                         "moment: it cannot be pulled; `deltasync verify` names it, and the next version should be "
-                         "published as a snapshot (--no-cache)")
-    return PublishResult(version, kind="snapshot" if draft.snapshot else "delta", parent=parent, raw_bytes=encoded.raw,
-                         stored_bytes=manifest.stored_bytes, seconds=time.monotonic() - start)
+    return encoded
 
 
 def deleted_error(version: int, missing: Sequence[str], attempts: int) -> StoreError:

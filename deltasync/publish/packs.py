@@ -2,7 +2,9 @@
 
 A :class:`Packer` closes a pack at ``pack_bytes`` (64 MiB by default) and uploads it on a
 thread while encoding goes on, with at most ``max(2, store.upload_concurrency)`` packs
-waiting or in flight, so memory stays O(pack size * upload streams).
+waiting or in flight, and (where the store says, ``store.upload_bytes``: a writable relay's
+about bandwidth x round trip) no more bytes of them than that beyond one pack, so memory
+stays O(pack size * upload streams) and within the store's byte bound.
 
 **Early flushes** (stores whose ``overlap_uploads`` is true: S3, a writable relay). A delta
 of a few MiB never fills a 64 MiB pack, so it would upload only once encoding ends, and the
@@ -61,7 +63,9 @@ class Packer:
         self.packs: list[pb.Pack] = []
         self._parts: list[bytes] = []
         self._size = 0
-        self._uploads: deque[Future[None]] = deque()
+        self._uploads: deque[tuple[Future[None], int]] = deque()  # each upload and its size
+        self._held = 0  # bytes of the packs in _uploads
+        self._window_bytes = store.upload_bytes
         # As many uploads in flight as the store wants (several streams over relays), at least 2.
         self._window = max(2, store.upload_concurrency)
         self._pool = ThreadPoolExecutor(max_workers=self._window, thread_name_prefix="deltasync-upload")
@@ -90,9 +94,22 @@ class Packer:
     def _stream_free(self) -> bool:
         """Whether fewer uploads are in flight than the store wants (an early pack would start
         now, not queue behind full ones). Finished uploads are collected, failures raised."""
-        while self._uploads and self._uploads[0].done():
-            self._uploads.popleft().result()
-        return sum(not f.done() for f in self._uploads) < self._window
+        while self._uploads and self._uploads[0][0].done():
+            self._collect()
+        return sum(not f.done() for f, _ in self._uploads) < self._window and not self._full(self.early_floor())
+
+    def _full(self, size: int) -> bool:
+        """Whether a new pack of ``size`` bytes must wait for the oldest upload: the count is
+        reached, or the byte bound would be passed with one upload still going."""
+        if len(self._uploads) >= self._window:
+            return True
+        return self._window_bytes is not None and bool(self._uploads) and self._held + size > self._window_bytes
+
+    def _collect(self) -> None:
+        """Wait for the oldest upload (raising its failure) and let go of its bytes."""
+        future, size = self._uploads.popleft()
+        self._held -= size
+        future.result()
 
     def flush(self) -> None:
         if not self._parts:
@@ -102,9 +119,10 @@ class Packer:
         key = f"packs/{digest(data).hex()}.pack"
         self.packs.append(pb.Pack(key=key, size=len(data)))
         self.stored += len(data)
-        while len(self._uploads) >= self._window:  # bound memory: at most _window packs waiting to upload
-            self._uploads.popleft().result()
-        self._uploads.append(self._pool.submit(self._upload, key, data))
+        while self._full(len(data)):  # bound memory: packs (and bytes) waiting to upload
+            self._collect()
+        self._held += len(data)
+        self._uploads.append((self._pool.submit(self._upload, key, data), len(data)))
 
     def _upload(self, key: str, data: bytes) -> None:
         try:
@@ -117,13 +135,13 @@ class Packer:
         self.flush()
         try:
             while self._uploads:
-                self._uploads.popleft().result()
+                self._collect()
         finally:
             self._pool.shutdown(wait=True)
 
     def abandon(self) -> None:
         """Stop and remove what this attempt uploaded (it is referenced by nothing)."""
-        for f in self._uploads:
+        for f, _ in self._uploads:
             f.cancel()
         self._pool.shutdown(wait=True)
         for key in self.created:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +36,7 @@ from .encode import (
     Encoded,
     Reader,
     SourceTensor,
+    abandon,
     array_reader,
     encode,
     file_reader,
@@ -91,7 +92,8 @@ class Publisher:
         bases = memory_bases(self.repo, self._bits, parent)
         new_bits: dict[str, Bits] = {}
         self._bits_version = None  # the in-memory copy is rewritten in place below
-        result = self._publish(sources, [], bases, parent, version, metadata, keep=new_bits, base_arrays=self._bits)
+        result = self._publish(sources, [], bases, parent, version, metadata, keep=new_bits, base_arrays=self._bits,
+                               speculate=True)
         self._bits = new_bits
         self._bits_version = result.version
         return self._squash(result, {key: array_reader(arr) for key, arr in new_bits.items()})
@@ -243,24 +245,72 @@ class Publisher:
         blob_root: Path | None = None,
         keep: dict[str, Bits] | None = None,
         base_arrays: dict[str, Bits] | None = None,
+        speculate: bool = False,
     ) -> PublishResult:
+        """Round 1 of the commit order (docs/DESIGN.md): the repository marker (a first publish),
+        then the lease put beside the read of the latest version; then encode and commit.
+
+        With ``speculate`` (a state held in memory) round 1 runs *beside* the encoding instead
+        of before it, so its round trips cost nothing over a long link: the encoding assumes
+        the latest version is the publisher's own last one (``parent``; a publisher without
+        one encodes a snapshot, which any latest version fits) and the commit waits for round
+        1 and checks the assumption (:meth:`_confirm`). Wrong (another publisher committed
+        meanwhile), what was uploaded is removed and the version is encoded again as a
+        snapshot on the latest, as it would have been. Packs uploaded before the lease is
+        written are unreferenced objects like any other: gc keeps them for its grace period,
+        and the commit's check that every pack still exists (commit.py) stores again any it
+        deleted."""
         start = time.monotonic()
-        self.repo.create()  # before the lease: a repository's first publish makes it one (later: no request)
         # A gc reads the lease and deletes no pack or blob until the commit (repo/leases.py).
         # It is written while the latest version is read (one round trip for both), and
         # released beside the commit's last requests (publish/commit.py).
         lease = Lease(self.repo.store, "publish of the next version")
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-round1") as pool:
+            prepared = pool.submit(self._round1, lease)
+            try:
+                if speculate:
+                    try:
+                        return self._publish_leased(
+                            lease, start, parent, sources, files, bases, parent, version, metadata,
+                            blob_root=blob_root, keep=keep, base_arrays=base_arrays,
+                            confirm=lambda draft, encoded: self._confirm(prepared, draft, encoded, version, parent))
+                    except _Stale:
+                        bases = {}  # the in-memory base is rewritten by now: a snapshot on the latest
+                latest = prepared.result()
+                return self._publish_leased(lease, start, latest, sources, files, bases, parent, version, metadata,
+                                            blob_root=blob_root, keep=keep, base_arrays=base_arrays)
+            finally:
+                wait([prepared])  # the lease is released only once it is written (or failed)
+                lease.release()
+
+    def _round1(self, lease: Lease) -> int | None:
+        """The repository marker (a first publish makes the store a repository; later: no
+        request), then the lease written while the latest version is read: that version."""
+        self.repo.create()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-lease") as pool:
+            leased = pool.submit(lease.__enter__)
+            try:
+                return self.repo.latest()
+            finally:
+                leased.result()
+
+    def _confirm(self, prepared: Future[int | None], draft: Draft, encoded: Encoded, version: int | None,
+                 parent: int | None) -> Draft:
+        """After a speculative encoding (see :meth:`_publish`): the draft to commit, once round 1
+        is in. A snapshot without a base takes its id from the latest version read; a version
+        encoded against ``parent`` needs ``parent`` to be the latest (else :class:`_Stale`).
+        Either way what this attempt uploaded is removed when it cannot be committed."""
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-lease") as pool:
-                leased = pool.submit(lease.__enter__)
-                try:
-                    latest = self.repo.latest()
-                finally:
-                    leased.result()
-            return self._publish_leased(lease, start, latest, sources, files, bases, parent, version, metadata,
-                                        blob_root=blob_root, keep=keep, base_arrays=base_arrays)
-        finally:
-            lease.release()
+            latest = prepared.result()
+            if parent is None:
+                return replace(draft, version=_next_version(latest, version), latest=(latest,))
+        except BaseException:
+            abandon(self.repo.store, encoded)
+            raise
+        if latest != parent:
+            abandon(self.repo.store, encoded)
+            raise _Stale(latest)
+        return draft
 
     def _publish_leased(
         self,
@@ -277,13 +327,10 @@ class Publisher:
         blob_root: Path | None = None,
         keep: dict[str, Bits] | None = None,
         base_arrays: dict[str, Bits] | None = None,
+        confirm: _Confirm | None = None,
     ) -> PublishResult:
-        if version is None:
-            version = (latest or 0) + 1
-        elif version < 1:
-            raise UsageError(f"version ids start at 1, got {version}")
-        elif latest is not None and version <= latest:
-            raise UsageError(f"version {version} is not newer than the latest version {latest}")
+        # A speculative snapshot takes its id once the latest version is read (_confirm).
+        version = _next_version(None if confirm is not None and parent is None else latest, version)
         if parent is not None and parent != latest:
             # Another publisher committed since our base: our bits are not the parent's.
             bases, parent = {}, latest
@@ -302,14 +349,18 @@ class Publisher:
         source = _Source(sources, bases, keep, base_arrays, blob_root)
         if limit is not None:
             try:
-                return self._attempt(draft, source, limit, lease)
+                return self._attempt(draft, source, limit, lease, confirm)
             except DeltaTooLarge:
                 pass  # store this version as a snapshot instead
-        return self._attempt(replace(draft, snapshot=True), replace(source, bases={}), None, lease)
+        return self._attempt(replace(draft, snapshot=True), replace(source, bases={}), None, lease, confirm)
 
-    def _attempt(self, draft: Draft, source: _Source, limit: int | None, lease: Lease) -> PublishResult:
+    def _attempt(self, draft: Draft, source: _Source, limit: int | None, lease: Lease,
+                 confirm: _Confirm | None = None) -> PublishResult:
         encoded = encode(self.repo.store, self.config, source.tensors, draft.files, source.bases,
                          label=f"publish v{draft.version}", limit=limit, keep=source.keep, base_arrays=source.base_arrays)
+        if confirm is not None:
+            draft = confirm(draft, encoded)
+            lease.what = f"publish of version {draft.version}"
 
         def restore(current: Encoded, missing: set[str]) -> Encoded:
             # Objects a concurrent gc deleted before the commit (commit.py docstring).
@@ -331,6 +382,29 @@ class Publisher:
                         raise CheckpointError(str(root / f.path), "changed while publishing; publish again")
                     if blob_key(want) in missing:
                         self.repo.put_blob(part)
+
+
+def _next_version(latest: int | None, version: int | None) -> int:
+    """The id a publish commits: ``version`` (checked newer than ``latest``) or the next one."""
+    if version is None:
+        return (latest or 0) + 1
+    if version < 1:
+        raise UsageError(f"version ids start at 1, got {version}")
+    if latest is not None and version <= latest:
+        raise UsageError(f"version {version} is not newer than the latest version {latest}")
+    return version
+
+
+class _Stale(Exception):
+    """A speculative encoding's parent is not the latest version (another publisher committed)."""
+
+    def __init__(self, latest: int | None) -> None:
+        super().__init__(f"the latest version is {latest}")
+        self.latest = latest
+
+
+#: Given a speculatively encoded draft and what it encoded: the draft to commit (Publisher._confirm).
+_Confirm = Callable[[Draft, Encoded], Draft]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import grpc
 from ..errors import CorruptObjectError, ObjectNotFoundError, ObjectRangeError
 from ..repo.repository import LATEST
 from ..storage import Store, check_key
-from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, status_code
+from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, UPLOAD_CHECKS, status_code
 from ..v1 import relay_pb2 as pb
 from .auth import HANDLER_FACTORIES, check_served, check_writable
 from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, cacheable, served
@@ -300,6 +300,7 @@ class RelayService:
         self.counters["requests"] += 1
         if not self.config.accept_writes:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
+        await context.send_initial_metadata((UPLOAD_CHECKS,))  # what it checks (uploads.missing_references); before any credit
         loop = asyncio.get_running_loop()
         budget = self.uploads.budget
         call = _SessionCall(context)

@@ -41,6 +41,7 @@ import grpc
 
 from ..errors import ObjectNotFoundError, UsageError
 from ..format.digest import digest
+from ..format.manifest import manifest_key
 from ..repo.repository import blob_key
 from ..storage import LocalStore, Store, check_key
 from ..storage.wire import CHUNK_BYTES, UNCREDITED_BYTES
@@ -300,7 +301,9 @@ class Refused(Exception):
 
 def missing_references(upstream: Store, key: str, data: bytes | bytearray | memoryview) -> list[str]:
     """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
-    lacks, so a broken or hostile publisher cannot commit a version that cannot be pulled."""
+    lacks, and for a delta's manifest its parent's manifest, so a broken or hostile publisher
+    cannot commit a version that cannot be pulled (nor one a concurrent gc took the base of:
+    the check right before the write, the publisher's own check before its commit)."""
     if not _MANIFEST_KEY.match(key):
         return []
     try:
@@ -317,6 +320,9 @@ def missing_references(upstream: Store, key: str, data: bytes | bytearray | memo
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} names an invalid key {k!r}") from None
         if not upstream.exists(k):
             missing.append(k)
+    if (key.startswith("manifests/") and manifest.kind == manifest_pb.DELTA and manifest.has_parent
+            and not upstream.exists(parent := manifest_key(manifest.parent))):
+        missing.append(parent)
     return missing
 
 

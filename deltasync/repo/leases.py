@@ -116,7 +116,7 @@ class Lease:
         self.store.put(self.key, json.dumps(body, sort_keys=True).encode())
 
     def __enter__(self) -> Lease:
-        self._write()  # before the first upload: a failure here fails the publish, nothing uploaded
+        self._write()  # a failure here fails the publish (what it uploaded beside it is removed)
         self._thread = threading.Thread(target=self._refresh, name="deltasync-lease", daemon=True)
         self._thread.start()
         return self

@@ -401,10 +401,19 @@ class Repository:
         if self._created:
             return  # the marker is there (a publisher asks before every version: one round trip less)
         marker: dict[str, Any] = {"format": REPO_FORMAT}
-        try:
-            found = self._read_marker()
-        except RepositoryNotFoundError:
-            versions = self.versions()
+        written = False  # the marker is the one written here: its identity is known
+        # The listing a marker without an identity needs is read beside it (one round trip).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-create") as pool:
+            listing = pool.submit(self.versions)
+            try:
+                found = self._read_marker()
+                absent = False
+            except RepositoryNotFoundError:
+                found, absent = None, True
+            finally:
+                listed = listing.exception() is None
+        if absent:
+            versions = listing.result() if listed else self.versions()
             # Never a new identity over versions naming one: they would all be refused as
             # another repository's (issue 33). A repository without versions gets a new one.
             marker["id"] = (_identity_from_manifests(self, versions) if versions
@@ -414,6 +423,7 @@ class Repository:
             except ObjectExistsError:
                 pass  # another publisher wrote it meanwhile: read below
             else:
+                written = True
                 if versions:
                     log.warning("repository %s had lost %s: its identity %s is restored from its manifests",
                                 self.url, MARKER, marker["id"])
@@ -423,7 +433,7 @@ class Repository:
                     self._identity, self._assumed = (found,), False
                 self._created = True
                 return
-            versions = self.versions()
+            versions = listing.result() if listed else self.versions()
             # Racing publishers upgrading the same repository write the same identity.
             marker["id"] = (_derived_identity(self, versions[0]) if versions
                             else secrets.token_bytes(IDENTITY_BYTES).hex())
@@ -431,7 +441,8 @@ class Repository:
             log.info("repository %s had no identity (created by older deltasync): it is %s from now on", self.url,
                      marker["id"])
         with self._lock:
-            self._identity = None  # read again: what the store holds now
+            # Read again (what the store holds now), unless it is the marker written here.
+            self._identity = (bytes.fromhex(marker["id"]),) if written else None
             self._assumed = False
         self._created = True
 

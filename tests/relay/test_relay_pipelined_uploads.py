@@ -1,0 +1,238 @@
+"""Uploads pipelined on upload sessions, and the commit's round trips through a writable relay
+(issue 30, the publish half), on real relays over loopback.
+
+* Objects put from many threads at once pipeline on a relay's upload sessions (several wait
+  for their answer on one call): every one lands bit-exact, and the relay's upload memory stays
+  within its budget (the credit bounds what is on its way, not the number of objects).
+* A relay says it checks what a manifest names (its packs and blobs, a delta's parent): a
+  publisher then sends no check of its own before its commit; a pack deleted before that
+  commit makes the relay refuse the manifest, and the publisher stores it again and commits.
+* A publisher whose guess of the latest version (its own last one) is wrong, because another
+  publisher committed meanwhile, removes what it uploaded and commits a snapshot on the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ckpt_helpers import make_state, step_state
+from test_relay import wait_until
+from test_relay_writes import (
+    WRITE,
+    StartRelay,
+    _manifest,
+    pack_key,
+    start_relay as start_relay,  # the fixture
+)
+
+from deltasync import Publisher, PublisherConfig, Repository, Subscriber
+from deltasync.errors import MissingReferencesError
+from deltasync.format.manifest import manifest_key, seal
+from deltasync.relay.server import RelayServer
+from deltasync.storage import LocalStore, Store, WrappingStore
+from deltasync.storage._grpc import GrpcStore
+from deltasync.storage.wire import CHUNK_BYTES
+from deltasync.v1 import manifest_pb2 as manifest_pb
+
+LAYOUT = (("model.embed.weight", (256, 256), torch.bfloat16), ("model.norm.bias", (256,), torch.float32))
+CONFIG = PublisherConfig(workers=2, progress=False, pack_bytes=256 << 10)
+
+
+class Counting(WrappingStore):
+    """Counts the requests a relay's upstream gets, by kind."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.log: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def _note(self, op: str, key: str) -> None:
+        with self._lock:
+            self.log.append((op, key))
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        self._note("put", key)
+        super()._put(key, data, if_absent)
+
+    def _size(self, key: str) -> int:
+        self._note("size", key)
+        return super()._size(key)
+
+
+@pytest.fixture
+def relay_store(tmp_path: Path, start_relay: StartRelay) -> Iterator[tuple[GrpcStore, RelayServer, LocalStore]]:
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin, upload_buffer=8 * CHUNK_BYTES, upload_window=4 * CHUNK_BYTES)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    yield store, relay, origin
+    store.close()
+
+
+def _bits(t: object) -> bytes:
+    if isinstance(t, torch.Tensor):
+        return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return np.asarray(t).tobytes()
+
+
+def _assert_pulled(repo: str | Repository, version: int, state: dict[str, torch.Tensor]) -> None:
+    got = Subscriber(repo, progress=False).pull(version)
+    assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in state.items()}
+
+
+def _budget(relay: RelayServer) -> tuple[int, int, int]:
+    assert relay._service is not None
+    budget = relay._service.uploads.budget
+    return budget.used, budget.peak, budget.limit
+
+
+def test_objects_put_at_once_pipeline_on_sessions_within_the_budget_and_land_bit_exact(
+        relay_store: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    store, relay, origin = relay_store
+    # More objects at once than sessions per relay: some wait for their answer behind others
+    # on one call. Sizes across the whole-in-header, in-memory and spooled paths.
+    objects = [os.urandom(n) for n in (100, 200_000, 3 * CHUNK_BYTES + 1, 5 * CHUNK_BYTES + 3) * 4]
+    threads = [threading.Thread(target=store.put, args=(pack_key(d), d), kwargs={"if_absent": True})
+               for d in objects]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(origin.get(pack_key(d)) == d for d in objects)
+    sessions = store._relays[0]._sessions
+    assert 1 <= len(sessions) <= 4
+    assert max(s.most_pending for s in sessions) > 1, "no object was pipelined behind another"
+    _, peak, limit = _budget(relay)
+    assert peak <= limit  # however many were on their way, the relay held at most its budget
+    assert relay.metrics()["uploads"] == len(objects)
+    store.close()
+
+
+def test_a_relay_refuses_a_delta_manifest_whose_parent_is_missing(
+        relay_store: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    store, _, origin = relay_store
+    delta = manifest_pb.Manifest.FromString(_manifest(3))
+    delta.kind, delta.parent, delta.has_parent, delta.snapshot = manifest_pb.DELTA, 2, True, 1
+    delta.ClearField("manifest_digest")
+    with pytest.raises(MissingReferencesError, match=r"manifests/00000000000000000002\.pb"):
+        store.put(manifest_key(3), seal(delta), if_absent=True)
+    assert not origin.exists(manifest_key(3))
+
+
+def test_a_publish_through_a_checking_relay_sends_no_check_before_its_commit(
+        tmp_path: Path, start_relay: StartRelay) -> None:
+    relay = start_relay(LocalStore(tmp_path / "origin"))
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    client = Counting(store)  # what the publisher asks the relay
+    pub = Publisher(Repository(client), CONFIG)
+    state = make_state(1, LAYOUT)
+    pub.publish(state)
+    assert client.checks_references  # learnt from the pack uploads' sessions
+    client.log.clear()
+    state = step_state(state, seed=2)
+    assert pub.publish(state).kind == "delta"
+    log = client.log
+    commit = log.index(("put", manifest_key(2)))
+    packs = [i for i, (op, k) in enumerate(log) if op == "put" and k.startswith("packs/")]
+    assert packs and max(packs) < commit
+    assert [k for op, k in log[:commit] if op == "size"] == [], log  # the relay checks, beside its write
+    assert [k for op, k in log[commit:] if op == "size"]  # the check after the commit stays
+    store.close()
+    _assert_pulled(str(tmp_path / "origin"), 2, state)
+
+
+class DeletesAPackAtTheManifestCheck(WrappingStore):
+    """A relay's upstream where, once armed, the first existence check of a pack (the relay's
+    check of a manifest, right before writing it) finds it deleted, as a gc would."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.armed = False
+        self.deleted: list[str] = []
+
+    def exists(self, key: str) -> bool:
+        if self.armed and key.startswith("packs/"):
+            self.armed = False
+            self.inner.delete(key)
+            self.deleted.append(key)
+        return self.inner.exists(key)
+
+
+def test_a_pack_deleted_before_the_commit_is_refused_by_the_relay_stored_again_and_committed(
+        tmp_path: Path, start_relay: StartRelay) -> None:
+    upstream = DeletesAPackAtTheManifestCheck(LocalStore(tmp_path / "origin"))
+    relay = start_relay(upstream)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    pub = Publisher(Repository(store), CONFIG)
+    state = make_state(1, LAYOUT)
+    pub.publish(state)
+    upstream.armed = True
+    state = step_state(state, seed=2)
+    result = pub.publish(state)
+    assert upstream.deleted, "no pack was deleted: the test did not test a deletion"
+    assert result.version == 2
+    store.close()
+    repo = Repository(LocalStore(tmp_path / "origin"))
+    assert all(repo.store.exists(p.key) for p in repo.manifest(2).pb.packs)
+    _assert_pulled(repo, 2, state)
+
+
+def test_a_wrong_guess_of_the_latest_version_commits_a_snapshot_and_leaves_no_packs_behind(
+        tmp_path: Path, start_relay: StartRelay) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    ours = Publisher(Repository(store), CONFIG)
+    state = make_state(1, LAYOUT)
+    ours.publish(state)
+    Publisher(Repository(GrpcStore(relay.url, write_token=WRITE, timeout=30)), CONFIG).publish(
+        step_state(state, seed=7))  # another publisher's version 2
+    state = step_state(state, seed=3)
+    result = ours.publish(state)  # encoded against version 1 beside round 1, which finds 2
+    assert (result.version, result.kind) == (3, "snapshot")
+    store.close()
+    repo = Repository(origin)
+    named = {p.key for v in repo.versions() for p in repo.manifest(v).pb.packs}
+    assert set(origin.list("packs/")) == named  # the delta encoded against 1 was removed
+    _assert_pulled(repo, 3, state)
+
+
+def test_a_refused_object_fails_alone_and_those_pipelined_behind_it_are_sent_again(
+        relay_store: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    # The relay ends a session on the object it refuses (here a conditional put of a key it
+    # holds): that object gets the refusal; the one pipelined behind it was not written, and is
+    # answered "not written" (sent again on another call), not with the other's error.
+    import grpc
+
+    from deltasync.format.digest import digest
+    from deltasync.v1 import relay_pb2 as pb
+
+    store, _, origin = relay_store
+    held, new = os.urandom(3 * CHUNK_BYTES), os.urandom(3 * CHUNK_BYTES + 1)
+    store.put(pack_key(held), held, if_absent=True)
+    session = store._relays[0].take_session()
+    outcomes: dict[str, object] = {}
+
+    def put(name: str, data: bytes) -> None:
+        header = pb.PutChunk(key=pack_key(data), total_bytes=len(data), if_absent=True, digest=digest(data))
+        try:
+            outcomes[name] = session.put(header, memoryview(data), 30)
+        except grpc.RpcError as e:
+            outcomes[name] = e.code()
+
+    first = threading.Thread(target=put, args=("held", held))
+    first.start()
+    wait_until(lambda: session._queued == 1)
+    second = threading.Thread(target=put, args=("new", new))
+    second.start()
+    first.join()
+    second.join()
+    assert outcomes == {"held": grpc.StatusCode.ALREADY_EXISTS, "new": False}, outcomes
+    assert not origin.exists(pack_key(new))
+    store.put(pack_key(new), new, if_absent=True)  # on a new session
+    assert origin.get(pack_key(new)) == new
