@@ -42,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import lmdb
 import zstandard
@@ -54,6 +54,9 @@ from ..repo.leases import MAX_LEASE_BYTES
 from ..repo.repository import squash_from_key
 from ..storage import Store
 from .gauge import UpstreamGauge
+
+if TYPE_CHECKING:
+    from .shares import ClusterShares
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +394,7 @@ class ObjectCache:
     # -- fetch ---------------------------------------------------------------------------------
 
     def fetch(self, key: str, upstream: Store, *, max_size: int | None = None, landing: Landing | None = None,
-              size_hint: int | None = None) -> Entry:
+              size_hint: int | None = None, shares: ClusterShares | None = None) -> Entry:
         """Download ``key`` from ``upstream`` into the cache (one read for objects up to
         ``piece_bytes``, ranged reads beyond) and index it; an object larger than
         ``max_size`` is refused (ObjectTooLargeError) before anything is downloaded.
@@ -399,7 +402,9 @@ class ObjectCache:
         ``size_hint``: a pack's size as a manifest names it (warming), so its ranges are
         requested at once, without asking the upstream its size first; only a hint: the bytes
         are checked against the key's digest as always, and a wrong size fails the fetch
-        (CorruptObjectError, or the upstream's range error), the next reader's fetches again."""
+        (CorruptObjectError, or the upstream's range error), the next reader's fetches again.
+        ``shares``: the relays of this cluster, when it has several (:mod:`.shares`): an object
+        over ``shares.min_share`` is fetched in pieces, those other relays own read from them."""
         landing = landing if landing is not None else Landing(key)
         tmp = self.root / "tmp" / uuid.uuid4().hex
         path = self._path(key)
@@ -432,7 +437,7 @@ class ObjectCache:
                 raise ObjectTooLargeError(key, size, max_size)
             self._room_for(key, size)  # before readers learn the size and start streaming a prefix
             landing._update(size=size)
-            self._download(key, size, upstream, fd, landing, small)
+            self._download(key, size, upstream, fd, landing, small, shares)
             try:
                 os.fsync(fd)
             except OSError as e:
@@ -464,11 +469,22 @@ class ObjectCache:
         landing._close()
         return entry
 
-    def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing, small: bytes | None) -> None:
+    def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing, small: bytes | None,
+                  shares: ClusterShares | None = None) -> None:
         # Checked before it lands (and before a reader streaming it gets its last piece): a
         # transiently corrupt manifest or blob from the upstream is never cached for good.
         check = ContentCheck(key)
-        if small is not None or size <= self.piece_bytes:
+        if shares is not None and not shares.splits(size):
+            shares = None
+        if small is None and shares is not None:  # in shares: pieces from the cluster's other relays too
+            peered = self._download_pieces(key, size, upstream, fd, landing, check, shares)
+            problem = check.problem()
+            if problem is not None:
+                if peered:
+                    shares.distrust(key)  # its next fetch reads every piece from the upstream
+                raise CorruptObjectError(key, f"upstream's bytes are not that object: {problem}")
+            shares.trusted(key)
+        elif small is not None or size <= self.piece_bytes:
             # (the object may have been replaced since its size was read)
             data = small if small is not None else upstream.get(key, max_bytes=size)
             if len(data) != size:
@@ -482,16 +498,25 @@ class ObjectCache:
         landing._update(verified=True)
 
     def _download_pieces(self, key: str, size: int, upstream: Store, fd: int, landing: Landing,
-                         check: ContentCheck) -> None:
+                         check: ContentCheck, shares: ClusterShares | None = None) -> bool:
         """Ranged reads of ``key``, as many in flight as the gauge grants (all downloads
-        together), each written and checked in order as it arrives."""
+        together), each written and checked in order as it arrives; with ``shares``, the
+        pieces other relays of the cluster own read from them. Whether any piece came from
+        another relay."""
         gauge = self.gauge
-        ranges = [(offset, min(self.piece_bytes, size - offset)) for offset in range(0, size, self.piece_bytes)]
+        piece = shares.piece_size(size) if shares is not None else self.piece_bytes
+        ranges = [(offset, min(piece, size - offset)) for offset in range(0, size, piece)]
+        peered = False
 
         def read(offset: int, n: int) -> bytes:
+            nonlocal peered
             got = 0
             try:
-                data = upstream.get(key, (offset, n))
+                if shares is not None:
+                    data, from_peer = shares.read(key, offset, n, offset // piece, upstream)
+                    peered = peered or from_peer
+                else:
+                    data = upstream.get(key, (offset, n))
                 got = len(data)
                 return data
             finally:
@@ -508,16 +533,17 @@ class ObjectCache:
                         offset, n = ranges[submitted]
                         pending.append((offset, n, pool.submit(read, offset, n)))
                         submitted += 1
-                    offset, n, piece = pending.popleft()
-                    data = piece.result()
+                    offset, n, future = pending.popleft()
+                    data = future.result()
                     if len(data) != n:
                         raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
                     self._write(fd, data, offset, landing, check)
-                    del data, piece
+                    del data, future
             finally:
-                for _, _, piece in pending:  # a failed piece ends the download: the rest are not waited for
-                    if piece.cancel():
+                for _, _, future in pending:  # a failed piece ends the download: the rest are not waited for
+                    if future.cancel():
                         gauge.release(0)  # never ran: its slot back
+        return peered
 
     def _write(self, fd: int, data: bytes, offset: int, landing: Landing, check: ContentCheck) -> None:
         view = memoryview(data)
