@@ -39,7 +39,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -81,6 +81,7 @@ DEFAULT_DISK_SHARE = 0.5
 #: Bytes kept free on the cache's disk besides its objects (the LMDB index, downloads starting),
 #: at most 1/16 of a small disk.
 _DISK_RESERVE = 64 << 20
+_RECHECK = 0.05  # seconds a download waits on its own pieces before it asks the gauge again
 
 
 class CacheFullError(OSError):
@@ -523,18 +524,29 @@ class ObjectCache:
                 gauge.release(got)
 
         with ThreadPoolExecutor(max_workers=self.pieces_in_flight, thread_name_prefix="relay-piece") as pool:
+            # In order of offset: read (a request slot until its read ends), then written (a
+            # memory slot until then). Pieces after the next one to write are requested while
+            # it is still coming, as far as the two bounds allow (gauge.py).
             pending: deque[tuple[int, int, Future[bytes]]] = deque()
             submitted = 0
             try:
-                for _ in range(len(ranges)):
-                    # One more piece whenever the gauge has a slot (the first never waits).
-                    while submitted < len(ranges) and (not pending or len(pending) < gauge.target):
-                        gauge.acquire(len(pending))
+                while ranges and (pending or submitted < len(ranges)):
+                    unfinished = sum(not f.done() for _, _, f in pending)
+                    while submitted < len(ranges) and gauge.try_acquire(unfinished, len(pending)):
                         offset, n = ranges[submitted]
                         pending.append((offset, n, pool.submit(read, offset, n)))
                         submitted += 1
-                    offset, n, future = pending.popleft()
-                    data = future.result()
+                        unfinished += 1
+                    offset, n, future = pending[0]
+                    if not future.done():
+                        # Until a piece ends: the next to write, or one that frees a request slot.
+                        wait([f for _, _, f in pending if not f.done()], timeout=_RECHECK, return_when=FIRST_COMPLETED)
+                        continue
+                    pending.popleft()
+                    try:
+                        data = future.result()
+                    finally:
+                        gauge.written()
                     if len(data) != n:
                         raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
                     self._write(fd, data, offset, landing, check)
@@ -542,7 +554,8 @@ class ObjectCache:
             finally:
                 for _, _, future in pending:  # a failed piece ends the download: the rest are not waited for
                     if future.cancel():
-                        gauge.release(0)  # never ran: its slot back
+                        gauge.release(0)  # never ran: its slots back
+                    gauge.written()
         return peered
 
     def _write(self, fd: int, data: bytes, offset: int, landing: Landing, check: ContentCheck) -> None:

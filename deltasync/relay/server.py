@@ -160,6 +160,9 @@ class RelayServer:
                 raise
         await server.start()
         service.start()
+        if config.cluster_relays is not None:  # every relay of a cluster hears of each version (feed.py)
+            service.feed.always = True
+            service.feed.start()
         self._server = server
         return port
 
