@@ -19,10 +19,11 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
   relay). Elapsed: from the commit to the engine holding the version (every chunk verified).
 * ``publish2``/``tree2``: the same with two relays, each behind its own link of
   ``--shard-mbps`` (``publish2``: two writable relays over one repository, the publisher
-  naming both; ``tree2``: two cluster relays, each over its own link to the root, the agent
-  naming both; ``--no-warm`` relays, each fetching its share), next to ``publish1``/``tree1``:
-  one relay over one such link (``tree1`` also ``--no-warm``). Printed: the throughput of two
-  over one.
+  naming both; ``tree2``: two cluster relays, each over its own link to the root, one cluster
+  of relays (``cluster_relays``: each fetches its share of every object over its own link and
+  the rest from the other), the agent naming both), next to ``publish1``/``tree1``: one relay
+  over one such link. Printed: the throughput of two over one, and the bytes each link
+  carried (``links a + b``).
 * ``uploaders64``: ``--uploaders`` grpc:// stores (each its own connection), each putting
   ``--upload-objects`` objects (one after another) of ``--upload-mib`` MiB at once, through
   one link at the largest round trip into a
@@ -32,7 +33,10 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
 
 ``--baseline`` runs the paths before issue 30's second turn, to compare in the same run on the
 same machine: publishers upload with the old Put to relays serving ``upload_window`` 16 MiB,
-and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4).
+and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4); in the tree
+rows, agents read a pack whole where they need most of it (not by its chunks' ranges), and
+the two relays of ``tree2`` (and ``tree1``) are ``--no-warm`` relays on their own, not one
+cluster, reading their upstream with grpc's growing window (the same code otherwise).
 ``--per-object``: publishers upload with one credited Upload call per object (the first turn
 of issue 30's credit), not on upload sessions (standing credit carried from one object to the
 next).
@@ -102,9 +106,14 @@ def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool
     options["warm"] = warm
     if cluster_relays is not None:
         options["cluster_relays"] = cluster_relays
+    source: Any = upstream
     if baseline:
         options.update(fetch_pieces_in_flight=4, **({"upload_window": 16 << 20} if writable else {}))
-    server = build_server(upstream, listen, cache, **options).start()  # the defaults fill a long link
+        if upstream.startswith("grpc://"):
+            from deltasync.storage import GrpcStore
+
+            source = GrpcStore(upstream)  # grpc's growing window, not the relay's fixed one
+    server = build_server(source, listen, cache, **options).start()  # the defaults fill a long link
     conn.send(server.address)
     conn.recv()
     server.stop(grace=0)

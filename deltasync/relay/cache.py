@@ -47,7 +47,7 @@ from typing import IO, TYPE_CHECKING, Any
 import lmdb
 import zstandard
 
-from ..errors import CorruptObjectError, ObjectTooLargeError, UsageError
+from ..errors import CorruptObjectError, ObjectTooLargeError, StoreError, UsageError
 from ..format.digest import StreamDigest
 from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, parse_manifest, version_from_key
 from ..repo.leases import MAX_LEASE_BYTES
@@ -308,6 +308,9 @@ class ObjectCache:
         self.fetches = 0
         self.fetched_bytes = 0
         self.evictions = 0
+        self.stopping = False
+        """Set when the relay stops: downloads in pieces end at the next piece (StoreError),
+        rather than carry on across the link for a relay that serves no one."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             # Never take over (and clean up in) a directory that holds something else.
@@ -531,6 +534,8 @@ class ObjectCache:
             submitted = 0
             try:
                 while ranges and (pending or submitted < len(ranges)):
+                    if self.stopping:
+                        raise StoreError(f"the relay stopped while fetching {key}")
                     unfinished = sum(not f.done() for _, _, f in pending)
                     while submitted < len(ranges) and gauge.try_acquire(unfinished, len(pending)):
                         offset, n = ranges[submitted]

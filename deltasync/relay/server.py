@@ -191,11 +191,13 @@ class RelayServer:
         await service.close()
 
     def _close_resources(self) -> None:
-        if self._service is not None and self._service.fetches.shares is not None:
-            self._service.fetches.shares.close()
+        if self._service is not None:
+            self._service.cache.stopping = True  # downloads in pieces end at their next piece
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+        if self._service is not None and self._service.fetches.shares is not None:
+            self._service.fetches.shares.close()
         if self._service is not None:
             self._service.cache.close()
         if self._own_upstream:
