@@ -216,3 +216,45 @@ def test_a_relay_not_in_its_cluster_list_refuses_to_start(tmp_path: Path) -> Non
     others = [free_address(), free_address()]
     with pytest.raises(UsageError, match="not among the cluster relays"):
         build_server(str(tmp_path), "127.0.0.1:0", cluster_relays=others).start()
+
+
+def test_a_cluster_relays_link_cut_mid_version_resumes_bit_exact(tmp_path: Path) -> None:
+    """Root relay -> two modelled links (real TCP proxies) -> a cluster of two relays -> a pull
+    naming both; one link cut mid-version: its relay's reads resume, the pull is whole."""
+    from benchmarks.wan_link import Link as WanLink
+
+    repo = tmp_path / "repo"
+    state, packs = publish(repo, mib=16)
+    root = build_server(str(repo), "127.0.0.1:0").start()
+    links = [WanLink(root.address, rtt=0.02, mbps=50).start() for _ in range(2)]
+    members = [free_address(), free_address()]
+    relays = [build_server(f"grpc://{link.address}", member, cluster_relays=members, warm=False,
+                           fetch_piece_bytes=MiB).start() for link, member in zip(links, members, strict=True)]
+    try:
+        cut: list[float] = []
+        done = threading.Event()
+
+        def cutter() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not done.is_set():
+                if links[0].counts()[1] >= 3 * MiB:
+                    links[0].cut()
+                    cut.append(time.monotonic())
+                    return
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=cutter, daemon=True)
+        watcher.start()
+        got = dict(Subscriber("grpc://" + ",".join(members), progress=False).pull())
+        finished = time.monotonic()
+        done.set()
+        watcher.join()
+        assert cut and cut[0] < finished, "the link was not cut mid-version: the test did not test a cut"
+        assert same(got, state)
+        assert sum(link.counts()[1] for link in links) >= packs  # both links carried pieces
+    finally:
+        for relay in relays:
+            relay.stop(grace=0)
+        for link in links:
+            link.stop()
+        root.stop(grace=0)
