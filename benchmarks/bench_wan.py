@@ -19,10 +19,11 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
   relay). Elapsed: from the commit to the engine holding the version (every chunk verified).
 * ``publish2``/``tree2``: the same with two relays, each behind its own link of
   ``--shard-mbps`` (``publish2``: two writable relays over one repository, the publisher
-  naming both; ``tree2``: two cluster relays, each over its own link to the root, the agent
-  naming both; ``--no-warm`` relays, each fetching its share), next to ``publish1``/``tree1``:
-  one relay over one such link (``tree1`` also ``--no-warm``). Printed: the throughput of two
-  over one.
+  naming both; ``tree2``: two cluster relays, each over its own link to the root, one cluster
+  of relays (``cluster_relays``: each fetches its share of every object over its own link and
+  the rest from the other), the agent naming both), next to ``publish1``/``tree1``: one relay
+  over one such link. Printed: the throughput of two over one, and the bytes each link
+  carried (``links a + b``).
 * ``uploaders64``: ``--uploaders`` grpc:// stores (each its own connection), each putting
   ``--upload-objects`` objects (one after another) of ``--upload-mib`` MiB at once, through
   one link at the largest round trip into a
@@ -32,7 +33,10 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
 
 ``--baseline`` runs the paths before issue 30's second turn, to compare in the same run on the
 same machine: publishers upload with the old Put to relays serving ``upload_window`` 16 MiB,
-and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4).
+and relays keep a fixed 4 ranged reads in flight (``fetch_pieces_in_flight`` 4); in the tree
+rows, agents read a pack whole where they need most of it (not by its chunks' ranges), and
+the two relays of ``tree2`` (and ``tree1``) are ``--no-warm`` relays on their own, not one
+cluster, reading their upstream with grpc's growing window (the same code otherwise).
 ``--per-object``: publishers upload with one credited Upload call per object (the first turn
 of issue 30's credit), not on upload sessions (standing credit carried from one object to the
 next).
@@ -52,6 +56,7 @@ import contextlib
 import hashlib
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import tempfile
 import threading
@@ -92,15 +97,23 @@ BASELINE = False  # --baseline: the old upload and fetch paths (module docstring
 PER_OBJECT = False  # --per-object: one Upload call per object, no upload session (module docstring)
 
 
-def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool, conn: Connection) -> None:
+def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool, conn: Connection,
+           listen: str = "127.0.0.1:0", cluster_relays: list[str] | None = None) -> None:
     os.environ["DELTASYNC_RELAY_WRITE_TOKEN"] = WRITE_TOKEN
     from deltasync.relay import build_server
 
     options: dict[str, Any] = {"accept_writes": True, "write_token": WRITE_TOKEN} if writable else {}
     options["warm"] = warm
+    if cluster_relays is not None:
+        options["cluster_relays"] = cluster_relays
+    source: Any = upstream
     if baseline:
         options.update(fetch_pieces_in_flight=4, **({"upload_window": 16 << 20} if writable else {}))
-    server = build_server(upstream, "127.0.0.1:0", cache, **options).start()  # the defaults fill a long link
+        if upstream.startswith("grpc://"):
+            from deltasync.storage import GrpcStore
+
+            source = GrpcStore(upstream)  # grpc's growing window, not the relay's fixed one
+    server = build_server(source, listen, cache, **options).start()  # the defaults fill a long link
     conn.send(server.address)
     conn.recv()
     server.stop(grace=0)
@@ -109,11 +122,12 @@ def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool
 class Proc:
     """A relay in a process of its own."""
 
-    def __init__(self, upstream: str, cache: Path, writable: bool = False, warm: bool = True) -> None:
+    def __init__(self, upstream: str, cache: Path, writable: bool = False, warm: bool = True,
+                 listen: str = "127.0.0.1:0", cluster_relays: list[str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, warm, BASELINE, child),
-                                daemon=True)
+        self.proc = ctx.Process(target=_relay, args=(upstream, str(cache), writable, warm, BASELINE, child, listen,
+                                                     cluster_relays), daemon=True)
         self.proc.start()
         self.address: str = self.conn.recv()
 
@@ -125,9 +139,14 @@ class Proc:
             self.proc.kill()
 
 
-def _agent(url: str, state_dir: str, shapes: list[tuple[str, tuple[int, int]]], conn: Connection) -> None:
+def _agent(url: str, state_dir: str, shapes: list[tuple[str, tuple[int, int]]], conn: Connection,
+           baseline: bool = False) -> None:
     from deltasync.agents import AgentConfig, EngineAgent
     from deltasync.engines import TorchEngine
+    from deltasync.storage._grpc import GrpcStore
+
+    if baseline:
+        GrpcStore.ranged_packs = False  # the old read: a pack read whole, decoded once all of it arrived
 
     model = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
     lock = threading.Lock()
@@ -164,7 +183,7 @@ class Agent:
     def __init__(self, url: str, state_dir: Path, shapes: list[tuple[str, tuple[int, int]]]) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent, args=(url, str(state_dir), shapes, child), daemon=True)
+        self.proc = ctx.Process(target=_agent, args=(url, str(state_dir), shapes, child, BASELINE), daemon=True)
         self.proc.start()
         if not self.conn.poll(300) or self.conn.recv()[0] != "ready":
             raise RuntimeError("the agent did not start")
@@ -238,6 +257,16 @@ def _read_back(repo: str) -> dict[str, str]:
     return digests(dict(sub.pull()))
 
 
+def free_address() -> str:
+    """``127.0.0.1:PORT`` with a port free now (for relays that must know each other's address before they start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+LINK_BYTES: list[list[int]] = []  # row_tree: the bytes each link carried down, per version
+
+
 def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tuple[str, tuple[int, int]]],
              rtt: float, mbps: float, relays: int, shared: bool = False) -> list[tuple[float, int]]:
     """(commit -> engine holds it, bytes crossed) per version: root relay -> link(s) -> cluster relay(s) -> agent."""
@@ -248,11 +277,15 @@ def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tup
     Repository(str(repo)).create()  # the agent then waits on a repository (not backing off from a missing one)
     top = Proc(str(repo), root / "cache-root")
     links = [LinkProcess(top.address, rtt=rtt, mbps=mbps) for _ in range(relays)]
-    # Two relays sharing a cluster's ingress fetch only what their share of reads asks for
-    # (warming, each would fetch the whole version over its link): docs/cli.md, Across clusters.
-    cluster = [Proc(f"grpc://{link.address}", root / f"cache-cluster-{i}", warm=not shared)
+    # Relays sharing a cluster's ingress are one cluster (--cluster-relays): each fetches its
+    # share of every object over its own link and the rest from the others (docs/cli.md,
+    # Across clusters). --baseline: as before, each on its own, not warming.
+    members = [free_address() for _ in links] if relays > 1 and not BASELINE else None
+    cluster = [Proc(f"grpc://{link.address}", root / f"cache-cluster-{i}", warm=not (BASELINE and shared),
+                    listen=members[i] if members else "127.0.0.1:0", cluster_relays=members)
                for i, link in enumerate(links)]
     agent = Agent("grpc://" + ",".join(c.address for c in cluster), root / "agent", shapes)
+    LINK_BYTES.clear()
     out: list[tuple[float, int]] = []
     try:
         time.sleep(1.0)  # the agent's watch is open
@@ -264,6 +297,7 @@ def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tup
             after = [link.counts() for link in links]
             crossed = max(sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
                           sum(a[1] - b[1] for a, b in zip(after, before, strict=True)))
+            LINK_BYTES.append([a[1] - b[1] for a, b in zip(after, before, strict=True)])
             out.append((held - committed, crossed // relays))
         got = agent.finish()
         assert got == digests(states[-1]), "tree: the engine differs from the published state"
@@ -415,9 +449,12 @@ def main() -> None:
                         figures = row_tree(Path(tmp), states, shapes, rtt, mbps, relays, shared=label != kind)
                 for version, fig in zip(("snapshot", "delta"), figures, strict=True):
                     results.setdefault((label, version, rtt), []).append(fig)
+                per_link = ["" if relays < 2 or kind != "tree" else
+                            " (links " + " + ".join(f"{b / 1e6:.1f}" for b in link) + ")" for link in LINK_BYTES]
                 print(f"  {label:9} rtt {rtt * 1000:5.0f} ms rep {rep}: "
-                      + ", ".join(f"{v} {e:6.2f}s {b / 1e6:7.1f} MB" for v, (e, b) in zip(("snapshot", "delta"), figures,
-                                                                                              strict=True)), flush=True)
+                      + ", ".join(f"{v} {e:6.2f}s {b / 1e6:7.1f} MB{per_link[i] if i < len(per_link) else ''}"
+                                  for i, (v, (e, b)) in enumerate(zip(("snapshot", "delta"), figures, strict=True))),
+                      flush=True)
     if not plans:
         return
     print()

@@ -107,7 +107,8 @@ def main() -> None:
     import deltasync
     from deltasync.agents import AgentConfig, EngineAgent
     from deltasync.engines import TorchEngine
-    from deltasync.relay import build_server
+    from deltasync.relay import RelayConfig, build_server
+    from deltasync.relay.server import open_upstream
     from deltasync.repo.repository import Repository
     from deltasync.storage._grpc import GrpcStore
 
@@ -124,7 +125,8 @@ def main() -> None:
         Repository(str(repo)).create()
         top = build_server(str(repo), "127.0.0.1:0", root / "cache-root").start()
         link = Link(top.address, rtt=rtt, mbps=args.mbps).start()
-        upstream = GrpcStore(f"grpc://{link.address}")
+        upstream = open_upstream(f"grpc://{link.address}", RelayConfig(listen="127.0.0.1:0"))  # as a relay opens it
+        assert isinstance(upstream, GrpcStore)
         log.wrap(upstream)
         cluster = build_server(upstream, "127.0.0.1:0", root / "cache-cluster").start()
         held = threading.Event()

@@ -33,6 +33,13 @@ from ._common import (
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Serve an object to readers while it is still being fetched from the upstream "
                    "(--no-stream: only once it is whole in the cache).")
+@click.option("--cluster-relays", default=None, metavar="HOST:PORT,HOST:PORT[,…]",
+              help="The relays serving this cluster side by side, this one included, as its agents name them (the "
+                   "same list on each): every object over 1 MiB is fetched in shares, each relay's own upstream link "
+                   "carrying its pieces and the relays filling each other, so the cluster's ingress is the sum of "
+                   "their links (see docs/cli.md, Across clusters) [default: this relay fetches everything itself].")
+@click.option("--advertise", default=None, metavar="HOST:PORT",
+              help="This relay's entry in --cluster-relays [default: the --listen address].")
 @click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Serve TLS with this PEM certificate (clients use grpcs://).")
 @click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False), default=None, help="PEM key of --tls-cert.")
@@ -77,7 +84,7 @@ from ._common import (
                    "over the last hour; read-only, no external assets) [default: none].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
-    warm: bool, stream: bool, tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
+    warm: bool, stream: bool, cluster_relays: str | None, advertise: str | None, tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
     write_token_file: Path | None, upload_window: str, upload_buffer: str, max_object_bytes: str, max_uploads: int,
     write_quota: str | None,
     report_token_file: Path | None, cluster: str, upstream_report_token_file: Path | None, report_interval: float,
@@ -99,6 +106,7 @@ def serve(
 
     server = build_server(
         repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval, warm=warm, stream=stream,
+        cluster_relays=cluster_relays.split(",") if cluster_relays else None, advertise=advertise,
         tls_cert=tls_cert, tls_key=tls_key, token=read_token(None, token_file),
         accept_writes=accept_writes,
         write_token=read_write_token(None, write_token_file) if accept_writes else None,

@@ -113,6 +113,15 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+def window_options(window: int) -> list[tuple[str, Any]]:
+    """Channel options for a fixed receive window of ``window`` bytes from the first byte,
+    with no BDP probing. grpc's own window starts at 64 KiB and grows with its BDP probes,
+    about doubling per round trip: at 200 ms a link of 800 Mbit/s is full only after some
+    seconds (the first 64 MiB took 1.5 s for 0.9 s of link, benchmarks/bench_wan.py). For a
+    reader whose streams each carry a bounded amount it takes as it comes (a relay's pieces)."""
+    return [("grpc.http2.lookahead_bytes", int(window)), ("grpc.http2.bdp_probe", 0)]
+
+
 def parse_grpc_url(url: str) -> tuple[list[str], float]:
     """``grpc://h1:p1,h2:p2?timeout=30`` → (["h1:p1", "h2:p2"], 30.0). ``grpcs://`` is the same over TLS."""
     parsed = urlparse(url)
@@ -209,14 +218,16 @@ class _Relay:
         ca: bytes | None = None,
         token: str | None = None,
         write_token: str | None = None,
+        window: int | None = None,
     ) -> None:
         self.address = address
+        options = CHANNEL_OPTIONS if window is None else [*CHANNEL_OPTIONS, *window_options(window)]
         # Transport security and credentials: one place for every call.
         if tls:
             creds = grpc.ssl_channel_credentials(root_certificates=ca)
-            self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+            self.channel = grpc.secure_channel(address, creds, options=options)
         else:
-            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.channel = grpc.insecure_channel(address, options=options)
         if token or write_token:
             self.channel = grpc.intercept_channel(self.channel, _BearerToken(token, write_token))
         calls: dict[str, Any] = {}
@@ -273,6 +284,10 @@ class GrpcStore(Store):
         write_token, write_token_file: the relays' write token (else the URL's
             ``write_token_file``, else ``$DELTASYNC_RELAY_WRITE_TOKEN(_FILE)``); without one the
             store is read-only. It is sent instead of the read token (it also reads).
+        window: a fixed receive window per stream, bytes, with no BDP probing
+            (:func:`window_options`): a long link is full from the first round trip. For
+            readers that bound what they ask for themselves (a relay's upstream: its pieces
+            in flight); None: grpc's growing window.
     """
 
     def __init__(
@@ -285,8 +300,11 @@ class GrpcStore(Store):
         ca_file: str | os.PathLike[str] | None = None,
         write_token: str | None = None,
         write_token_file: str | os.PathLike[str] | None = None,
+        window: int | None = None,
     ) -> None:
         targets, url_timeout = parse_grpc_url(url)
+        if window is not None and not 64 << 10 <= window < 1 << 31:
+            raise UsageError(f"window must be between 64 KiB and 2 GiB, got {window}")
         self.timeout = url_timeout if timeout is None else timeout
         if not self.timeout > 0:
             raise UsageError(f"timeout must be positive, got {self.timeout}")
@@ -302,7 +320,8 @@ class GrpcStore(Store):
         tok = read_token(token, token_file)
         url_write_file = dict(parse_qsl(urlparse(url).query)).get("write_token_file") or None
         self._write_token = read_write_token(write_token, write_token_file or url_write_file)
-        self._relays = [_Relay(t, tls=tls, ca=ca, token=tok, write_token=self._write_token) for t in targets]
+        self._relays = [_Relay(t, tls=tls, ca=ca, token=tok, write_token=self._write_token, window=window)
+                        for t in targets]
         self._preferred = 0  # the relay that answered last
         self._sending = [0] * len(self._relays)  # bytes of uploads in flight to each relay
         self._sending_lock = threading.Lock()
@@ -336,6 +355,19 @@ class GrpcStore(Store):
             relay.channel.close()
 
     # -- reads ---------------------------------------------------------------------------------
+
+    #: Whether a pull reads a pack by the ranges it needs (:meth:`prefers_ranges`); False: whole,
+    #: where it needs most of it (one Get, decoded only once all of it has arrived).
+    ranged_packs = True
+
+    def prefers_ranges(self, key: str) -> bool:
+        """Packs are read by the ranges a pull needs, even where it needs most of a pack: a
+        relay serves each range as soon as its bytes have reached it (it streams an object while
+        still fetching it: relay/fetch.py), so the chunks at the front of a pack still crossing
+        a long link are decoded while the rest arrives, rather than after the whole pack; the
+        requests are within a cluster (the relay's own reads across the link are pieces of
+        its own size, all in flight together)."""
+        return self.ranged_packs and key.startswith("packs/")
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         download = _Download(key, byte_range, read_limit())

@@ -45,7 +45,8 @@ The relay's parts, one module each: :mod:`.config` (how it serves), :mod:`.serve
 stop, the event loop), :mod:`.service` (the RPCs), :mod:`.fetch` (single-flight fetches
 into the cache, streamed as they land), :mod:`.feed` (the version feed and warming),
 :mod:`.uploads` (Upload, Put and Delete: credit, spool, checks, quota), :mod:`.gauge` (the upstream's
-measured round trip and rate), :mod:`.auth` (tokens and the keys a
+measured round trip and rate), :mod:`.shares` (the relays of one cluster fetching each object in
+shares over their own links, ``cluster_relays``), :mod:`.auth` (tokens and the keys a
 client may name), :mod:`.cache` (the object cache).
 
 The wire definition it shares with its clients is the ``grpc://`` store's

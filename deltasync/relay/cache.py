@@ -39,21 +39,24 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import lmdb
 import zstandard
 
-from ..errors import CorruptObjectError, ObjectTooLargeError, UsageError
+from ..errors import CorruptObjectError, ObjectTooLargeError, StoreError, UsageError
 from ..format.digest import StreamDigest
 from ..format.manifest import BLOB_PART_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, parse_manifest, version_from_key
 from ..repo.leases import MAX_LEASE_BYTES
 from ..repo.repository import squash_from_key
 from ..storage import Store
 from .gauge import UpstreamGauge
+
+if TYPE_CHECKING:
+    from .shares import ClusterShares
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ DEFAULT_DISK_SHARE = 0.5
 #: Bytes kept free on the cache's disk besides its objects (the LMDB index, downloads starting),
 #: at most 1/16 of a small disk.
 _DISK_RESERVE = 64 << 20
+_RECHECK = 0.05  # seconds a download waits on its own pieces before it asks the gauge again
 
 
 class CacheFullError(OSError):
@@ -304,6 +308,9 @@ class ObjectCache:
         self.fetches = 0
         self.fetched_bytes = 0
         self.evictions = 0
+        self.stopping = False
+        """Set when the relay stops: downloads in pieces end at the next piece (StoreError),
+        rather than carry on across the link for a relay that serves no one."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             # Never take over (and clean up in) a directory that holds something else.
@@ -391,7 +398,7 @@ class ObjectCache:
     # -- fetch ---------------------------------------------------------------------------------
 
     def fetch(self, key: str, upstream: Store, *, max_size: int | None = None, landing: Landing | None = None,
-              size_hint: int | None = None) -> Entry:
+              size_hint: int | None = None, shares: ClusterShares | None = None) -> Entry:
         """Download ``key`` from ``upstream`` into the cache (one read for objects up to
         ``piece_bytes``, ranged reads beyond) and index it; an object larger than
         ``max_size`` is refused (ObjectTooLargeError) before anything is downloaded.
@@ -399,7 +406,9 @@ class ObjectCache:
         ``size_hint``: a pack's size as a manifest names it (warming), so its ranges are
         requested at once, without asking the upstream its size first; only a hint: the bytes
         are checked against the key's digest as always, and a wrong size fails the fetch
-        (CorruptObjectError, or the upstream's range error), the next reader's fetches again."""
+        (CorruptObjectError, or the upstream's range error), the next reader's fetches again.
+        ``shares``: the relays of this cluster, when it has several (:mod:`.shares`): an object
+        over ``shares.min_share`` is fetched in pieces, those other relays own read from them."""
         landing = landing if landing is not None else Landing(key)
         tmp = self.root / "tmp" / uuid.uuid4().hex
         path = self._path(key)
@@ -432,7 +441,7 @@ class ObjectCache:
                 raise ObjectTooLargeError(key, size, max_size)
             self._room_for(key, size)  # before readers learn the size and start streaming a prefix
             landing._update(size=size)
-            self._download(key, size, upstream, fd, landing, small)
+            self._download(key, size, upstream, fd, landing, small, shares)
             try:
                 os.fsync(fd)
             except OSError as e:
@@ -464,11 +473,22 @@ class ObjectCache:
         landing._close()
         return entry
 
-    def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing, small: bytes | None) -> None:
+    def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing, small: bytes | None,
+                  shares: ClusterShares | None = None) -> None:
         # Checked before it lands (and before a reader streaming it gets its last piece): a
         # transiently corrupt manifest or blob from the upstream is never cached for good.
         check = ContentCheck(key)
-        if small is not None or size <= self.piece_bytes:
+        if shares is not None and not shares.splits(size):
+            shares = None
+        if small is None and shares is not None:  # in shares: pieces from the cluster's other relays too
+            peered = self._download_pieces(key, size, upstream, fd, landing, check, shares)
+            problem = check.problem()
+            if problem is not None:
+                if peered:
+                    shares.distrust(key)  # its next fetch reads every piece from the upstream
+                raise CorruptObjectError(key, f"upstream's bytes are not that object: {problem}")
+            shares.trusted(key)
+        elif small is not None or size <= self.piece_bytes:
             # (the object may have been replaced since its size was read)
             data = small if small is not None else upstream.get(key, max_bytes=size)
             if len(data) != size:
@@ -482,42 +502,66 @@ class ObjectCache:
         landing._update(verified=True)
 
     def _download_pieces(self, key: str, size: int, upstream: Store, fd: int, landing: Landing,
-                         check: ContentCheck) -> None:
+                         check: ContentCheck, shares: ClusterShares | None = None) -> bool:
         """Ranged reads of ``key``, as many in flight as the gauge grants (all downloads
-        together), each written and checked in order as it arrives."""
+        together), each written and checked in order as it arrives; with ``shares``, the
+        pieces other relays of the cluster own read from them. Whether any piece came from
+        another relay."""
         gauge = self.gauge
-        ranges = [(offset, min(self.piece_bytes, size - offset)) for offset in range(0, size, self.piece_bytes)]
+        piece = shares.piece_size(size) if shares is not None else self.piece_bytes
+        ranges = [(offset, min(piece, size - offset)) for offset in range(0, size, piece)]
+        peered = False
 
         def read(offset: int, n: int) -> bytes:
+            nonlocal peered
             got = 0
             try:
-                data = upstream.get(key, (offset, n))
+                if shares is not None:
+                    data, from_peer = shares.read(key, offset, n, offset // piece, upstream)
+                    peered = peered or from_peer
+                else:
+                    data = upstream.get(key, (offset, n))
                 got = len(data)
                 return data
             finally:
                 gauge.release(got)
 
         with ThreadPoolExecutor(max_workers=self.pieces_in_flight, thread_name_prefix="relay-piece") as pool:
+            # In order of offset: read (a request slot until its read ends), then written (a
+            # memory slot until then). Pieces after the next one to write are requested while
+            # it is still coming, as far as the two bounds allow (gauge.py).
             pending: deque[tuple[int, int, Future[bytes]]] = deque()
             submitted = 0
             try:
-                for _ in range(len(ranges)):
-                    # One more piece whenever the gauge has a slot (the first never waits).
-                    while submitted < len(ranges) and (not pending or len(pending) < gauge.target):
-                        gauge.acquire(len(pending))
+                while ranges and (pending or submitted < len(ranges)):
+                    if self.stopping:
+                        raise StoreError(f"the relay stopped while fetching {key}")
+                    unfinished = sum(not f.done() for _, _, f in pending)
+                    while submitted < len(ranges) and gauge.try_acquire(unfinished, len(pending)):
                         offset, n = ranges[submitted]
                         pending.append((offset, n, pool.submit(read, offset, n)))
                         submitted += 1
-                    offset, n, piece = pending.popleft()
-                    data = piece.result()
+                        unfinished += 1
+                    offset, n, future = pending[0]
+                    if not future.done():
+                        # Until a piece ends: the next to write, or one that frees a request slot.
+                        wait([f for _, _, f in pending if not f.done()], timeout=_RECHECK, return_when=FIRST_COMPLETED)
+                        continue
+                    pending.popleft()
+                    try:
+                        data = future.result()
+                    finally:
+                        gauge.written()
                     if len(data) != n:
                         raise CorruptObjectError(key, f"upstream sent {len(data)} bytes for {n} at offset {offset}")
                     self._write(fd, data, offset, landing, check)
-                    del data, piece
+                    del data, future
             finally:
-                for _, _, piece in pending:  # a failed piece ends the download: the rest are not waited for
-                    if piece.cancel():
-                        gauge.release(0)  # never ran: its slot back
+                for _, _, future in pending:  # a failed piece ends the download: the rest are not waited for
+                    if future.cancel():
+                        gauge.release(0)  # never ran: its slots back
+                    gauge.written()
+        return peered
 
     def _write(self, fd: int, data: bytes, offset: int, landing: Landing, check: ContentCheck) -> None:
         view = memoryview(data)

@@ -4,6 +4,7 @@ command line's sizes. Nothing here imports grpcio."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,15 @@ class RelayConfig:
     """Seconds between forwards of the fleet table to an upstream relay."""
     upstream_report_token: str | None = None
     """The report token of the upstream relay (None: the first of ``report_tokens`` for any cluster)."""
+    cluster_relays: list[str] | None = None
+    """The relays serving this cluster side by side, this one included, ``HOST:PORT`` each as the
+    cluster's agents name them, the same list on each (``--cluster-relays``). Each object larger
+    than 1 MiB is then fetched in shares: every relay reads the pieces it owns over its own
+    upstream link and the others from the relays that own them, so the cluster's ingress is
+    the sum of its links (relay/shares.py). None: this relay fetches everything itself."""
+    advertise: str | None = None
+    """This relay's entry in ``cluster_relays``. None: ``HOST:PORT`` of ``listen`` (the bound
+    port when ``listen`` asks for port 0)."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -125,6 +135,28 @@ class RelayConfig:
             raise UsageError(f"report_interval must be in 0.1..600 seconds, got {self.report_interval}")
         if self.write_quota is not None and (self.write_quota < 0 or not self.accept_writes):
             raise UsageError("a write quota must not be negative, and needs --accept-writes")
+        if self.advertise is not None and self.cluster_relays is None:
+            raise UsageError("an advertised address names this relay among cluster relays: give them too")
+        if self.cluster_relays is not None:
+            self.cluster_relays = check_members(self.cluster_relays, self.advertise)
+
+
+def check_members(members: Sequence[str], me: str | None = None) -> list[str]:
+    """``members`` checked (``host:port`` each, no repeats, at least two), with ``me`` among them when given."""
+    out = [m.strip() for m in members if m.strip()]
+    for m in out:
+        host, sep, port = m.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"invalid cluster relay address {m!r} (expected HOST:PORT)")
+    if len(set(out)) != len(out):
+        raise UsageError(f"the cluster relays {', '.join(out)} name one relay twice")
+    if len(out) < 2:
+        raise UsageError("the cluster relays must name at least two relays, this one included "
+                         f"(got {', '.join(out) or 'none'})")
+    if me is not None and me not in out:
+        raise UsageError(f"this relay ({me}) is not among the cluster relays {', '.join(out)}: list it as the "
+                         "cluster's agents name it, or give its address there (advertise)")
+    return out
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)

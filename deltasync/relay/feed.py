@@ -84,6 +84,10 @@ class VersionFeed:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hints: dict[str, tuple[pb.UpstreamCopy, float]] = {}  # from the upstream relay's events, and when
         self._copies: dict[int, asyncio.Task[list[pb.UpstreamCopy]]] = {}  # sent with our events
+        self.always = False
+        """Follow the upstream with no watcher too (a relay of a cluster, ``cluster_relays``: the
+        cluster's agents watch one of its relays, and each must hear of every version at once
+        to fetch its share of it)."""
 
     def start(self) -> None:
         if self._task is None and not self._closed:
@@ -231,7 +235,7 @@ class VersionFeed:
         follow = isinstance(self.upstream, GrpcStore)
         idle_since = time.monotonic()
         while not self._closed:
-            if self.watchers():
+            if self.always or self.watchers():
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since > _IDLE_STOP:
                 # Nobody is watching: stop polling. The next watcher restarts the feed and

@@ -25,6 +25,7 @@ from ..storage.wire import CHUNK_BYTES
 from ..v1 import relay_pb2 as pb
 from .cache import Entry, Landing, ObjectCache, size_limit
 from .config import RelayConfig
+from .shares import ClusterShares
 
 log = logging.getLogger("deltasync.relay")
 
@@ -95,13 +96,16 @@ class Fetches:
     ``coalesced``, ``streamed``, ``fetch_errors``, ``warm_fetches``)."""
 
     def __init__(
-        self, upstream: Store, cache: ObjectCache, config: RelayConfig, in_thread: InThread, counters: dict[str, int]
+        self, upstream: Store, cache: ObjectCache, config: RelayConfig, in_thread: InThread, counters: dict[str, int],
+        shares: ClusterShares | None = None,
     ) -> None:
         self.upstream = upstream
         self.cache = cache
         self.config = config
         self.in_thread = in_thread
         self.counters = counters
+        self.shares = shares
+        """The relays of this cluster that objects are fetched in shares with (None: alone)."""
         self.inflight: dict[str, Flight] = {}
 
     def known_size(self, key: str) -> int | None:
@@ -184,7 +188,8 @@ class Fetches:
         carries on into the cache even if the client that started it goes away. ``size_hint``:
         see ObjectCache.fetch (the warmer's, from the manifest). ``source``: where to read it
         instead of the upstream (a manifest an upstream relay's event carried: feed.py),
-        checked on arrival as anything fetched is."""
+        checked on arrival as anything fetched is. With :attr:`shares`, an object from the
+        upstream is fetched in shares with the cluster's other relays (:mod:`.shares`)."""
         flight = self.inflight.get(key)
         if flight is not None:
             if not (warm or flight.landing.entry is not None):
@@ -193,7 +198,8 @@ class Fetches:
         loop = asyncio.get_running_loop()
         flight = Flight(key, loop)
         fetch = functools.partial(self.cache.fetch, key, source or self.upstream, max_size=size_limit(key),
-                                  landing=flight.landing, size_hint=size_hint)
+                                  landing=flight.landing, size_hint=size_hint,
+                                  shares=self.shares if source is None else None)
         flight.task = loop.create_task(self.in_thread(fetch))
         self.inflight[key] = flight
         flight.task.add_done_callback(functools.partial(self._landed, flight))

@@ -40,6 +40,7 @@ class UpstreamGauge:
         self._clock = clock
         self._lock = threading.Condition()
         self._in_flight = 0
+        self._held = 0  # pieces requested and not yet written, all downloads (the memory bound)
         self._busy_since: float | None = None  # start of the current sample's busy time
         self._busy = 0.0  # busy seconds in the current sample
         self._bytes = 0  # bytes completed in the current sample
@@ -66,6 +67,27 @@ class UpstreamGauge:
                 self._busy_since = self._clock()
             self._in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+
+    def try_acquire(self, requesting: int, holding: int) -> bool:
+        """Take a request slot and a memory slot for one more piece, if both are free; a
+        caller ``requesting`` none always gets the request slot and one ``holding`` none the
+        memory slot (each download makes progress). Release with :meth:`release` when its read
+        ends and :meth:`written` when it is written (or dropped)."""
+        with self._lock:
+            if (requesting and self._in_flight >= self._target) or (holding and self._held >= self.most):
+                return False
+            if self._in_flight == 0:
+                self._busy_since = self._clock()
+            self._in_flight += 1
+            self._held += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+            return True
+
+    def written(self) -> None:
+        """A piece taken with :meth:`try_acquire` was written (or dropped): its memory slot back."""
+        with self._lock:
+            self._held -= 1
+            self._lock.notify_all()
 
     def release(self, n_bytes: int) -> None:
         """A ranged read ended, ``n_bytes`` received (0: it failed or was cancelled)."""

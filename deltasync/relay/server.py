@@ -33,6 +33,7 @@ from .cache import ObjectCache
 from .config import RelayConfig as RelayConfig, parse_size as parse_size  # deltasync.relay.server.* keeps working
 from .fleet import Forwarder, fleet_service, start_forwarding
 from .service import RelayService
+from .shares import ClusterShares
 
 log = logging.getLogger("deltasync.relay")
 
@@ -72,7 +73,7 @@ class RelayServer:
     def __init__(self, upstream: str | Store, config: RelayConfig) -> None:
         self.config = config
         self._own_upstream = isinstance(upstream, str)
-        self.upstream = open_store(upstream) if isinstance(upstream, str) else upstream
+        self.upstream = open_upstream(upstream, config) if isinstance(upstream, str) else upstream
         self.upstream_url = self.upstream.url or repr(self.upstream)
         self.port = 0
         self.cache_dir: Path | None = None
@@ -148,8 +149,20 @@ class RelayServer:
         if port == 0:
             await server.stop(None)
             raise UsageError(f"cannot listen on {self.config.listen} (address in use or not local)")
+        if config.cluster_relays is not None:  # before the first request: every fetch is in shares
+            me = config.advertise or f"{config.listen.rpartition(':')[0]}:{port}"
+            try:
+                service.fetches.shares = ClusterShares(
+                    config.cluster_relays, me, token=config.token, tls=config.tls_cert is not None,
+                    piece_bytes=config.fetch_piece_bytes)
+            except UsageError:
+                await server.stop(None)
+                raise
         await server.start()
         service.start()
+        if config.cluster_relays is not None:  # every relay of a cluster hears of each version (feed.py)
+            service.feed.always = True
+            service.feed.start()
         self._server = server
         return port
 
@@ -178,9 +191,13 @@ class RelayServer:
         await service.close()
 
     def _close_resources(self) -> None:
+        if self._service is not None:
+            self._service.cache.stopping = True  # downloads in pieces end at their next piece
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+        if self._service is not None and self._service.fetches.shares is not None:
+            self._service.fetches.shares.close()
         if self._service is not None:
             self._service.cache.close()
         if self._own_upstream:
@@ -193,10 +210,17 @@ class RelayServer:
             self._temp_dir = None
 
     def metrics(self) -> dict[str, int]:
-        """Counters since start: requests, bytes served, cache hits, upstream fetches, …"""
+        """Counters since start: requests, bytes served, cache hits, upstream fetches, …; with
+        ``cluster_relays``, the pieces read from the other relays (``peer_pieces``,
+        ``peer_bytes``), over the relay's own link (``own_pieces``, ``own_bytes``) and the peer
+        reads that fell back to it (``peer_fallbacks``)."""
         if self._service is None:
             return {}
-        return self._service.metrics()
+        out = self._service.metrics()
+        shares = self._service.fetches.shares
+        if shares is not None:  # pieces read from the cluster's other relays, and their failures
+            out.update(shares.counters)
+        return out
 
     def __enter__(self) -> RelayServer:
         return self.start() if self._server is None else self
@@ -223,6 +247,20 @@ def run_until_signalled(server: RelayServer, on_ready: Callable[[], None] | None
         for sig, old in previous.items():
             signal.signal(sig, old)
         server.stop(grace)
+
+
+def open_upstream(url: str, config: RelayConfig) -> Store:
+    """The store a relay reads ``url`` through: an upstream relay (``grpc://``) with a fixed
+    receive window of the relay's whole piece budget (``fetch_piece_bytes`` x
+    ``fetch_pieces_in_flight``), so a long link is full from the first round trip rather than
+    after grpc's window has grown to it (storage/_grpc.py ``window_options``); its memory is
+    what the pieces in flight hold anyway."""
+    if url.lower().startswith(("grpc://", "grpcs://")):
+        from ..storage import GrpcStore
+
+        window = min(config.fetch_piece_bytes * config.fetch_pieces_in_flight, (1 << 31) - 1)
+        return GrpcStore(url, window=max(64 << 10, window))
+    return open_store(url)
 
 
 def _check_bindable(listen: str) -> None:
