@@ -84,7 +84,8 @@ from ._common import (
                    "over the last hour; read-only, no external assets) [default: none].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
-    warm: bool, stream: bool, cluster_relays: str | None, advertise: str | None, tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
+    warm: bool, stream: bool, cluster_relays: str | None, advertise: str | None,
+    tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
     write_token_file: Path | None, upload_window: str, upload_buffer: str, max_object_bytes: str, max_uploads: int,
     write_quota: str | None,
     report_token_file: Path | None, cluster: str, upstream_report_token_file: Path | None, report_interval: float,
