@@ -225,9 +225,10 @@ def test_a_refused_object_fails_alone_and_those_pipelined_behind_it_are_sent_aga
         except grpc.RpcError as e:
             outcomes[name] = e.code()
 
+    before = session._queued  # the session the put above used, when it is taken again
     first = threading.Thread(target=put, args=("held", held))
     first.start()
-    wait_until(lambda: session._queued == 1)
+    wait_until(lambda: session._queued == before + 1)
     second = threading.Thread(target=put, args=("new", new))
     second.start()
     first.join()
