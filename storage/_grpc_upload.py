@@ -32,6 +32,13 @@ OpenCall = Callable[[Iterator[pb.PutChunk]], Any]
 #: Reads a call's answers on a helper thread (``_grpc._Stream``), raising its error.
 ReadAnswers = Callable[[Any], Iterable[pb.UploadCredit]]
 
+#: Codes a relay ends an upload session with when it refuses an object (wire.STATUS_CODES and
+#: its own refusals: a token, a cap, a quota): it wrote none of the objects behind that one.
+_REFUSALS = frozenset({
+    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+})
 #: Sessions an object is sent on that the relay ends before answering, then Upload.
 SESSION_TRIES = 3
 def _checks_references(metadata: Any) -> bool:
@@ -149,6 +156,7 @@ class UploadSession:
         self._stored = 0  # objects the relay answered stored
         self._over = False  # the call ended (OK: the relay ended it; else _error)
         self._error: grpc.RpcError | None = None
+        self._closed_here = False  # ended by close() (a deadline, or the store closing), not by the relay
         self.pending_bytes = 0  # bytes of objects put and not yet answered
         self.most_pending = 0  # for tests: the most objects put and not yet answered at once
         self.headers_sent = 0  # for tests: headers sent, and of them those with credit already there
@@ -187,6 +195,7 @@ class UploadSession:
                 self._over, self._error = True, error
             self._changed.notify_all()
         self._credit.stop()
+        self._jobs.put(None)  # grpc's thread reading the requests returns (else it waits for ever)
 
     def _requests(self) -> Iterator[pb.PutChunk]:
         while True:
@@ -207,8 +216,10 @@ class UploadSession:
         """Send one object (after those put before it) and wait for the relay's answer: True
         once stored, False when the relay ended the call first (not written); its error,
         raised, when the call failed on it. A call that fails ends on the first object not
-        answered (the relay takes them in order): that one gets the error, those behind it
-        were not written and get False (sent again on another call). ``timeout``: the
+        answered (the relay takes them in order): that one gets the error; when the relay
+        refused it, those behind it were not written and get False (sent again on another
+        call); when the call broke, or this side closed it, the others may have been stored
+        and raise UNAVAILABLE (failed over: the retry finds our own bytes there). ``timeout``: the
         longest the session may go without storing an object (this one or one before it)
         while this one waits."""
         deadline = time.monotonic() + timeout
@@ -233,20 +244,32 @@ class UploadSession:
                     self._changed.wait(left)
                 if self._stored > place:
                     return True
-                error, over = self._error, self._over
-                if over and place > self._stored:
-                    error = None  # the call failed on an object before this one: not written
+                error, over, unknown = self._error, self._over, False
+                if over and self._closed_here:
+                    # This side ended the call (another object's deadline, the store closing):
+                    # the relay may have stored this one, its answer still on its way.
+                    unknown, error = True, None
+                elif over and place > self._stored:
+                    # The call ended on an object before this one. The relay's own word (it
+                    # ended the call, or refused that object) means it wrote none behind it:
+                    # not written. A call that broke (a transport error) may have stored it.
+                    unknown = error is not None and error.code() not in _REFUSALS
+                    error = None
         finally:
             with self._changed:
                 self.pending_bytes -= size
         if not over:
             self.close()
             raise SessionFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout:g} s")
+        if unknown:  # failed over as a lost answer: the retry finds our own bytes there (_holds)
+            raise SessionFailed(grpc.StatusCode.UNAVAILABLE,
+                                "the upload session ended before this object's answer (it may be stored)")
         if error is not None:
             raise error
         return False
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._changed:
+            self._closed_here = self._closed_here or not self._over
         self._end(None)
         self._call.cancel()

@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import (
     CorruptObjectError,
     DeltasyncError,
+    MissingReferencesError,
     ObjectExistsError,
     ObjectNotFoundError,
     ObjectRangeError,
@@ -70,6 +71,9 @@ STATUS_CODES: tuple[tuple[type[DeltasyncError], str], ...] = (
     (ObjectRangeError, "OUT_OF_RANGE"),  # a range past the object's end: an answer, not damage
     (CorruptObjectError, "DATA_LOSS"),  # damaged, wrong size, over its kind's cap (ObjectTooLargeError)
     (UsageError, "INVALID_ARGUMENT"),
+    # a manifest naming objects the repository lacks: a refusal, passed on along a chain of
+    # writable relays (the publisher stores them again and puts once more: publish/commit.py)
+    (MissingReferencesError, "FAILED_PRECONDITION"),
     (DeltasyncError, "UNAVAILABLE"),
 )
 

@@ -100,10 +100,13 @@ class Packer:
 
     def _full(self, size: int) -> bool:
         """Whether a new pack of ``size`` bytes must wait for the oldest upload: the count is
-        reached, or the byte bound would be passed with one upload still going."""
+        reached, or the byte bound would be passed by more than one pack with one upload still
+        going (so full packs larger than the bound still go two at a time: the next is on its
+        way behind the one being answered, and the link does not idle between them)."""
         if len(self._uploads) >= self._window:
             return True
-        return self._window_bytes is not None and bool(self._uploads) and self._held + size > self._window_bytes
+        return (self._window_bytes is not None and bool(self._uploads)
+                and self._held + size > self._window_bytes + self.pack_bytes)
 
     def _collect(self) -> None:
         """Wait for the oldest upload (raising its failure) and let go of its bytes."""

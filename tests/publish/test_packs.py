@@ -150,3 +150,43 @@ def test_a_failed_early_upload_surfaces_and_abandon_removes_the_rest() -> None:
         packer.finish()
     packer.abandon()
     assert list(inner.list("packs/")) == []
+
+
+class CountingGate(Gate):
+    """A Gate that also counts the pack puts started (uploads in flight while it is shut)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.started = 0
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        self.started += 1
+        super()._put(key, data, if_absent)
+
+
+def test_full_packs_larger_than_the_byte_bound_still_go_two_at_a_time() -> None:
+    # A writable relay's byte bound (upload_bytes: 96 MiB per relay) is smaller than two full
+    # packs: the next pack must still be on its way behind the one being answered (else the
+    # link idles a round trip per pack), and no third goes out beside them.
+    store = CountingGate(MemoryStore())
+    store.upload_concurrency = 8
+    store.upload_bytes = 3 * MiB
+    packer = Packer(store, 2 * MiB, early=False)
+    parts = payloads(6, MiB)
+    where: list[tuple[int, int]] = []
+
+    def add_all() -> None:
+        where.extend(packer.add(p) for p in parts)
+        packer.finish()
+
+    adder = threading.Thread(target=add_all)
+    adder.start()
+    deadline = time.monotonic() + 30
+    while len(packer.packs) < 3 and time.monotonic() < deadline:  # the third is closed and waits
+        time.sleep(0.01)
+    time.sleep(0.2)  # had the bound let the third start, its put would have begun by now
+    assert store.started == 2 and store.done == 0
+    store.open.set()
+    adder.join(30)
+    assert not adder.is_alive()
+    assert_readable(store, packer, parts, where)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from test_relay_writes import (
 )
 
 from deltasync import Publisher, PublisherConfig, Repository, Subscriber
-from deltasync.errors import MissingReferencesError
+from deltasync.errors import MissingReferencesError, ObjectExistsError
 from deltasync.format.manifest import manifest_key, seal
 from deltasync.relay.server import RelayServer
 from deltasync.storage import LocalStore, Store, WrappingStore
@@ -237,3 +238,91 @@ def test_a_refused_object_fails_alone_and_those_pipelined_behind_it_are_sent_aga
     assert not origin.exists(pack_key(new))
     store.put(pack_key(new), new, if_absent=True)  # on a new session
     assert origin.get(pack_key(new)) == new
+
+
+class _GatedStore(LocalStore):
+    """A local repository whose pack writes wait for ``gate`` (the relay stores slowly)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+
+    def put(self, key: str, data: bytes | bytearray | memoryview, *, if_absent: bool = False) -> None:
+        if key.startswith("packs/"):
+            assert self.gate.wait(30), "the test never opened the gate"
+        super().put(key, data, if_absent=if_absent)
+
+
+def test_objects_a_session_closed_here_left_unanswered_may_be_stored_and_fail_over(
+        tmp_path: Path, start_relay: StartRelay) -> None:
+    # This side ending a session (another object's deadline, the store closing) does not know
+    # what the relay stored: every object still waiting is failed over (UNAVAILABLE), never
+    # answered "not written" (a manifest resent after that would be refused as existing, and
+    # a committed version reported failed). Through the store, each then ends stored, once.
+    import grpc
+
+    from deltasync.format.digest import digest
+    from deltasync.v1 import relay_pb2 as pb
+
+    origin = _GatedStore(tmp_path / "origin")
+    relay = start_relay(origin)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    try:
+        first, second = os.urandom(2 * CHUNK_BYTES), os.urandom(2 * CHUNK_BYTES + 1)
+        session = store._relays[0].take_session()
+        outcomes: dict[str, object] = {}
+
+        def put(name: str, data: bytes) -> None:
+            header = pb.PutChunk(key=pack_key(data), total_bytes=len(data), if_absent=True, digest=digest(data))
+            try:
+                outcomes[name] = session.put(header, memoryview(data), 30)
+            except grpc.RpcError as e:
+                outcomes[name] = e.code()
+
+        threads = [threading.Thread(target=put, args=(name, data)) for name, data in (("first", first), ("second", second))]
+        for queued, t in enumerate(threads, start=1):
+            t.start()
+            wait_until(lambda: session._queued == queued)  # noqa: B023 (waited for here, in this turn)
+        session.close()
+        for t in threads:
+            t.join()
+        assert outcomes == {"first": grpc.StatusCode.UNAVAILABLE, "second": grpc.StatusCode.UNAVAILABLE}, outcomes
+        origin.gate.set()
+        for data in (first, second):
+            with contextlib.suppress(ObjectExistsError):  # the closed call's write landed after all
+                store.put(pack_key(data), data, if_absent=True)
+            assert origin.get(pack_key(data)) == data
+    finally:
+        origin.gate.set()
+        store.close()
+
+
+def test_sessions_the_relay_ends_leave_no_thread_behind(
+        relay_store: tuple[GrpcStore, RelayServer, LocalStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A session the relay ends (idle) lets grpc's thread reading its requests go: publishing
+    # every few minutes must not gather one blocked thread per session and version.
+    import sys
+    import time
+    import traceback
+
+    import deltasync.relay.service as service
+
+    monkeypatch.setattr(service, "SESSION_IDLE_SECONDS", 0.3)
+    store, _, origin = relay_store
+
+    def blocked() -> int:  # threads inside UploadSession._requests (waiting for its next object)
+        return sum(any(f.f_code.co_name == "_requests" and f.f_code.co_filename.endswith("_grpc_upload.py")
+                       for f, _ in traceback.walk_stack(frame))
+                   for frame in sys._current_frames().values())
+
+    for round_ in range(3):
+        datas = [os.urandom(CHUNK_BYTES) + bytes([round_, i]) for i in range(4)]
+        puts = [threading.Thread(target=store.put, args=(pack_key(d), d)) for d in datas]
+        for t in puts:
+            t.start()
+        for t in puts:
+            t.join()
+        assert all(origin.get(pack_key(d)) == d for d in datas)
+        wait_until(lambda: not any(s.alive for s in store._relays[0]._sessions))  # the relay ended them
+        time.sleep(0.2)
+        wait_until(lambda: blocked() == 0)
