@@ -6,6 +6,20 @@ one :class:`Flight` per key. With ``stream`` a reader is served from the flight'
 file as the pieces land (:class:`~deltasync.relay.cache.Landing`), else once the object is
 whole. Refs and other mutable keys are never cached: they are read from the upstream a piece
 at a time (:meth:`Fetches.from_upstream`).
+
+A download runs on a thread of its own pool (:attr:`Fetches.pool`, ``workers`` threads), not
+on the relay's pool that serves reads (``in_thread``): a download can last as long as its
+link makes it, and with ``cluster_relays`` it waits on pieces another relay serves from its
+own download, so downloads holding every serving thread would leave no thread to send a
+piece (or start the download) a peer waits for, on either relay. At most ``workers``
+downloads run at once (each holds a piece in flight: the memory bound of
+:class:`~.gauge.UpstreamGauge`); the others wait their turn on the event loop, holding no
+thread. In a cluster of ``n`` relays ``workers // n`` of them are for downloads anyone asks
+for and the rest kept for objects a peer asked this relay for a piece of
+(:data:`~.shares.PEER_METADATA`): such a download starts at once while a kept slot is free,
+so a peer's download never waits on one here that waits on the peer (with the same
+``workers`` on each relay, every download a peer asks for traces back to an ordinary slot of
+another relay, at most ``(n - 1) x (workers // n)``, which the kept slots hold).
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +63,10 @@ class Flight:
         self.key = key
         self.landing = Landing(key, notify=self._notify)
         self.task: asyncio.Task[Entry]  # set by Fetches.fetch
+        self.for_peer = False
+        """A relay of the cluster asked for a piece of it: it may take a slot kept for peers."""
+        self.started = False
+        """Its download has a slot (it runs, or has run)."""
         self._changed = asyncio.Event()
         self._loop = loop
 
@@ -107,6 +126,22 @@ class Fetches:
         self.shares = shares
         """The relays of this cluster that objects are fetched in shares with (None: alone)."""
         self.inflight: dict[str, Flight] = {}
+        self.pool = ThreadPoolExecutor(config.workers, thread_name_prefix="deltasync-relay-fetch")
+        """The threads downloads run on, apart from the serving pool (see the module doc)."""
+        self.running = {"any": 0, "peer": 0}
+        """Downloads running in ordinary slots and in the slots kept for peers."""
+        self._slot_freed = asyncio.Event()
+
+    def slots(self) -> tuple[int, int]:
+        """How many downloads may run at once: for anyone, and kept for peers' objects."""
+        members = self.shares.size if self.shares is not None else 1
+        ordinary = max(1, self.config.workers // members)
+        return ordinary, self.config.workers - ordinary
+
+    def close(self) -> None:
+        """(Any thread but the loop's) Wait for the downloads running to end and start no more
+        (the relay stops: ObjectCache.stopping ends them at their next piece)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
     def known_size(self, key: str) -> int | None:
         """The size of ``key`` if it is cached or its fetch has learned it; else None."""
@@ -134,14 +169,15 @@ class Fetches:
             if position >= end:
                 return
 
-    async def open_cached(self, key: str) -> Source:
+    async def open_cached(self, key: str, *, for_peer: bool = False) -> Source:
         """The cached object, open for reading (held against eviction until closed), fetching
         it first if needed; with ``stream``, the object while it is still being fetched, as
-        soon as its size is known. FetchFailed when the fetch fails."""
+        soon as its size is known. FetchFailed when the fetch fails. ``for_peer``: a relay of
+        the cluster asks (see :meth:`fetch`)."""
         for _ in range(3):
             entry = self.cache.lookup(key)
             if entry is None:
-                flight = self.fetch(key)
+                flight = self.fetch(key, for_peer=for_peer)
                 if self.config.stream:
                     landing = await flight.covering(0)
                     if landing.error is not None:
@@ -183,28 +219,60 @@ class Fetches:
         raise OSError(f"the relay cache keeps losing {key} between finding and opening it; try again")
 
     def fetch(self, key: str, *, warm: bool = False, size_hint: int | None = None,
-              source: Store | None = None) -> Flight:
+              source: Store | None = None, for_peer: bool = False) -> Flight:
         """Single flight: concurrent requests for one key share one upstream fetch, which
         carries on into the cache even if the client that started it goes away. ``size_hint``:
         see ObjectCache.fetch (the warmer's, from the manifest). ``source``: where to read it
         instead of the upstream (a manifest an upstream relay's event carried: feed.py),
         checked on arrival as anything fetched is. With :attr:`shares`, an object from the
-        upstream is fetched in shares with the cluster's other relays (:mod:`.shares`)."""
+        upstream is fetched in shares with the cluster's other relays (:mod:`.shares`).
+        ``for_peer``: one of them asks for a piece of it: its download may take a slot kept
+        for peers (the module doc), also when it was already waiting for an ordinary one."""
         flight = self.inflight.get(key)
         if flight is not None:
             if not (warm or flight.landing.entry is not None):
                 self.counters["coalesced"] += 1
+            if for_peer and not flight.started and not flight.for_peer:
+                flight.for_peer = True
+                self._freed()  # it may start now, in a kept slot
             return flight
         loop = asyncio.get_running_loop()
         flight = Flight(key, loop)
+        flight.for_peer = for_peer
         fetch = functools.partial(self.cache.fetch, key, source or self.upstream, max_size=size_limit(key),
                                   landing=flight.landing, size_hint=size_hint,
                                   shares=self.shares if source is None else None)
-        flight.task = loop.create_task(self.in_thread(fetch))
+        flight.task = loop.create_task(self._download(flight, fetch))
         self.inflight[key] = flight
         flight.task.add_done_callback(functools.partial(self._landed, flight))
         self.counters["warm_fetches"] += int(warm)
         return flight
+
+    async def _download(self, flight: Flight, fetch: Callable[[], Entry]) -> Entry:
+        """Run ``fetch`` on :attr:`pool` once a slot is free: an ordinary one, or (a peer's
+        object) one kept for peers; until then it waits here, holding no thread."""
+        while True:
+            ordinary, kept = self.slots()
+            if self.running["any"] < ordinary:
+                kind = "any"
+                break
+            if flight.for_peer and self.running["peer"] < kept:
+                kind = "peer"
+                break
+            freed = self._slot_freed  # (no await since the look: no wake-up slips between)
+            await freed.wait()
+        self.running[kind] += 1
+        flight.started = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fetch)
+        finally:
+            self.running[kind] -= 1
+            self._freed()
+
+    def _freed(self) -> None:
+        """Wake the downloads waiting for a slot (one ended, or a waiting one became a peer's)."""
+        old, self._slot_freed = self._slot_freed, asyncio.Event()
+        old.set()
 
     def _landed(self, flight: Flight, task: asyncio.Task[Entry]) -> None:
         if self.inflight.get(flight.key) is flight:

@@ -196,6 +196,8 @@ class RelayServer:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+        if self._service is not None:
+            self._service.fetches.close()  # the downloads' own threads (relay/fetch.py)
         if self._service is not None and self._service.fetches.shares is not None:
             self._service.fetches.shares.close()
         if self._service is not None:

@@ -29,6 +29,7 @@ from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, ca
 from .config import RelayConfig
 from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
+from .shares import PEER_METADATA
 from .uploads import SESSION_IDLE_SECONDS, Budget, Refused, SendCredit, Session, Uploads, piece_data
 
 log = logging.getLogger("deltasync.relay")
@@ -164,7 +165,7 @@ class RelayService:
             if byte_range is not None and (byte_range[0] > MAX_OFFSET or byte_range[1] > MAX_OFFSET):
                 raise ObjectRangeError(key, f"range {byte_range[0]}+{byte_range[1]} is past the end of any object")
             if cacheable(key):
-                source = await self.fetches.open_cached(key)
+                source = await self.fetches.open_cached(key, for_peer=_from_peer(context))
                 offset, length = byte_range if byte_range is not None else (0, source.size)
                 if offset + length > source.size:
                     raise ObjectRangeError(key, f"range {offset}+{length} past end of {source.size}-byte object")
@@ -533,3 +534,8 @@ def _layout_keys(upstream: Store, prefix: str) -> list[str]:
             continue
         keys.extend(k for k in listed if served(k) and k.startswith(prefix))
     return sorted(keys)
+
+
+def _from_peer(context: Any) -> bool:
+    """Whether a call comes from another relay of the cluster reading a piece (relay/shares.py)."""
+    return any(key == PEER_METADATA for key, _ in context.invocation_metadata() or ())

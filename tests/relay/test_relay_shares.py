@@ -22,7 +22,7 @@ from deltasync.format.digest import digest
 from deltasync.relay.config import RelayConfig
 from deltasync.relay.server import RelayServer, build_server
 from deltasync.repo.repository import Repository
-from deltasync.storage import LocalStore, Store, WrappingStore
+from deltasync.storage import GrpcStore, LocalStore, Store, WrappingStore
 
 MiB = 1 << 20
 
@@ -258,3 +258,83 @@ def test_a_cluster_relays_link_cut_mid_version_resumes_bit_exact(tmp_path: Path)
         for link in links:
             link.stop()
         root.stop(grace=0)
+
+
+class FarSizes(WrappingStore):
+    """An upstream whose size requests take ``seconds`` (a long link's round trip)."""
+
+    def __init__(self, inner: Store, seconds: float) -> None:
+        super().__init__(inner)
+        self.seconds = seconds
+
+    def _size(self, key: str) -> int:
+        time.sleep(self.seconds)
+        return self.inner.size(key)
+
+
+def test_cluster_relays_with_more_objects_than_workers_fetching_at_once_never_stall(tmp_path: Path,
+                                                                                     cluster: Any) -> None:
+    """Each relay asked at once for more distinct objects than it has ``workers``, the two in
+    opposite orders: every download waits on pieces the other relay owns, of objects the other
+    has not started yet (each size request takes 0.3 s, so every reader has asked, and each
+    relay's download slots are taken by its own readers' objects, before any piece is read).
+    Downloads once held the threads that serve those pieces (and start those downloads) on
+    both relays, and each waited a peer read's whole deadline (120 s); a download a peer asks
+    for now starts at once in a slot kept for peers, and every reader gets its object,
+    bit-exact, with no peer read given up. (The bound only limits a failure.)"""
+    origin = LocalStore(str(tmp_path / "origin"))
+    objects: list[tuple[str, bytes]] = []
+    for i in range(10):
+        data = np.random.default_rng(i).bytes(3 * MiB)
+        key = f"packs/{digest(data).hex()}.pack"
+        origin.put(key, data)
+        objects.append((key, data))
+    far = FarSizes(origin, 0.3)
+    relays, _, members = cluster(tmp_path, upstreams=[far, far], warm=False, workers=4)
+    readers = [GrpcStore(f"grpc://{m}?timeout=300") for m in members]
+    got: dict[tuple[int, str], bytes] = {}
+    errors: list[BaseException] = []
+
+    def read(i: int, key: str) -> None:
+        try:
+            got[i, key] = readers[i].get(key)
+        except BaseException as e:  # handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(i, key), daemon=True)
+               for i in range(2) for key, _ in (objects if i == 0 else objects[::-1])]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 90
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    try:
+        assert not any(thread.is_alive() for thread in threads), "reads of cluster relays stalled"
+        assert not errors, errors
+        assert all(got[i, key] == data for i in range(2) for key, data in objects)
+        metrics = [relay.metrics() for relay in relays]
+        assert all(m["peer_pieces"] > 0 for m in metrics)  # the objects were fetched in shares
+        assert sum(m["peer_fallbacks"] for m in metrics) == 0  # and no peer read was given up
+    finally:
+        for store in readers:
+            store.close()
+
+
+def test_cluster_peers_are_read_with_the_read_token_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay whose environment holds a write token never sends it to its peers (they are only
+    read): the read token when there is one, else no token."""
+    from deltasync.relay.shares import PEER_METADATA, ClusterShares
+
+    monkeypatch.setenv("DELTASYNC_RELAY_WRITE_TOKEN", "the-write-token")
+    monkeypatch.delenv("DELTASYNC_RELAY_TOKEN", raising=False)
+    monkeypatch.delenv("DELTASYNC_RELAY_TOKEN_FILE", raising=False)
+    members = ["127.0.0.1:1", "127.0.0.1:2"]
+    for token, sent in ((None, None), ("the-read-token", "Bearer the-read-token")):
+        shares = ClusterShares(members, members[0], token=token)
+        try:
+            (peer,) = shares._peers.values()
+            metadata = dict(peer._metadata)
+            assert metadata.get("authorization") == sent
+            assert metadata[PEER_METADATA] == "1"
+        finally:
+            shares.close()
