@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_helpers import make_state, step_state
+from store_helpers import RequestLog
 
 from deltasync import Publisher, PublisherConfig, Repository
 from deltasync.errors import StoreError
@@ -150,45 +151,12 @@ def test_two_threads_committing_through_one_repository_each_run_their_own_after_
     assert len(ran[2]) == 1 and len(ran[3]) == 1  # each commit ran its own work, once
 
 
-class Counting(WrappingStore):
-    """Records every request but pack and blob traffic, in order, as ``(op, key)``."""
-
-    def __init__(self, inner: Store) -> None:
-        super().__init__(inner)
-        self.log: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-
-    def _note(self, op: str, key: str) -> None:
-        with self._lock:
-            self.log.append((op, key))
-
-    def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
-        self._note("get", key)
-        return super()._get(key, byte_range)
-
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self._note("put", key)
-        super()._put(key, data, if_absent)
-
-    def _list(self, prefix: str) -> Iterator[str]:
-        self._note("list", prefix)
-        return super()._list(prefix)
-
-    def _size(self, key: str) -> int:
-        self._note("size", key)
-        return super()._size(key)
-
-    def _delete(self, key: str) -> None:
-        self._note("delete", key)
-        super()._delete(key)
-
-
 def _first(log: list[tuple[str, str]], op: str, prefix: str) -> int:
     return next(i for i, (o, k) in enumerate(log) if o == op and k.startswith(prefix))
 
 
 def test_a_publish_lists_the_manifests_once_before_encoding_and_once_after_the_commit(tmp_path: Path) -> None:
-    store = Counting(LocalStore(tmp_path / "repo"))
+    store = RequestLog(LocalStore(tmp_path / "repo"))
     pub = Publisher(Repository(store), CONFIG)
     state = make_state(1, LAYOUT)
     pub.publish(state)
@@ -214,7 +182,7 @@ def test_a_publish_lists_the_manifests_once_before_encoding_and_once_after_the_c
 
 
 def test_a_publish_of_an_id_beyond_the_next_lists_again_for_its_history_parent(tmp_path: Path) -> None:
-    store = Counting(LocalStore(tmp_path / "repo"))
+    store = RequestLog(LocalStore(tmp_path / "repo"))
     pub = Publisher(Repository(store), CONFIG)
     state = make_state(1, LAYOUT)
     pub.publish(state)
@@ -234,7 +202,7 @@ def test_a_distributed_publish_takes_the_same_rounds_as_a_publisher(tmp_path: Pa
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
     try:
-        store = Counting(LocalStore(tmp_path / "repo"))
+        store = RequestLog(LocalStore(tmp_path / "repo"))
         pub = DistributedPublisher(Repository(store), CONFIG, timeout=60)
         state = make_state(1, LAYOUT)
         pub.publish(state)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from ckpt_helpers import make_state, step_state
+from store_helpers import RequestLog
 from test_relay import wait_until
 from test_relay_writes import (
     WRITE,
@@ -38,32 +39,12 @@ from deltasync.format.manifest import manifest_key, seal
 from deltasync.relay.server import RelayServer
 from deltasync.storage import LocalStore, Store, WrappingStore
 from deltasync.storage._grpc import GrpcStore
+from deltasync.storage._grpc_upload import UploadSession
 from deltasync.storage.wire import CHUNK_BYTES
 from deltasync.v1 import manifest_pb2 as manifest_pb
 
 LAYOUT = (("model.embed.weight", (256, 256), torch.bfloat16), ("model.norm.bias", (256,), torch.float32))
 CONFIG = PublisherConfig(workers=2, progress=False, pack_bytes=256 << 10)
-
-
-class Counting(WrappingStore):
-    """Counts the requests a relay's upstream gets, by kind."""
-
-    def __init__(self, inner: Store) -> None:
-        super().__init__(inner)
-        self.log: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-
-    def _note(self, op: str, key: str) -> None:
-        with self._lock:
-            self.log.append((op, key))
-
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        self._note("put", key)
-        super()._put(key, data, if_absent)
-
-    def _size(self, key: str) -> int:
-        self._note("size", key)
-        return super()._size(key)
 
 
 @pytest.fixture
@@ -79,6 +60,20 @@ def _bits(t: object) -> bytes:
     if isinstance(t, torch.Tensor):
         return t.contiguous().view(torch.uint8).numpy().tobytes()
     return np.asarray(t).tobytes()
+
+
+def _put_on(session: UploadSession, name: str, data: bytes, outcomes: dict[str, object]) -> None:
+    """Put ``data`` (a pack, conditionally) on ``session``; its outcome, or its error's code, in ``outcomes[name]``."""
+    import grpc
+
+    from deltasync.format.digest import digest
+    from deltasync.v1 import relay_pb2 as pb
+
+    header = pb.PutChunk(key=pack_key(data), total_bytes=len(data), if_absent=True, digest=digest(data))
+    try:
+        outcomes[name] = session.put(header, memoryview(data), 30)
+    except grpc.RpcError as e:
+        outcomes[name] = e.code()
 
 
 def _assert_pulled(repo: str | Repository, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -129,7 +124,7 @@ def test_a_publish_through_a_checking_relay_sends_no_check_before_its_commit(
         tmp_path: Path, start_relay: StartRelay) -> None:
     relay = start_relay(LocalStore(tmp_path / "origin"))
     store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
-    client = Counting(store)  # what the publisher asks the relay
+    client = RequestLog(store)  # what the publisher asks the relay
     pub = Publisher(Repository(client), CONFIG)
     state = make_state(1, LAYOUT)
     pub.publish(state)
@@ -210,27 +205,16 @@ def test_a_refused_object_fails_alone_and_those_pipelined_behind_it_are_sent_aga
     # answered "not written" (sent again on another call), not with the other's error.
     import grpc
 
-    from deltasync.format.digest import digest
-    from deltasync.v1 import relay_pb2 as pb
-
     store, _, origin = relay_store
     held, new = os.urandom(3 * CHUNK_BYTES), os.urandom(3 * CHUNK_BYTES + 1)
     store.put(pack_key(held), held, if_absent=True)
     session = store._relays[0].take_session()
     outcomes: dict[str, object] = {}
-
-    def put(name: str, data: bytes) -> None:
-        header = pb.PutChunk(key=pack_key(data), total_bytes=len(data), if_absent=True, digest=digest(data))
-        try:
-            outcomes[name] = session.put(header, memoryview(data), 30)
-        except grpc.RpcError as e:
-            outcomes[name] = e.code()
-
     before = session._queued  # the session the put above used, when it is taken again
-    first = threading.Thread(target=put, args=("held", held))
+    first = threading.Thread(target=_put_on, args=(session, "held", held, outcomes))
     first.start()
     wait_until(lambda: session._queued == before + 1)
-    second = threading.Thread(target=put, args=("new", new))
+    second = threading.Thread(target=_put_on, args=(session, "new", new, outcomes))
     second.start()
     first.join()
     second.join()
@@ -261,9 +245,6 @@ def test_objects_a_session_closed_here_left_unanswered_may_be_stored_and_fail_ov
     # a committed version reported failed). Through the store, each then ends stored, once.
     import grpc
 
-    from deltasync.format.digest import digest
-    from deltasync.v1 import relay_pb2 as pb
-
     origin = _GatedStore(tmp_path / "origin")
     relay = start_relay(origin)
     store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
@@ -271,15 +252,8 @@ def test_objects_a_session_closed_here_left_unanswered_may_be_stored_and_fail_ov
         first, second = os.urandom(2 * CHUNK_BYTES), os.urandom(2 * CHUNK_BYTES + 1)
         session = store._relays[0].take_session()
         outcomes: dict[str, object] = {}
-
-        def put(name: str, data: bytes) -> None:
-            header = pb.PutChunk(key=pack_key(data), total_bytes=len(data), if_absent=True, digest=digest(data))
-            try:
-                outcomes[name] = session.put(header, memoryview(data), 30)
-            except grpc.RpcError as e:
-                outcomes[name] = e.code()
-
-        threads = [threading.Thread(target=put, args=(name, data)) for name, data in (("first", first), ("second", second))]
+        threads = [threading.Thread(target=_put_on, args=(session, name, data, outcomes))
+                   for name, data in (("first", first), ("second", second))]
         for queued, t in enumerate(threads, start=1):
             t.start()
             wait_until(lambda: session._queued == queued)  # noqa: B023 (waited for here, in this turn)
