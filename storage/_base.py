@@ -82,6 +82,12 @@ class Store(ABC):
     overlap_uploads: bool = False
 
     @property
+    def relays(self) -> int:
+        """How many relays this store reads through, each fetching an object whole on its first
+        read of any part of it (``grpc://``: the addresses its URL names); 0 for any other store."""
+        return 0
+
+    @property
     def checks_references(self) -> bool:
         """Whether a put of a manifest is refused (MissingReferencesError, nothing written) when
         a pack or blob it names, or a delta's parent manifest, is missing at that moment, as a
@@ -209,6 +215,10 @@ class WrappingStore(Store):
         self.upload_concurrency = inner.upload_concurrency
         self.upload_bytes = inner.upload_bytes
         self.overlap_uploads = inner.overlap_uploads
+
+    @property
+    def relays(self) -> int:
+        return self.inner.relays
 
     @property
     def checks_references(self) -> bool:

@@ -346,6 +346,10 @@ class GrpcStore(Store):
     def addresses(self) -> list[str]:
         return [r.address for r in self._relays]
 
+    @property
+    def relays(self) -> int:
+        return len(self._relays)
+
     def __repr__(self) -> str:
         return f"GrpcStore({self.url!r})"
 

@@ -259,7 +259,7 @@ class PackcastNode:
             self._fetch_pool = ThreadPoolExecutor(self._fetchers, thread_name_prefix="deltasync-packcast")
             # Reading through relays (grpc://a[,b,…]): the objects node 0 asks for ahead of its
             # reads, four per relay, so every relay's link carries its share without gaps (_send).
-            self._lead = _AHEAD_PER_RELAY * _relays_named(cache)
+            self._lead = _AHEAD_PER_RELAY * cache.inner.relays
             self._touch_pool = ThreadPoolExecutor(max(1, self._lead), thread_name_prefix="deltasync-packcast-ahead")
         else:
             try:
@@ -1017,15 +1017,6 @@ def _want(info: ManifestInfo, holds: Holds) -> dict[str, list[int]] | None:
     regions = {n: Region(tuple(r[0]), tuple(r[1])) for n, r in holds.items() if r is not None and n in names}
     chunks = select_tensors(info, None, regions)[0] if regions else None
     return want_of(info.entries(), keys, chunks)
-
-
-def _relays_named(cache: PackCache) -> int:
-    """How many relays the store behind ``cache`` reads through (a ``grpc://`` URL's
-    addresses; 0 for any other store: no relay to fetch ahead)."""
-    store: Any = cache.inner
-    while isinstance(store, WrappingStore) and not hasattr(store, "addresses"):
-        store = store.inner
-    return len(getattr(store, "addresses", ()) or ())
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
