@@ -374,7 +374,7 @@ class GrpcStore(Store):
         return self.ranged_packs and key.startswith("packs/")
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
-        download = _Download(key, byte_range, read_limit())
+        download = Download(key, byte_range, read_limit())
 
         def attempt(relay: _Relay) -> bytes:
             call = relay.get(download.request(), timeout=self.timeout)
@@ -598,7 +598,7 @@ def translate(e: grpc.RpcError, action: str, key: str | None, address: str) -> D
     return StoreError(f"cannot {action}{what} through relay {address}: {describe(e)}")
 
 
-class _Download:
+class Download:
     """One Get, possibly spread over several relays: each resumes where the last one stopped."""
 
     def __init__(self, key: str, byte_range: tuple[int, int] | None, limit: int | None = None) -> None:

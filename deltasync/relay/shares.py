@@ -44,9 +44,10 @@ from pathlib import Path
 
 import grpc
 
-from ..errors import CorruptObjectError, StoreError, UsageError
+from ..errors import StoreError, UsageError
 from ..format.digest import digest
 from ..storage import Store
+from ..storage._grpc import Download
 from ..storage.wire import CA_ENV, CHUNK_BYTES, method_path, read_token
 from ..v1 import relay_pb2 as pb
 from .config import check_members
@@ -231,8 +232,7 @@ class Peer:
                 inbox.put(e)
 
         threading.Thread(target=pump, name="deltasync-relay-peer", daemon=True).start()
-        parts: list[bytes] = []
-        received = 0
+        download = Download(key, (offset, length))  # the size announced, no byte more, no byte less
         try:
             while True:
                 try:
@@ -244,18 +244,10 @@ class Peer:
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, pb.GetChunk)
-                if not parts and item.total_bytes != length:
-                    raise CorruptObjectError(key, f"cluster relay {self.address} announced {item.total_bytes} "
-                                                  f"bytes, asked for {length}")
-                received += len(item.data)
-                if received > length:
-                    raise CorruptObjectError(key, f"cluster relay {self.address} sent more bytes than asked for")
-                parts.append(item.data)
+                download.feed(item)
         finally:
             call.cancel()  # a no-op once the call is over
-        if received != length:
-            raise CorruptObjectError(key, f"cluster relay {self.address} sent {received} of {length} bytes")
-        return b"".join(parts)
+        return download.result()
 
     def close(self) -> None:
         self.channel.close()

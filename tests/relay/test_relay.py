@@ -27,7 +27,7 @@ from deltasync import PlanesZstdCodec, Publisher, PublisherConfig, Subscriber
 from deltasync.errors import CorruptObjectError, ObjectNotFoundError, StoreError, UsageError
 from deltasync.relay.server import RelayServer, build_server, parse_size
 from deltasync.storage import LocalStore, Store, WrappingStore, open_store
-from deltasync.storage._grpc import GrpcStore, VersionWatch, _Download, parse_grpc_url
+from deltasync.storage._grpc import Download, GrpcStore, VersionWatch, parse_grpc_url
 from deltasync.storage.testing import ReadOnlyStoreConformance
 
 MiB = 1 << 20
@@ -428,16 +428,16 @@ def test_read_cut_off_mid_stream_resumes_on_the_next_relay(
     store = GrpcStore(f"grpc://{relays[0].address},{relays[1].address}")
     first = relays[store._shard("packs/p.pack")]  # where the read starts (reads shard by key, issue 30)
     second = relays[1 - store._shard("packs/p.pack")]
-    feed = _Download.feed
+    feed = Download.feed
     cut_at: list[int] = []
 
-    def feed_then_kill_first(self: _Download, chunk: Any) -> None:
+    def feed_then_kill_first(self: Download, chunk: Any) -> None:
         feed(self, chunk)
         if not cut_at:
             cut_at.append(self.received)
             first.stop(grace=0)  # the relay dies with the rest of the stream unsent
 
-    monkeypatch.setattr(_Download, "feed", feed_then_kill_first)
+    monkeypatch.setattr(Download, "feed", feed_then_kill_first)
     assert store.get("packs/p.pack") == data
     assert 0 < cut_at[0] < len(data)
     assert 0 < second.metrics()["served_bytes"] < len(data)  # only the rest, from where it stopped
