@@ -20,19 +20,19 @@ from ._local import LocalStore, TempFile, is_temp_name
 from ._memory import MemoryStore
 from ._throttle import ThrottledStore
 
-# GrpcStore, S3Store and VersionWatch are importable by name too (lazily, below), but are
+# GrpcStore, S3Store, VersionWatch and Download (one checked ranged read) are importable by name too (lazily, below), but are
 # left out of __all__: a star import must work where their extras are not installed.
 __all__ = ["LocalStore", "MemoryStore", "Store", "TempFile", "ThrottledStore", "WrappingStore", "check_key", "is_temp_name",
            "open_store", "read_held", "read_limit"]
 
 #: Backends whose dependencies are extras: imported on first use (``deltasync.storage.S3Store``).
-_LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc"}
+_LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc", "Download": "_grpc"}
 __getattr__, __dir__ = _lazy.exports(
     __name__, _LAZY, globals(), lambda name: "an s3:// repository" if name == "S3Store" else "a grpc:// repository"
 )
 
 if TYPE_CHECKING:
-    from ._grpc import GrpcStore as GrpcStore, VersionWatch as VersionWatch
+    from ._grpc import Download as Download, GrpcStore as GrpcStore, VersionWatch as VersionWatch
     from ._s3 import S3Store as S3Store
 
 _memory_stores: dict[str, MemoryStore] = {}

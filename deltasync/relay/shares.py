@@ -46,8 +46,7 @@ import grpc
 
 from ..errors import StoreError, UsageError
 from ..format.digest import digest
-from ..storage import Store
-from ..storage._grpc import Download
+from ..storage import Download, Store
 from ..storage.wire import CA_ENV, CHUNK_BYTES, method_path, read_token
 from ..v1 import relay_pb2 as pb
 from .config import check_members
