@@ -80,6 +80,10 @@ class Store(ABC):
     #: rather than fill each one first: true where writes cross a network (S3, a writable
     #: relay), whose link is then busy while encoding goes on; false where a write is a local copy.
     overlap_uploads: bool = False
+    #: How many places this store's uploads spread over, each behind a link of its own (the
+    #: writable relays a ``grpc://`` URL names; 1 for any other store): a publisher splits the
+    #: last bytes of a version into several packs for them, so every link ends together.
+    upload_targets: int = 1
 
     @property
     def relays(self) -> int:
@@ -215,6 +219,7 @@ class WrappingStore(Store):
         self.upload_concurrency = inner.upload_concurrency
         self.upload_bytes = inner.upload_bytes
         self.overlap_uploads = inner.overlap_uploads
+        self.upload_targets = inner.upload_targets
 
     @property
     def relays(self) -> int:

@@ -329,6 +329,7 @@ class GrpcStore(Store):
             self.upload_concurrency = UPLOADS_PER_RELAY * len(self._relays)
             self.upload_bytes = UPLOAD_BYTES_PER_RELAY * len(self._relays)
             self.overlap_uploads = True
+            self.upload_targets = len(self._relays)
 
     @property
     def writable(self) -> bool:

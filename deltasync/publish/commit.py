@@ -229,7 +229,7 @@ def restore_packs(store: Store, config: PublisherConfig, encoded: Encoded, sourc
     kept = [p for i, p in enumerate(encoded.packs) if i not in lost]
     renumber = {i: n for n, i in enumerate(i for i in range(len(encoded.packs)) if i not in lost)}
     by_key = {s.key: s for s in sources}
-    packer = Packer(store, config.pack_bytes)
+    packer = Packer(store, config.pack_bytes, first_pack=len(kept))
     try:
         for t in encoded.tensors:
             source = by_key.get(key_of(t))
@@ -249,8 +249,7 @@ def restore_packs(store: Store, config: PublisherConfig, encoded: Encoded, sourc
                     raise CheckpointError(t.name, f"chunk {idx} changed while publishing; publish again")
                 payload = codec.encode(target, None, width)
                 c.encoding, c.base_digest = payload.encoding, b""
-                index, c.offset = packer.add(payload.payload)
-                c.pack, c.length = len(kept) + index, len(payload.payload)
+                packer.place(payload.payload, c)
         packer.finish()
     except BaseException:
         packer.abandon()

@@ -240,14 +240,13 @@ def encode(
         nonlocal stored
         t, fut = window.popleft()
         enc, target_digest, base_digest, target = fut.result()
-        chunk = pb.Chunk(encoding=enc.encoding, target_digest=target_digest, base_digest=base_digest)
+        # The chunk in its tensor (not a copy): the packer may write its place again (finish).
+        chunk = t.chunks.add(encoding=enc.encoding, target_digest=target_digest, base_digest=base_digest)
         if enc.encoding != SAME:
-            chunk.pack, chunk.offset = packer.add(enc.payload)
-            chunk.length = len(enc.payload)
+            packer.place(enc.payload, chunk)
             stored += len(enc.payload)
             if limit is not None and stored > limit:
                 raise DeltaTooLarge
-        t.chunks.append(chunk)
         if t.file:
             file_digests[t.file].update(target)
         progress.advance(len(target))

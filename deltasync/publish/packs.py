@@ -21,6 +21,20 @@ packs of 2 MiB. Where the link is the bottleneck (a snapshot over a slow link) e
 is busy, no early flush happens, and packs are full size. Packs stay content-addressed
 (named by the xxh3-128 of their bytes) and all are durable before :meth:`Packer.finish`
 returns, i.e. before any manifest names them.
+
+**Over several relays** (``store.upload_targets`` = ``n`` > 1: a ``grpc://`` URL naming several
+writable relays, each behind a link of its own). Each pack goes to the relay with the fewest
+of the publisher's bytes in flight, and the version is committed only when the last link is
+done, so the links must end together: the larger the last packs, the more one link carries
+alone at the end. So the early floor grows n times slower (``flushed / (EARLY_FRACTION * n)``,
+up to ``MAX_EARLY_PACKS * n`` early flushes: each relay's packs grow as one relay's would), and
+what is left at the finish is split, at payload boundaries, into up to
+``TAIL_PACKS_PER_TARGET * n`` packs of about equal size (as many as leave each about
+:data:`EARLY_MIN_BYTES` or more), which start one after another on the least loaded relay:
+every link ends within about one small pack of the others. The count above becomes
+``ceil(S / pack_bytes) + (MAX_EARLY_PACKS + TAIL_PACKS_PER_TARGET) * n``. Payloads placed with
+:meth:`Packer.place` (their chunk is rewritten if its payload moves) can be split so; a pack
+holding a payload from :meth:`Packer.add` (its place is returned, so it cannot move) goes whole.
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ from ..format.digest import digest
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
 
-__all__ = ["EARLY_FRACTION", "EARLY_MIN_BYTES", "MAX_EARLY_PACKS", "Packer"]
+__all__ = ["EARLY_FRACTION", "EARLY_MIN_BYTES", "MAX_EARLY_PACKS", "TAIL_PACKS_PER_TARGET", "Packer"]
 
 #: The smallest pack an early flush closes (unless ``pack_bytes`` is smaller).
 EARLY_MIN_BYTES = 2 << 20
@@ -43,6 +57,8 @@ EARLY_MIN_BYTES = 2 << 20
 EARLY_FRACTION = 4
 #: Early flushes one packer makes at most (one version, or one rank's share of it).
 MAX_EARLY_PACKS = 16
+#: Packs per upload target (relay) the bytes left at :meth:`Packer.finish` are split into, at most.
+TAIL_PACKS_PER_TARGET = 2
 
 
 class Packer:
@@ -54,14 +70,18 @@ class Packer:
             ``overlap_uploads`` turns early flushes on.
         pack_bytes: the size at which a pack closes.
         early: force early flushes on or off (default: ``store.overlap_uploads``).
+        first_pack: the index in the manifest's pack list of this packer's first pack
+            (:meth:`place` writes ``chunk.pack`` from it).
     """
 
-    def __init__(self, store: Store, pack_bytes: int, *, early: bool | None = None) -> None:
+    def __init__(self, store: Store, pack_bytes: int, *, early: bool | None = None, first_pack: int = 0) -> None:
         self.store = store
         self.pack_bytes = pack_bytes
         self.early = store.overlap_uploads if early is None else early
+        self.first_pack = first_pack
         self.packs: list[pb.Pack] = []
         self._parts: list[bytes] = []
+        self._chunks: list[pb.Chunk | None] = []  # per part: the chunk place() writes (None: add()'s, fixed)
         self._size = 0
         self._uploads: deque[tuple[Future[None], int]] = deque()  # each upload and its size
         self._held = 0  # bytes of the packs in _uploads
@@ -74,10 +94,19 @@ class Packer:
         self.early_flushes = 0
 
     def add(self, payload: bytes) -> tuple[int, int]:
-        offset = self._size
-        self._parts.append(payload)
-        self._size += len(payload)
-        index = len(self.packs)
+        """Append ``payload``: (its pack's index among this packer's packs, its offset there).
+        The pack holding it is never split (:meth:`finish`)."""
+        return self._append(payload, None)
+
+    def place(self, payload: bytes, chunk: pb.Chunk) -> None:
+        """Append ``payload``, the stored bytes of ``chunk``, and write where it is into the
+        chunk (``pack``: from ``first_pack``, ``offset``, ``length``); the chunk is written
+        again if :meth:`finish` moves the payload into a pack of its own."""
+        self._append(payload, chunk)
+
+    def _append(self, payload: bytes, chunk: pb.Chunk | None) -> tuple[int, int]:
+        index, offset = len(self.packs), self._size
+        self._append_only(payload, chunk)
         if self._size >= self.pack_bytes:
             self.flush()
         elif self.early and self._size >= self.early_floor() and self._stream_free():
@@ -87,9 +116,10 @@ class Packer:
 
     def early_floor(self) -> int:
         """The bytes waiting that an early flush needs now (past the last early flush: never)."""
-        if self.early_flushes >= MAX_EARLY_PACKS:
+        targets = max(1, self.store.upload_targets)
+        if self.early_flushes >= MAX_EARLY_PACKS * targets:
             return self.pack_bytes
-        return min(self.pack_bytes, max(EARLY_MIN_BYTES, self.stored // EARLY_FRACTION))
+        return min(self.pack_bytes, max(EARLY_MIN_BYTES, self.stored // (EARLY_FRACTION * targets)))
 
     def _stream_free(self) -> bool:
         """Whether fewer uploads are in flight than the store wants (an early pack would start
@@ -118,7 +148,7 @@ class Packer:
         if not self._parts:
             return
         data = b"".join(self._parts)
-        self._parts, self._size = [], 0
+        self._parts, self._chunks, self._size = [], [], 0
         key = f"packs/{digest(data).hex()}.pack"
         self.packs.append(pb.Pack(key=key, size=len(data)))
         self.stored += len(data)
@@ -135,12 +165,44 @@ class Packer:
         self.created.add(key)
 
     def finish(self) -> None:
+        groups = self._tail_groups()
+        if len(groups) > 1:
+            held = list(zip(self._parts, self._chunks, strict=True))
+            self._parts, self._chunks, self._size = [], [], 0
+            for group in groups:
+                for payload, chunk in held[group]:
+                    self._append_only(payload, chunk)
+                self.flush()
         self.flush()
         try:
             while self._uploads:
                 self._collect()
         finally:
             self._pool.shutdown(wait=True)
+
+    def _tail_groups(self) -> list[slice]:
+        """The open pack's parts cut into runs of about equal bytes, one pack each (module
+        docstring, the last bytes over several relays); one run where nothing is gained."""
+        count = len(self._parts)
+        packs = min(count, TAIL_PACKS_PER_TARGET * self.store.upload_targets, self._size // EARLY_MIN_BYTES)
+        if packs < 2 or self.store.upload_targets < 2 or not self.early or any(c is None for c in self._chunks):
+            return [slice(0, count)]
+        cuts = [0]
+        taken = 0
+        for i, part in enumerate(self._parts[:-1]):  # the last run keeps at least the last part
+            taken += len(part)
+            if len(cuts) < packs and taken * packs >= self._size * len(cuts):  # this run has its share
+                cuts.append(i + 1)
+        return [slice(a, b) for a, b in zip(cuts, [*cuts[1:], count], strict=True)]
+
+    def _append_only(self, payload: bytes, chunk: pb.Chunk | None) -> None:
+        """Append without closing the pack (finish's runs: each is flushed as one pack)."""
+        offset = self._size
+        self._parts.append(payload)
+        self._chunks.append(chunk)
+        self._size += len(payload)
+        if chunk is not None:
+            chunk.pack, chunk.offset, chunk.length = self.first_pack + len(self.packs), offset, len(payload)
 
     def abandon(self) -> None:
         """Stop and remove what this attempt uploaded (it is referenced by nothing)."""

@@ -77,6 +77,7 @@ class VersionFeed:
         self.error: str | None = None
         self.failing_since = 0.0
         self.changed = asyncio.Event()
+        self._poked = asyncio.Event()  # poke(): look at the upstream now
         self._task: asyncio.Task[None] | None = None
         self._watch: VersionWatch | None = None
         self._closed = False
@@ -114,6 +115,13 @@ class VersionFeed:
     def wake(self) -> None:
         old, self.changed = self.changed, asyncio.Event()
         old.set()
+
+    def poke(self) -> None:
+        """(Loop) Look at the upstream now, not after ``poll_interval``: this relay has just
+        written the latest ref there (a publish through it), so its watchers hear of the
+        version at once instead of up to a poll later. Idle while following an upstream relay
+        (its Watch stream says)."""
+        self._poked.set()
 
     def hint(self, key: str) -> pb.UpstreamCopy | None:
         """The upstream relay's copy of ``key`` (an object, or a listed prefix) sent with its
@@ -242,6 +250,7 @@ class VersionFeed:
                 # hears nothing until it has fresh news.
                 self._task, self.succeeded, self.error = None, False, None
                 return
+            self._poked.clear()  # a poke from here on is for the next look
             try:
                 self.publish(await self.in_thread(self._poll, repo))
                 self._ok()
@@ -251,7 +260,8 @@ class VersionFeed:
                 raise
             except Exception as e:
                 self._failed(e)
-            await asyncio.sleep(self.config.poll_interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._poked.wait(), self.config.poll_interval)
 
     def _ok(self) -> None:
         if self.error is not None:

@@ -63,6 +63,9 @@ class RelayService:
         self.feed = VersionFeed(upstream, self.in_thread, lambda: self.counters["watchers"], config, self.warmer.warm_new,
                                 fetches=self.fetches, on_manifest=self.warmer.land)
         self.uploads = Uploads(upstream, cache, config, self.in_thread)
+        # A publish through this relay ends with the latest ref: its watchers hear of the
+        # version from that write, not a poll later.
+        self.uploads.on_stored = lambda key: self.feed.poke() if key == LATEST else None
 
     def handler(self) -> Any:
         behaviors: dict[str, Callable[..., Any]] = {

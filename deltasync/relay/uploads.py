@@ -391,6 +391,7 @@ class Uploads:
         self.quota = Quota(upstream, config.write_quota) if config.write_quota is not None else None
         self.turn: asyncio.Semaphore | None = None  # made on the loop, in start()
         self.budget = Budget(config.upload_buffer)
+        self.on_stored: Callable[[str], None] | None = None  # (loop) a key just written upstream
 
     def start(self) -> None:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
@@ -512,6 +513,8 @@ class Uploads:
         else:
             assert spool is not None
             await self.in_thread(self._store_spooled, key, spool, first.if_absent, bytes(first.digest))
+        if self.on_stored is not None:
+            self.on_stored(key)
 
     def _store_spooled(self, key: str, spool: Spool, if_absent: bool, announced: bytes) -> None:
         view = spool.view()

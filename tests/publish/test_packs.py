@@ -15,6 +15,7 @@ from deltasync.publish.packs import EARLY_MIN_BYTES, Packer
 from deltasync.storage import LocalStore, MemoryStore, Store, WrappingStore
 from deltasync.storage._grpc import GrpcStore
 from deltasync.storage._s3 import S3Store
+from deltasync.v1 import manifest_pb2 as pb
 
 MiB = 1 << 20
 
@@ -190,3 +191,82 @@ def test_full_packs_larger_than_the_byte_bound_still_go_two_at_a_time() -> None:
     adder.join(30)
     assert not adder.is_alive()
     assert_readable(store, packer, parts, where)
+
+
+def placed(packer: Packer, parts: list[bytes]) -> pb.Tensor:
+    """``parts`` placed as the chunks of one tensor (as the encoder does), then finished."""
+    tensor = pb.Tensor(name="t")
+    for part in parts:
+        packer.place(part, tensor.chunks.add(encoding=pb.FULL))
+    packer.finish()
+    return tensor
+
+
+def assert_chunks_readable(store: Store, packer: Packer, parts: list[bytes], tensor: pb.Tensor) -> None:
+    """Every chunk names the pack (from ``first_pack``), offset and length holding its payload."""
+    for part, chunk in zip(parts, tensor.chunks, strict=True):
+        pack = packer.packs[chunk.pack - packer.first_pack]
+        assert chunk.length == len(part) and store.get(pack.key, (chunk.offset, chunk.length)) == part
+    assert packer.stored == sum(len(p) for p in parts) == sum(p.size for p in packer.packs)
+
+
+def test_the_last_bytes_split_into_packs_for_every_relay(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 30 (two relays sharing a transfer): what is left when encoding ends would go over
+    # one relay's link alone; over two it becomes up to 2 x 2 packs of about equal size.
+    monkeypatch.setattr(packs, "MAX_EARLY_PACKS", 0)  # everything is left for the finish
+    store = WrappingStore(MemoryStore())
+    store.upload_targets = 2
+    packer = Packer(store, 64 * MiB, early=True, first_pack=3)
+    parts = payloads(10, MiB)
+    tensor = placed(packer, parts)
+    assert [p.size for p in packer.packs] == [3 * MiB, 2 * MiB, 3 * MiB, 2 * MiB]
+    assert [c.pack for c in tensor.chunks] == [3, 3, 3, 4, 4, 5, 5, 5, 6, 6]
+    assert_chunks_readable(store, packer, parts, tensor)
+    assert packer.created == {p.key for p in packer.packs}
+
+
+def test_the_last_bytes_stay_one_pack_where_splitting_gains_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packs, "MAX_EARLY_PACKS", 0)
+    for targets, early, n, size, want in (
+        (1, True, 10, MiB, 1),  # one relay (or any other store): one link either way
+        (2, False, 10, MiB, 1),  # packs filled before upload (a local store)
+        (2, True, 3, MiB, 1),  # 3 MiB: no two parts of EARLY_MIN_BYTES
+        (4, True, 3, 2 * MiB, 3),  # fewer payloads than relays x 2: one pack each
+    ):
+        store = WrappingStore(MemoryStore())
+        store.upload_targets = targets
+        packer = Packer(store, 64 * MiB, early=early)
+        parts = payloads(n, size)
+        tensor = placed(packer, parts)
+        assert len(packer.packs) == want, (targets, early, n, [p.size for p in packer.packs])
+        assert_chunks_readable(store, packer, parts, tensor)
+
+
+def test_a_pack_holding_an_added_payload_is_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packs, "MAX_EARLY_PACKS", 0)
+    store = WrappingStore(MemoryStore())
+    store.upload_targets = 2
+    packer = Packer(store, 64 * MiB, early=True)
+    parts = payloads(8, MiB)
+    tensor = pb.Tensor(name="t")
+    for part in parts[:7]:
+        packer.place(part, tensor.chunks.add(encoding=pb.FULL))
+    where = packer.add(parts[7])  # its place was handed out: it cannot move
+    packer.finish()
+    assert [p.size for p in packer.packs] == [8 * MiB] and where == (0, 7 * MiB)
+    for part, chunk in zip(parts[:7], tensor.chunks, strict=True):
+        assert store.get(packer.packs[chunk.pack].key, (chunk.offset, chunk.length)) == part
+    assert store.get(packer.packs[0].key, (where[1], MiB)) == parts[7]
+
+
+def test_stores_say_how_many_relays_their_uploads_spread_over(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret")
+    two = GrpcStore("grpc://127.0.0.1:1,127.0.0.1:2", write_token_file=token)
+    read_only = GrpcStore("grpc://127.0.0.1:1,127.0.0.1:2")
+    try:
+        assert two.upload_targets == 2 and WrappingStore(two).upload_targets == 2
+        assert read_only.upload_targets == 1 and MemoryStore().upload_targets == 1
+    finally:
+        two.close()
+        read_only.close()

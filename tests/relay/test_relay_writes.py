@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -862,4 +863,31 @@ def test_a_version_uploads_in_early_packs_while_it_encodes(tmp_path: Path, start
     for r, want in zip(results, (first, second), strict=True):
         got = sub.pull(r.version)
         assert all(torch.equal(got[name], want[name]) for name in want)
+    store.close()
+
+
+def test_a_publish_through_the_relay_reaches_its_watchers_without_a_poll(
+    tmp_path: Path, start_relay: StartRelay
+) -> None:
+    """The relay writes the latest ref itself: it looks at its repository at once (its feed is
+    poked), so a watcher hears of the version long before the next poll (an hour here)."""
+    from deltasync import Publisher, PublisherConfig
+
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin, poll_interval=3600.0)
+    store = GrpcStore(relay.url, write_token=WRITE)
+    publisher = Publisher(store, PublisherConfig(progress=False))
+    publisher.publish({"w": torch.arange(64, dtype=torch.float32)})  # v1: the repository exists
+    reader = GrpcStore(relay.url)
+    watch = reader.watch(after_version=0)
+    heard: list[int] = []
+    listener = threading.Thread(target=lambda: heard.extend(itertools.islice(watch, 2)), daemon=True)
+    listener.start()
+    wait_until(lambda: heard == [1], timeout=20)  # the feed's first look (at the watch's start)
+    began = time.monotonic()
+    publisher.publish({"w": torch.arange(64, dtype=torch.float32) + 1})
+    listener.join(timeout=20)
+    assert heard == [1, 2] and time.monotonic() - began < 20, heard
+    watch.close()
+    reader.close()
     store.close()
