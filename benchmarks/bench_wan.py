@@ -14,9 +14,11 @@ version, so a version is a snapshot (v1) then a delta (v2). Rows:
 * ``publish``: ``deltasync.Publisher`` (this process) -> link -> a relay serving
   ``--accept-writes`` in front of a local repository (its own process). Elapsed: the
   ``publish()`` call.
-* ``tree``: publish into a local repository (not timed) -> root relay -> link -> cluster
-  relay -> an engine-first agent (``EngineAgent`` + ``TorchEngine``, following the cluster
-  relay). Elapsed: from the commit to the engine holding the version (every chunk verified).
+* ``tree``: publish through the root relay (``--accept-writes`` over a local repository, on
+  loopback: not timed) -> root relay -> link -> cluster relay -> an engine-first agent
+  (``EngineAgent`` + ``TorchEngine``, following the cluster relay). Elapsed: from the commit
+  to the engine holding the version (every chunk verified). (Before 2026-12-02 the publisher
+  wrote the repository directly and the root relay polled it every 0.5 s: 0-0.5 s more.)
 * ``publish2``/``tree2``: the same with two relays, each behind its own link of
   ``--shard-mbps`` (``publish2``: two writable relays over one repository, the publisher
   naming both; ``tree2``: two cluster relays, each over its own link to the root, one cluster
@@ -273,9 +275,12 @@ def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tup
     from deltasync.repo.repository import Repository
 
     repo = root / "origin"
-    pub = _publisher(str(repo))
     Repository(str(repo)).create()  # the agent then waits on a repository (not backing off from a missing one)
-    top = Proc(str(repo), root / "cache-root")
+    # The trainer publishes through its root relay (over loopback: docs/cli.md's worked
+    # example), which so hears of each version from its own write of the ref, not a poll later.
+    top = Proc(str(repo), root / "cache-root", writable=True)
+    os.environ["DELTASYNC_RELAY_WRITE_TOKEN"] = WRITE_TOKEN
+    pub = _publisher(f"grpc://{top.address}")
     links = [LinkProcess(top.address, rtt=rtt, mbps=mbps) for _ in range(relays)]
     # Relays sharing a cluster's ingress are one cluster (--cluster-relays): each fetches its
     # share of every object over its own link and the rest from the others (docs/cli.md,
@@ -304,6 +309,7 @@ def row_tree(root: Path, states: list[dict[str, torch.Tensor]], shapes: list[tup
     finally:
         if agent.proc.is_alive():
             agent.proc.kill()
+        pub.repo.store.close()
         for c in cluster:
             c.stop()
         for link in links:

@@ -69,7 +69,8 @@ def test_remote_stores_overlap_uploads_and_wrappers_say_so(tmp_path: Path) -> No
 
 
 def test_early_flushes_start_uploads_with_a_floor_and_a_bounded_count() -> None:
-    store = MemoryStore()
+    store = WrappingStore(MemoryStore())
+    store.upload_concurrency = 64  # a stream is always free (else how fast puts end decides, under load)
     packer = Packer(store, 64 * MiB, early=True)
     parts = payloads(41, MiB // 2)  # a 20.5 MiB version in 512 KiB chunks
     where = pack_all(packer, parts)
