@@ -101,6 +101,10 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
                 os._exit(0)  # dies between rounds, without a word
             if scenario == "root_dies" and v == 3:
                 if rank == 0:
+                    # Once both others hold version 2 (a node late for round 2 would find node 0's
+                    # store gone while it waits for that round, not for round 3).
+                    gate[0].wait(60)
+                    gate[1].wait(60)
                     os._exit(0)
                 waiting = time.monotonic()
                 try:
@@ -123,6 +127,8 @@ def _node(rank: int, world: int, port: int, repo: str, scenario: str, gate: Any,
             if scenario == "late" and rank == 0 and v == 2:
                 gate[0].set()
                 gate[1].wait(60)
+            if scenario == "root_dies" and rank and v == 2:
+                gate[rank - 1].set()
         if rank == 0:
             node.close()
         out["rejected"] = list(cache.rejected)

@@ -22,6 +22,9 @@ from typing import Any
 import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (scripts/install_verl.sh)")
+# The Trainer refuses to start without accelerate (deltasync[transformers] brings it); the
+# project's own environment can have transformers through another package without it.
+pytest.importorskip("accelerate", reason="accelerate is not installed here: scripts/install_verl.sh builds .venv-verl")
 
 import torch
 from safetensors.torch import save_file
