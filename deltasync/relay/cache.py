@@ -433,6 +433,9 @@ class ObjectCache:
                 size = told
             elif size_hint is not None and key.startswith("packs/"):
                 size = size_hint
+                if self.gauge.claim_round_trip():  # beside the download: the gauge still learns the link
+                    threading.Thread(target=self._time_round_trip, args=(key, upstream), daemon=True,
+                                     name="relay-round-trip").start()
             else:
                 began = time.monotonic()
                 size = upstream.size(key)
@@ -473,6 +476,17 @@ class ObjectCache:
         landing._close()
         return entry
 
+    def _time_round_trip(self, key: str, upstream: Store) -> None:
+        """(Thread) One size request of ``key``, timed for the gauge (a fetch that sent none)."""
+        began = time.monotonic()
+        try:
+            upstream.size(key)
+        except Exception as e:  # only a measurement: the fetch itself reports what is wrong
+            log.debug("timing the upstream's round trip with %s failed: %s", key, e)
+            self.gauge.untimed()
+        else:
+            self.gauge.timed_round_trip(time.monotonic() - began)
+
     def _download(self, key: str, size: int, upstream: Store, fd: int, landing: Landing, small: bytes | None,
                   shares: ClusterShares | None = None) -> None:
         # Checked before it lands (and before a reader streaming it gets its last piece): a
@@ -505,14 +519,17 @@ class ObjectCache:
                          check: ContentCheck, shares: ClusterShares | None = None) -> bool:
         """Ranged reads of ``key``, as many in flight as the gauge grants (all downloads
         together), each written and checked in order as it arrives; with ``shares``, the
-        pieces other relays of the cluster own read from them. Whether any piece came from
-        another relay."""
+        pieces other relays of the cluster own read from them, each holding a memory slot but
+        no request slot of this relay's link (:meth:`.gauge.UpstreamGauge.try_hold`: a piece
+        waiting on the other relay's link must not keep this one's idle), as many asked at once
+        as this link has slots (so the others are asked for what they fetch now, not minutes
+        ahead). Whether any piece came from another relay."""
         gauge = self.gauge
         piece = shares.piece_size(size) if shares is not None else self.piece_bytes
         ranges = [(offset, min(piece, size - offset)) for offset in range(0, size, piece)]
         peered = False
 
-        def read(offset: int, n: int) -> bytes:
+        def read(offset: int, n: int, mine: bool) -> bytes:
             nonlocal peered
             got = 0
             try:
@@ -524,28 +541,39 @@ class ObjectCache:
                 got = len(data)
                 return data
             finally:
-                gauge.release(got)
+                if mine:
+                    gauge.release(got)
 
         with ThreadPoolExecutor(max_workers=self.pieces_in_flight, thread_name_prefix="relay-piece") as pool:
             # In order of offset: read (a request slot until its read ends), then written (a
             # memory slot until then). Pieces after the next one to write are requested while
             # it is still coming, as far as the two bounds allow (gauge.py).
-            pending: deque[tuple[int, int, Future[bytes]]] = deque()
+            pending: deque[tuple[int, int, Future[bytes], bool]] = deque()  # (.., whether over this link)
             submitted = 0
             try:
                 while ranges and (pending or submitted < len(ranges)):
                     if self.stopping:
                         raise StoreError(f"the relay stopped while fetching {key}")
-                    unfinished = sum(not f.done() for _, _, f in pending)
-                    while submitted < len(ranges) and gauge.try_acquire(unfinished, len(pending)):
+                    unfinished = sum(mine and not f.done() for _, _, f, mine in pending)
+                    asked = sum(not mine and not f.done() for _, _, f, mine in pending)  # of other relays
+                    while submitted < len(ranges):
+                        mine = shares is None or shares.peer(key, submitted) is None
+                        if mine:
+                            took = gauge.try_acquire(unfinished, len(pending))
+                        else:  # as many asked of the others as this link has in flight: they keep step
+                            took = (not asked or asked < gauge.target) and gauge.try_hold(len(pending))
+                        if not took:
+                            break
                         offset, n = ranges[submitted]
-                        pending.append((offset, n, pool.submit(read, offset, n)))
+                        pending.append((offset, n, pool.submit(read, offset, n, mine), mine))
                         submitted += 1
-                        unfinished += 1
-                    offset, n, future = pending[0]
+                        unfinished += mine
+                        asked += not mine
+                    offset, n, future, _ = pending[0]
                     if not future.done():
                         # Until a piece ends: the next to write, or one that frees a request slot.
-                        wait([f for _, _, f in pending if not f.done()], timeout=_RECHECK, return_when=FIRST_COMPLETED)
+                        wait([f for _, _, f, _ in pending if not f.done()], timeout=_RECHECK,
+                             return_when=FIRST_COMPLETED)
                         continue
                     pending.popleft()
                     try:
@@ -557,9 +585,9 @@ class ObjectCache:
                     self._write(fd, data, offset, landing, check)
                     del data, future
             finally:
-                for _, _, future in pending:  # a failed piece ends the download: the rest are not waited for
-                    if future.cancel():
-                        gauge.release(0)  # never ran: its slots back
+                for _, _, future, mine in pending:  # a failed piece ends the download: the rest are not waited for
+                    if future.cancel() and mine:
+                        gauge.release(0)  # never ran: its request slot back
                     gauge.written()
         return peered
 

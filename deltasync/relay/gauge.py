@@ -5,7 +5,11 @@ four (the fixed number before: an S3 upstream, whose requests are each slower th
 keeps it) and a memory bound (``fetch_pieces_in_flight`` x ``fetch_piece_bytes``).
 
 The round trip is sampled by the size request that opens each large fetch (one request, no
-payload: its whole time is a round trip and the upstream's service time); the rate, over the
+payload: its whole time is a round trip and the upstream's service time), and, where fetches
+know their sizes already (packs warmed by the sizes their manifest names), by a size request
+sent beside them, on a thread of its own, when none was timed for :data:`ROUND_TRIP_EVERY`
+seconds (:meth:`UpstreamGauge.claim_round_trip`), so a warming relay sizes its reads from the
+measured link too; the rate, over the
 time at least one piece is in flight, by the bytes of the pieces that complete. While the
 reads in flight are what limits a transfer, the rate measured is about their bytes per round
 trip, so the number asked for is a quarter more than what is in flight: it grows by a
@@ -23,6 +27,8 @@ from collections.abc import Callable
 _SAMPLE_SECONDS = 0.25  # the rate is sampled over at least this much busy time
 _WEIGHT = 0.75  # of a new sample in the moving averages
 _HEADROOM = 1.25  # pieces asked for over the measured rate x round trip
+#: Seconds after which fetches that need no size request time one anyway (claim_round_trip).
+ROUND_TRIP_EVERY = 30.0
 
 
 class UpstreamGauge:
@@ -45,6 +51,8 @@ class UpstreamGauge:
         self._busy = 0.0  # busy seconds in the current sample
         self._bytes = 0  # bytes completed in the current sample
         self.peak_in_flight = 0
+        self._timed_at: float | None = None  # when the last round trip was timed
+        self._timing = False  # a round trip claimed (claim_round_trip) and not yet timed
 
     @property
     def target(self) -> int:
@@ -55,7 +63,23 @@ class UpstreamGauge:
         with self._lock:
             self.round_trip = seconds if self.round_trip is None else (
                 _WEIGHT * seconds + (1 - _WEIGHT) * self.round_trip)
+            self._timed_at, self._timing = self._clock(), False
             self._retarget()
+
+    def claim_round_trip(self) -> bool:
+        """Whether the caller, a fetch that sends no size request, should time one now (none
+        timed for :data:`ROUND_TRIP_EVERY` seconds, or ever, and no other caller is timing one):
+        it then reports with :meth:`timed_round_trip`, or :meth:`untimed` when the request failed."""
+        with self._lock:
+            if self._timing or (self._timed_at is not None and self._clock() - self._timed_at < ROUND_TRIP_EVERY):
+                return False
+            self._timing = True
+            return True
+
+    def untimed(self) -> None:
+        """A claimed round trip could not be timed (the request failed): the next fetch may try."""
+        with self._lock:
+            self._timing = False
 
     def acquire(self, holding: int) -> None:
         """Wait for a slot for one more ranged read. ``holding``: slots the caller holds
@@ -81,6 +105,17 @@ class UpstreamGauge:
             self._in_flight += 1
             self._held += 1
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+            return True
+
+    def try_hold(self, holding: int) -> bool:
+        """Take a memory slot only, for a piece read from elsewhere than the upstream (another
+        relay of the cluster, which reads it over its own link): its read holds no request
+        slot of this link and its bytes are not this link's rate. One ``holding`` none always
+        gets it. Give it back with :meth:`written`."""
+        with self._lock:
+            if holding and self._held >= self.most:
+                return False
+            self._held += 1
             return True
 
     def written(self) -> None:

@@ -5,6 +5,7 @@ bounded by memory; through the modelled long link, every byte still checked."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,58 @@ def test_a_relay_reading_across_a_fast_long_link_keeps_more_pieces_in_flight(tmp
         # 300 MB/s x 200 ms = 60 MB, some 15 pieces of 4 MiB: more than the fixed 4 of before
         assert gauge.peak_in_flight > 4, (gauge.peak_in_flight, gauge.rate, gauge.round_trip)
     finally:
+        cluster.stop(grace=0)
+        link.stop()
+        root.stop(grace=0)
+
+
+def test_fetches_that_send_no_size_request_claim_a_round_trip_timing_now_and_then() -> None:
+    from deltasync.relay.gauge import ROUND_TRIP_EVERY
+
+    clock = Clock()
+    gauge = UpstreamGauge(8 * MiB, 32, clock=clock)
+    assert gauge.claim_round_trip()  # none timed yet
+    assert not gauge.claim_round_trip()  # one is being timed
+    gauge.untimed()  # it failed: the next fetch may try
+    assert gauge.claim_round_trip()
+    gauge.timed_round_trip(0.2)
+    assert gauge.round_trip == 0.2 and not gauge.claim_round_trip()
+    clock.now += ROUND_TRIP_EVERY + 1
+    assert gauge.claim_round_trip()
+
+
+def test_a_piece_read_from_another_relay_holds_memory_but_no_request_slot() -> None:
+    gauge = UpstreamGauge(8 * MiB, 3, least=1, start=1)
+    assert gauge.try_acquire(0, 0)  # the link's one request slot
+    assert not gauge.try_acquire(1, 1)  # taken
+    assert gauge.try_hold(1) and gauge.try_hold(2)  # pieces of other relays: memory slots only
+    assert not gauge.try_hold(3)  # the memory bound holds for them too
+    gauge.written()
+    assert gauge.try_hold(2)
+
+
+def test_a_warming_relay_times_the_round_trip_of_its_upstream(tmp_path: Path) -> None:
+    # Packs warmed by the sizes their manifest names send no size request: the round trip is
+    # timed beside them, so the reads in flight follow the link (else they stay at 4).
+    origin = LocalStore(tmp_path / "origin")
+    data = np.random.default_rng(4).bytes(24 * MiB)
+    key = f"packs/{digest(data).hex()}.pack"
+    origin.put(key, data)
+    root = build_server(str(tmp_path / "origin"), "127.0.0.1:0", tmp_path / "root-cache").start()
+    link = Link(root.address, rtt=0.2, mbps=800).start()
+    cluster = build_server(f"grpc://{link.address}", "127.0.0.1:0", tmp_path / "cluster-cache", warm=False).start()
+    upstream = GrpcStore(f"grpc://{link.address}")
+    try:
+        cache = cluster.cache
+        assert cache is not None and cache.gauge.round_trip is None
+        entry = cache.fetch(key, upstream, size_hint=len(data))
+        assert entry.path.read_bytes() == data
+        deadline = time.monotonic() + 10
+        while cache.gauge.round_trip is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.gauge.round_trip is not None and cache.gauge.round_trip >= 0.15, cache.gauge.round_trip
+    finally:
+        upstream.close()
         cluster.stop(grace=0)
         link.stop()
         root.stop(grace=0)

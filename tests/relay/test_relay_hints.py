@@ -162,4 +162,6 @@ def test_a_ref_read_naming_a_newer_version_starts_its_warming(tree: Any) -> None
     assert cluster.metrics()["warmed_versions"] == 1
     calls = counted.take()
     assert any(op == "get" and k.startswith("packs/") for op, k in calls), calls
-    assert not any(op == "size" for op, _ in calls), calls  # the packs by their manifest's sizes
+    # The packs by their manifest's sizes: no size request before their reads; at most one
+    # beside them, on a thread of its own, timing the upstream's round trip (relay/gauge.py).
+    assert sum(op == "size" for op, _ in calls) <= 1, calls
