@@ -26,7 +26,10 @@ returns, i.e. before any manifest names them.
 writable relays, each behind a link of its own). Each pack goes to the relay with the fewest
 of the publisher's bytes in flight, and the version is committed only when the last link is
 done, so the links must end together: the larger the last packs, the more one link carries
-alone at the end. So the early floor grows n times slower (``flushed / (EARLY_FRACTION * n)``,
+alone at the end, and a pack counts whole against its relay until it is stored, so large ones
+make the loads look uneven for as long as they take. So packs close at
+:data:`SHARED_PACK_BYTES` (16 MiB) at most (each relay then takes the next pack as one of its
+own is stored, at the pace of its link), the early floor grows n times slower (``flushed / (EARLY_FRACTION * n)``,
 up to ``MAX_EARLY_PACKS * n`` early flushes: each relay's packs grow as one relay's would), and
 what is left at the finish is split, at payload boundaries, into up to
 ``TAIL_PACKS_PER_TARGET * n`` packs of about equal size (as many as leave each about
@@ -48,7 +51,7 @@ from ..format.digest import digest
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
 
-__all__ = ["EARLY_FRACTION", "EARLY_MIN_BYTES", "MAX_EARLY_PACKS", "TAIL_PACKS_PER_TARGET", "Packer"]
+__all__ = ["EARLY_FRACTION", "EARLY_MIN_BYTES", "MAX_EARLY_PACKS", "SHARED_PACK_BYTES", "TAIL_PACKS_PER_TARGET", "Packer"]
 
 #: The smallest pack an early flush closes (unless ``pack_bytes`` is smaller).
 EARLY_MIN_BYTES = 2 << 20
@@ -59,6 +62,8 @@ EARLY_FRACTION = 4
 MAX_EARLY_PACKS = 16
 #: Packs per upload target (relay) the bytes left at :meth:`Packer.finish` are split into, at most.
 TAIL_PACKS_PER_TARGET = 2
+#: Over several relays, the size at which a pack closes at most (whatever ``pack_bytes``).
+SHARED_PACK_BYTES = 16 << 20
 
 
 class Packer:
@@ -76,7 +81,9 @@ class Packer:
 
     def __init__(self, store: Store, pack_bytes: int, *, early: bool | None = None, first_pack: int = 0) -> None:
         self.store = store
-        self.pack_bytes = pack_bytes
+        # Over several relays a pack counts whole against its relay until it is stored: large
+        # ones make the relays' loads look uneven for seconds (module docstring).
+        self.pack_bytes = min(pack_bytes, SHARED_PACK_BYTES) if store.upload_targets > 1 else pack_bytes
         self.early = store.overlap_uploads if early is None else early
         self.first_pack = first_pack
         self.packs: list[pb.Pack] = []

@@ -226,6 +226,17 @@ def test_the_last_bytes_split_into_packs_for_every_relay(monkeypatch: pytest.Mon
     assert packer.created == {p.key for p in packer.packs}
 
 
+def test_packs_over_several_relays_close_at_16_mib() -> None:
+    store = WrappingStore(MemoryStore())
+    store.upload_targets = 2
+    packer = Packer(store, 64 * MiB, early=False)
+    parts = payloads(40, MiB)
+    tensor = placed(packer, parts)
+    assert [p.size for p in packer.packs] == [16 * MiB, 16 * MiB, 8 * MiB]
+    assert_chunks_readable(store, packer, parts, tensor)
+    assert Packer(MemoryStore(), 64 * MiB).pack_bytes == 64 * MiB  # one link: as configured
+
+
 def test_the_last_bytes_stay_one_pack_where_splitting_gains_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packs, "MAX_EARLY_PACKS", 0)
     for targets, early, n, size, want in (
