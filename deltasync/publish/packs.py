@@ -35,9 +35,8 @@ what is left at the finish is split, at payload boundaries, into up to
 ``TAIL_PACKS_PER_TARGET * n`` packs of about equal size (as many as leave each about
 :data:`EARLY_MIN_BYTES` or more), which start one after another on the least loaded relay:
 every link ends within about one small pack of the others. The count above becomes
-``ceil(S / pack_bytes) + (MAX_EARLY_PACKS + TAIL_PACKS_PER_TARGET) * n``. Payloads placed with
-:meth:`Packer.place` (their chunk is rewritten if its payload moves) can be split so; a pack
-holding a payload from :meth:`Packer.add` (its place is returned, so it cannot move) goes whole.
+``ceil(S / pack_bytes) + (MAX_EARLY_PACKS + TAIL_PACKS_PER_TARGET) * n``. A payload is placed
+with its chunk (:meth:`Packer.place`), which says where it is and is written again if it moves.
 """
 
 from __future__ import annotations
@@ -88,7 +87,7 @@ class Packer:
         self.first_pack = first_pack
         self.packs: list[pb.Pack] = []
         self._parts: list[bytes] = []
-        self._chunks: list[pb.Chunk | None] = []  # per part: the chunk place() writes (None: add()'s, fixed)
+        self._chunks: list[pb.Chunk] = []  # per part: the chunk place() writes where it is
         self._size = 0
         self._uploads: deque[tuple[Future[None], int]] = deque()  # each upload and its size
         self._held = 0  # bytes of the packs in _uploads
@@ -100,30 +99,20 @@ class Packer:
         self.stored = 0
         self.early_flushes = 0
 
-    def add(self, payload: bytes) -> tuple[int, int]:
-        """Append ``payload``: (its pack's index among this packer's packs, its offset there).
-        The pack holding it is never split (:meth:`finish`)."""
-        return self._append(payload, None)
-
     def place(self, payload: bytes, chunk: pb.Chunk) -> None:
         """Append ``payload``, the stored bytes of ``chunk``, and write where it is into the
         chunk (``pack``: from ``first_pack``, ``offset``, ``length``); the chunk is written
         again if :meth:`finish` moves the payload into a pack of its own."""
-        self._append(payload, chunk)
-
-    def _append(self, payload: bytes, chunk: pb.Chunk | None) -> tuple[int, int]:
-        index, offset = len(self.packs), self._size
         self._append_only(payload, chunk)
         if self._size >= self.pack_bytes:
             self.flush()
         elif self.early and self._size >= self.early_floor() and self._stream_free():
             self.early_flushes += 1
             self.flush()
-        return index, offset
 
     def early_floor(self) -> int:
         """The bytes waiting that an early flush needs now (past the last early flush: never)."""
-        targets = max(1, self.store.upload_targets)
+        targets = self.store.upload_targets
         if self.early_flushes >= MAX_EARLY_PACKS * targets:
             return self.pack_bytes
         return min(self.pack_bytes, max(EARLY_MIN_BYTES, self.stored // (EARLY_FRACTION * targets)))
@@ -192,7 +181,7 @@ class Packer:
         docstring, the last bytes over several relays); one run where nothing is gained."""
         count = len(self._parts)
         packs = min(count, TAIL_PACKS_PER_TARGET * self.store.upload_targets, self._size // EARLY_MIN_BYTES)
-        if packs < 2 or self.store.upload_targets < 2 or not self.early or any(c is None for c in self._chunks):
+        if packs < 2 or self.store.upload_targets < 2 or not self.early:
             return [slice(0, count)]
         cuts = [0]
         taken = 0
@@ -202,14 +191,13 @@ class Packer:
                 cuts.append(i + 1)
         return [slice(a, b) for a, b in zip(cuts, [*cuts[1:], count], strict=True)]
 
-    def _append_only(self, payload: bytes, chunk: pb.Chunk | None) -> None:
+    def _append_only(self, payload: bytes, chunk: pb.Chunk) -> None:
         """Append without closing the pack (finish's runs: each is flushed as one pack)."""
         offset = self._size
         self._parts.append(payload)
         self._chunks.append(chunk)
         self._size += len(payload)
-        if chunk is not None:
-            chunk.pack, chunk.offset, chunk.length = self.first_pack + len(self.packs), offset, len(payload)
+        chunk.pack, chunk.offset, chunk.length = self.first_pack + len(self.packs), offset, len(payload)
 
     def abandon(self) -> None:
         """Stop and remove what this attempt uploaded (it is referenced by nothing)."""

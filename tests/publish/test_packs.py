@@ -25,19 +25,28 @@ def payloads(n: int, size: int, seed: int = 0) -> list[bytes]:
     return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
 
 
-def pack_all(packer: Packer, parts: list[bytes]) -> list[tuple[int, int]]:
-    where = [packer.add(p) for p in parts]
+def add(packer: Packer, part: bytes, tensor: pb.Tensor) -> pb.Chunk:
+    """``part`` placed as the next chunk of ``tensor`` (as the encoder does): the chunk says where it is."""
+    chunk = tensor.chunks.add(encoding=pb.FULL)
+    packer.place(part, chunk)
+    return chunk
+
+
+def pack_all(packer: Packer, parts: list[bytes]) -> list[pb.Chunk]:
+    tensor = pb.Tensor(name="t")
+    where = [add(packer, p, tensor) for p in parts]
     packer.finish()
     return where
 
 
-def assert_readable(store: Store, packer: Packer, parts: list[bytes], where: list[tuple[int, int]]) -> None:
-    """Every pack is stored under the digest of its bytes, and every payload is where add() said."""
+def assert_readable(store: Store, packer: Packer, parts: list[bytes], where: list[pb.Chunk]) -> None:
+    """Every pack is stored under the digest of its bytes, and every payload is where its chunk says."""
     for pack in packer.packs:
         data = store.get(pack.key)
         assert pack.key == f"packs/{digest(data).hex()}.pack" and len(data) == pack.size
-    for part, (index, offset) in zip(parts, where, strict=True):
-        assert store.get(packer.packs[index].key, (offset, len(part))) == part
+    for part, chunk in zip(parts, where, strict=True):
+        pack = packer.packs[chunk.pack - packer.first_pack]
+        assert chunk.length == len(part) and store.get(pack.key, (chunk.offset, chunk.length)) == part
     assert packer.stored == sum(len(p) for p in parts) == sum(p.size for p in packer.packs)
     assert packer.created == {p.key for p in packer.packs}
 
@@ -117,16 +126,17 @@ def test_no_early_flush_while_every_upload_stream_is_busy() -> None:
     store = Gate(MemoryStore())
     packer = Packer(store, 64 * MiB, early=True)
     parts = payloads(9, MiB)
-    where = [packer.add(p) for p in parts[:2]]  # 2 MiB: the first early pack, uploading
-    where += [packer.add(p) for p in parts[2:4]]  # the second, on the second stream
+    tensor = pb.Tensor(name="t")
+    where = [add(packer, p, tensor) for p in parts[:2]]  # 2 MiB: the first early pack, uploading
+    where += [add(packer, p, tensor) for p in parts[2:4]]  # the second, on the second stream
     assert [p.size for p in packer.packs] == [2 * MiB, 2 * MiB]
-    where += [packer.add(p) for p in parts[4:8]]  # both streams busy: the bytes wait
+    where += [add(packer, p, tensor) for p in parts[4:8]]  # both streams busy: the bytes wait
     assert len(packer.packs) == 2
     store.open.set()
     deadline = time.monotonic() + 30
     while store.done < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    where.append(packer.add(parts[8]))  # a stream is free: what waited goes now
+    where.append(add(packer, parts[8], tensor))  # a stream is free: what waited goes now
     assert [p.size for p in packer.packs] == [2 * MiB, 2 * MiB, 5 * MiB]
     packer.finish()
     assert_readable(store, packer, parts, where)
@@ -147,8 +157,9 @@ def test_a_failed_early_upload_surfaces_and_abandon_removes_the_rest() -> None:
     inner = MemoryStore()
     packer = Packer(Failing(inner), 64 * MiB, early=True)
     with pytest.raises(OSError, match="link down"):
+        tensor = pb.Tensor(name="t")
         for p in payloads(16, MiB):
-            packer.add(p)
+            add(packer, p, tensor)
         packer.finish()
     packer.abandon()
     assert list(inner.list("packs/")) == []
@@ -175,10 +186,11 @@ def test_full_packs_larger_than_the_byte_bound_still_go_two_at_a_time() -> None:
     store.upload_bytes = 3 * MiB
     packer = Packer(store, 2 * MiB, early=False)
     parts = payloads(6, MiB)
-    where: list[tuple[int, int]] = []
+    where: list[pb.Chunk] = []
+    tensor = pb.Tensor(name="t")
 
     def add_all() -> None:
-        where.extend(packer.add(p) for p in parts)
+        where.extend(add(packer, p, tensor) for p in parts)
         packer.finish()
 
     adder = threading.Thread(target=add_all)
@@ -194,23 +206,6 @@ def test_full_packs_larger_than_the_byte_bound_still_go_two_at_a_time() -> None:
     assert_readable(store, packer, parts, where)
 
 
-def placed(packer: Packer, parts: list[bytes]) -> pb.Tensor:
-    """``parts`` placed as the chunks of one tensor (as the encoder does), then finished."""
-    tensor = pb.Tensor(name="t")
-    for part in parts:
-        packer.place(part, tensor.chunks.add(encoding=pb.FULL))
-    packer.finish()
-    return tensor
-
-
-def assert_chunks_readable(store: Store, packer: Packer, parts: list[bytes], tensor: pb.Tensor) -> None:
-    """Every chunk names the pack (from ``first_pack``), offset and length holding its payload."""
-    for part, chunk in zip(parts, tensor.chunks, strict=True):
-        pack = packer.packs[chunk.pack - packer.first_pack]
-        assert chunk.length == len(part) and store.get(pack.key, (chunk.offset, chunk.length)) == part
-    assert packer.stored == sum(len(p) for p in parts) == sum(p.size for p in packer.packs)
-
-
 def test_the_last_bytes_split_into_packs_for_every_relay(monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 30 (two relays sharing a transfer): what is left when encoding ends would go over
     # one relay's link alone; over two it becomes up to 2 x 2 packs of about equal size.
@@ -219,11 +214,10 @@ def test_the_last_bytes_split_into_packs_for_every_relay(monkeypatch: pytest.Mon
     store.upload_targets = 2
     packer = Packer(store, 64 * MiB, early=True, first_pack=3)
     parts = payloads(10, MiB)
-    tensor = placed(packer, parts)
+    where = pack_all(packer, parts)
     assert [p.size for p in packer.packs] == [3 * MiB, 2 * MiB, 3 * MiB, 2 * MiB]
-    assert [c.pack for c in tensor.chunks] == [3, 3, 3, 4, 4, 5, 5, 5, 6, 6]
-    assert_chunks_readable(store, packer, parts, tensor)
-    assert packer.created == {p.key for p in packer.packs}
+    assert [c.pack for c in where] == [3, 3, 3, 4, 4, 5, 5, 5, 6, 6]
+    assert_readable(store, packer, parts, where)
 
 
 def test_packs_over_several_relays_close_at_16_mib() -> None:
@@ -231,9 +225,9 @@ def test_packs_over_several_relays_close_at_16_mib() -> None:
     store.upload_targets = 2
     packer = Packer(store, 64 * MiB, early=False)
     parts = payloads(40, MiB)
-    tensor = placed(packer, parts)
+    where = pack_all(packer, parts)
     assert [p.size for p in packer.packs] == [16 * MiB, 16 * MiB, 8 * MiB]
-    assert_chunks_readable(store, packer, parts, tensor)
+    assert_readable(store, packer, parts, where)
     assert Packer(MemoryStore(), 64 * MiB).pack_bytes == 64 * MiB  # one link: as configured
 
 
@@ -249,26 +243,9 @@ def test_the_last_bytes_stay_one_pack_where_splitting_gains_nothing(monkeypatch:
         store.upload_targets = targets
         packer = Packer(store, 64 * MiB, early=early)
         parts = payloads(n, size)
-        tensor = placed(packer, parts)
+        where = pack_all(packer, parts)
         assert len(packer.packs) == want, (targets, early, n, [p.size for p in packer.packs])
-        assert_chunks_readable(store, packer, parts, tensor)
-
-
-def test_a_pack_holding_an_added_payload_is_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(packs, "MAX_EARLY_PACKS", 0)
-    store = WrappingStore(MemoryStore())
-    store.upload_targets = 2
-    packer = Packer(store, 64 * MiB, early=True)
-    parts = payloads(8, MiB)
-    tensor = pb.Tensor(name="t")
-    for part in parts[:7]:
-        packer.place(part, tensor.chunks.add(encoding=pb.FULL))
-    where = packer.add(parts[7])  # its place was handed out: it cannot move
-    packer.finish()
-    assert [p.size for p in packer.packs] == [8 * MiB] and where == (0, 7 * MiB)
-    for part, chunk in zip(parts[:7], tensor.chunks, strict=True):
-        assert store.get(packer.packs[chunk.pack].key, (chunk.offset, chunk.length)) == part
-    assert store.get(packer.packs[0].key, (where[1], MiB)) == parts[7]
+        assert_readable(store, packer, parts, where)
 
 
 def test_stores_say_how_many_relays_their_uploads_spread_over(tmp_path: Path) -> None:

@@ -4,9 +4,12 @@ bounded by memory; through the modelled long link, every byte still checked."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +17,7 @@ from benchmarks.wan_link import Link
 from deltasync.format.digest import digest
 from deltasync.relay import build_server
 from deltasync.relay.gauge import UpstreamGauge
+from deltasync.relay.server import RelayServer
 from deltasync.storage import LocalStore
 from deltasync.storage._grpc import GrpcStore
 
@@ -100,16 +104,29 @@ def test_one_waiting_fetch_never_waits_with_nothing_in_flight() -> None:
     t.join()
 
 
-def test_a_relay_reading_across_a_fast_long_link_keeps_more_pieces_in_flight(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def far_relay(tmp_path: Path, mib: int, seed: int, mbps: float,
+              **options: Any) -> Iterator[tuple[str, bytes, RelayServer, str]]:
+    """A pack of ``mib`` MiB in a repository behind a root relay, and a cluster relay reading
+    that one across a 200 ms link of ``mbps`` (``options``: the cluster relay's): (key, bytes,
+    the cluster relay, the link's URL)."""
     origin = LocalStore(tmp_path / "origin")
-    data = np.random.default_rng(3).bytes(96 * MiB)
+    data = np.random.default_rng(seed).bytes(mib * MiB)
     key = f"packs/{digest(data).hex()}.pack"
     origin.put(key, data)
     root = build_server(str(tmp_path / "origin"), "127.0.0.1:0", tmp_path / "root-cache").start()
-    link = Link(root.address, rtt=0.2, mbps=2400).start()
-    cluster = build_server(f"grpc://{link.address}", "127.0.0.1:0", tmp_path / "cluster-cache",
-                           fetch_piece_bytes=4 * MiB, warm=False).start()
+    link = Link(root.address, rtt=0.2, mbps=mbps).start()
+    cluster = build_server(f"grpc://{link.address}", "127.0.0.1:0", tmp_path / "cluster-cache", **options).start()
     try:
+        yield key, data, cluster, f"grpc://{link.address}"
+    finally:
+        cluster.stop(grace=0)
+        link.stop()
+        root.stop(grace=0)
+
+
+def test_a_relay_reading_across_a_fast_long_link_keeps_more_pieces_in_flight(tmp_path: Path) -> None:
+    with far_relay(tmp_path, 96, 3, 2400, fetch_piece_bytes=4 * MiB, warm=False) as (key, data, cluster, _):
         store = GrpcStore(cluster.url)
         assert store.get(key) == data  # streamed while it arrives, checked whole
         store.close()
@@ -117,10 +134,6 @@ def test_a_relay_reading_across_a_fast_long_link_keeps_more_pieces_in_flight(tmp
         assert gauge.round_trip is not None and 0.15 < gauge.round_trip < 1.0
         # 300 MB/s x 200 ms = 60 MB, some 15 pieces of 4 MiB: more than the fixed 4 of before
         assert gauge.peak_in_flight > 4, (gauge.peak_in_flight, gauge.rate, gauge.round_trip)
-    finally:
-        cluster.stop(grace=0)
-        link.stop()
-        root.stop(grace=0)
 
 
 def test_fetches_that_send_no_size_request_claim_a_round_trip_timing_now_and_then() -> None:
@@ -151,25 +164,16 @@ def test_a_piece_read_from_another_relay_holds_memory_but_no_request_slot() -> N
 def test_a_warming_relay_times_the_round_trip_of_its_upstream(tmp_path: Path) -> None:
     # Packs warmed by the sizes their manifest names send no size request: the round trip is
     # timed beside them, so the reads in flight follow the link (else they stay at 4).
-    origin = LocalStore(tmp_path / "origin")
-    data = np.random.default_rng(4).bytes(24 * MiB)
-    key = f"packs/{digest(data).hex()}.pack"
-    origin.put(key, data)
-    root = build_server(str(tmp_path / "origin"), "127.0.0.1:0", tmp_path / "root-cache").start()
-    link = Link(root.address, rtt=0.2, mbps=800).start()
-    cluster = build_server(f"grpc://{link.address}", "127.0.0.1:0", tmp_path / "cluster-cache", warm=False).start()
-    upstream = GrpcStore(f"grpc://{link.address}")
-    try:
-        cache = cluster.cache
-        assert cache is not None and cache.gauge.round_trip is None
-        entry = cache.fetch(key, upstream, size_hint=len(data))
-        assert entry.path.read_bytes() == data
-        deadline = time.monotonic() + 10
-        while cache.gauge.round_trip is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert cache.gauge.round_trip is not None and cache.gauge.round_trip >= 0.15, cache.gauge.round_trip
-    finally:
-        upstream.close()
-        cluster.stop(grace=0)
-        link.stop()
-        root.stop(grace=0)
+    with far_relay(tmp_path, 24, 4, 800, warm=False) as (key, data, cluster, far):
+        upstream = GrpcStore(far)
+        try:
+            cache = cluster.cache
+            assert cache is not None and cache.gauge.round_trip is None
+            entry = cache.fetch(key, upstream, size_hint=len(data))
+            assert entry.path.read_bytes() == data
+            deadline = time.monotonic() + 10
+            while cache.gauge.round_trip is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert cache.gauge.round_trip is not None and cache.gauge.round_trip >= 0.15, cache.gauge.round_trip
+        finally:
+            upstream.close()
