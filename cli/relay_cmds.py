@@ -38,6 +38,11 @@ from ._common import (
                    "same list on each): every object over 1 MiB is fetched in shares, each relay's own upstream link "
                    "carrying its pieces and the relays filling each other, so the cluster's ingress is the sum of "
                    "their links (see docs/cli.md, Across clusters) [default: this relay fetches everything itself].")
+@click.option("--push-bytes", default="32M", show_default=True, metavar="SIZE",
+              help="Over an upstream relay: ask it to push a new version's packs on its Watch stream right after "
+                   "the version's event when they total at most this (a small delta then arrives one way after "
+                   "the commit instead of a round trip later; every pack checked as always); 0: never. Relays in "
+                   "--cluster-relays ask for none (each fetches its share).")
 @click.option("--advertise", default=None, metavar="HOST:PORT",
               help="This relay's entry in --cluster-relays [default: the --listen address].")
 @click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -84,7 +89,7 @@ from ._common import (
                    "over the last hour; read-only, no external assets) [default: none].")
 def serve(
     repo: str, listen: str, cache_dir: Path | None, cache_max_bytes: str | None, poll_interval: float,
-    warm: bool, stream: bool, cluster_relays: str | None, advertise: str | None,
+    warm: bool, stream: bool, cluster_relays: str | None, push_bytes: str, advertise: str | None,
     tls_cert: Path | None, tls_key: Path | None, token_file: Path | None, accept_writes: bool,
     write_token_file: Path | None, upload_window: str, upload_buffer: str, max_object_bytes: str, max_uploads: int,
     write_quota: str | None,
@@ -108,6 +113,7 @@ def serve(
     server = build_server(
         repo, listen, cache_dir, cache_max_bytes=limit, poll_interval=poll_interval, warm=warm, stream=stream,
         cluster_relays=cluster_relays.split(",") if cluster_relays else None, advertise=advertise,
+        push_bytes=parse_size(push_bytes),
         tls_cert=tls_cert, tls_key=tls_key, token=read_token(None, token_file),
         accept_writes=accept_writes,
         write_token=read_write_token(None, write_token_file) if accept_writes else None,

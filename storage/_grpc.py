@@ -414,11 +414,18 @@ class GrpcStore(Store):
 
         return iter(self._failover("list", prefix or None, attempt))
 
-    def watch(self, after_version: int = 0) -> VersionWatch:
+    def watch(self, after_version: int = 0, *, push_bytes: int = 0,
+              on_piece: Callable[[pb.PushedPiece], None] | None = None,
+              on_end: Callable[[], None] | None = None) -> VersionWatch:
         """Committed versions newer than ``after_version`` as relays announce them: first the
         newest one, then each new one in order. Blocks between versions; ``close()`` ends it
-        (from any thread). Fails over like every call; raises StoreError once no relay answers."""
-        return VersionWatch(self, after_version)
+        (from any thread). Fails over like every call; raises StoreError once no relay answers.
+
+        ``push_bytes`` (a relay following a relay, relay/push.py): ask for the packs of a new
+        version totalling at most this to be pushed after its event; the watch's ``pushed``
+        names them, ``on_piece`` is handed their bytes as they come and ``on_end`` is called
+        when a stream ends (what was not whole by then will not come)."""
+        return VersionWatch(self, after_version, push_bytes=push_bytes, on_piece=on_piece, on_end=on_end)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -650,13 +657,20 @@ class VersionWatch(Iterator[int]):
     a call that grpcio will never finish reading.
     """
 
-    def __init__(self, store: GrpcStore, after_version: int) -> None:
+    def __init__(self, store: GrpcStore, after_version: int, *, push_bytes: int = 0,
+                 on_piece: Callable[[pb.PushedPiece], None] | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
         self.store = store
         self.last = after_version  # newest version yielded (or known to the caller)
         self.latest = after_version  # newest version a relay reported, keepalives included
         # What the relay sent with the version last yielded (VersionEvent.copies): hints for a
         # relay following this one, which serves them for a short while (relay/feed.py).
         self.copies: list[pb.UpstreamCopy] = []
+        # The packs the relay pushes after that event (asked for with push_bytes: relay/push.py).
+        self.pushed: list[pb.PushedObject] = []
+        self.push_bytes = push_bytes
+        self._on_piece = on_piece
+        self._on_end = on_end
         self._lock = threading.Lock()  # orders close() against opening the next stream
         self._stream: _Stream | None = None
         self._closed = threading.Event()
@@ -689,15 +703,21 @@ class VersionWatch(Iterator[int]):
             with self._lock:
                 if self._closed.is_set():
                     return
-                self._stream = stream = _Stream(relay.watch(pb.WatchRequest(after_version=self.last)))
+                self._stream = stream = _Stream(
+                    relay.watch(pb.WatchRequest(after_version=self.last, push_bytes=self.push_bytes))
+                )
             try:
                 for event in stream:
                     failures = 0
                     self.store._preferred = index
                     self.latest = max(self.latest, event.latest)
-                    if event.version > self.last and not self._closed.is_set():
+                    if event.HasField("piece"):
+                        if self._on_piece is not None:
+                            self._on_piece(event.piece)
+                    elif event.version > self.last and not self._closed.is_set():
                         self.last = event.version
                         self.copies = list(event.copies)
+                        self.pushed = list(event.pushed)
                         yield event.version
                 error = "the relay ended the stream"
             except grpc.RpcError as e:
@@ -708,6 +728,8 @@ class VersionWatch(Iterator[int]):
                 error = describe(e)
             finally:
                 stream.cancel()  # ends the call when the consumer stops early
+                if self._on_end is not None:
+                    self._on_end()
             if self._closed.is_set():
                 return
             failures += 1

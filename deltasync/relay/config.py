@@ -79,6 +79,12 @@ class RelayConfig:
     version feed (which follows the upstream while anyone watches) learns of it."""
     warm_concurrency: int = 4
     """Objects warmed at once."""
+    push_bytes: int = 32 << 20
+    """Over an upstream relay: the packs of a new version totalling at most this are asked to be
+    pushed on its Watch stream right after the version's event, so they cross the link one way
+    after the commit, not a round trip later (relay/push.py: each checked as any fetch, read
+    from the upstream as before if anything is amiss). 0: never; not asked without ``warm`` or
+    with ``cluster_relays`` (each relay of a cluster fetches only its share)."""
     report_tokens: list[tuple[str, str | None]] | None = None
     """Tokens agents and relays below report with, each for any cluster (None) or one
     (``--report-token-file``, :func:`deltasync.relay.fleet.parse_report_tokens`). None: no reports taken."""
@@ -129,6 +135,8 @@ class RelayConfig:
             raise UsageError(f"upload_buffer must be at least 1 MiB (one piece), got {self.upload_buffer}")
         if self.max_object_bytes < 1 or self.max_uploads < 1:
             raise UsageError("max_object_bytes and max_uploads must be positive")
+        if not 0 <= self.push_bytes <= 1 << 30:
+            raise UsageError(f"push_bytes must be in 0..1 GiB, got {self.push_bytes}")
         if self.warm_concurrency < 1:
             raise UsageError(f"warm_concurrency must be positive, got {self.warm_concurrency}")
         if not 0.1 <= self.report_interval <= 600:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -31,6 +32,7 @@ from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
 from .cache import ObjectCache, served
 from .config import RelayConfig
 from .fetch import Fetches, InThread
+from .push import PushedPacks
 
 log = logging.getLogger("deltasync.relay")
 
@@ -85,6 +87,9 @@ class VersionFeed:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hints: dict[str, tuple[pb.UpstreamCopy, float]] = {}  # from the upstream relay's events, and when
         self._copies: dict[int, asyncio.Task[list[pb.UpstreamCopy]]] = {}  # sent with our events
+        self._plans: dict[int, asyncio.Task[list[pb.PushedObject]]] = {}  # pushed after them (push_plan)
+        self.pushes: PushedPacks | None = None
+        """The packs the upstream relay pushes on its Watch stream, while it does (relay/push.py)."""
         self.always = False
         """Follow the upstream with no watcher too (a relay of a cluster, ``cluster_relays``: the
         cluster's agents watch one of its relays, and each must hear of every version at once
@@ -145,6 +150,30 @@ class VersionFeed:
                 del self._copies[old]
         return task
 
+    def push_plan(self, version: int) -> asyncio.Task[list[pb.PushedObject]]:
+        """(Loop) The packs of ``version`` to push after its event to a relay that asks
+        (relay/push.py): those its manifest names, when the event carries that manifest;
+        worked out once per version for every watcher."""
+        task = self._plans.get(version)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._plan(version))
+            self._plans[version] = task
+            for old in sorted(self._plans)[:-8]:
+                del self._plans[old]
+        return task
+
+    async def _plan(self, version: int) -> list[pb.PushedObject]:
+        key = manifest_key(version)
+        manifest = next((c for c in await self.copies(version) if c.key == key and not c.absent), None)
+        if manifest is None:
+            return []
+        try:
+            info = await self.in_thread(functools.partial(parse_manifest, manifest.data, expect_version=version))
+        except Exception as e:  # the relays below fetch it and say what is wrong
+            log.debug("not pushing version %d: its manifest does not parse: %s", version, e)
+            return []
+        return [pb.PushedObject(key=p.key, size=p.size) for p in info.pb.packs]
+
     async def _gather(self, version: int) -> list[pb.UpstreamCopy]:
         manifest = self._manifest_copy(version)
         if isinstance(self.upstream, GrpcStore):
@@ -187,10 +216,13 @@ class VersionFeed:
         except ObjectTooLargeError:
             return None
 
-    def _announced(self, version: int, copies: list[pb.UpstreamCopy]) -> None:
+    def _announced(self, version: int, copies: list[pb.UpstreamCopy], pushed: list[pb.PushedObject]) -> None:
         """(Loop) The upstream relay announced ``version`` with ``copies``: the hints kept,
+        the fetches of the packs it pushes begun (they wait for the pushed bytes: relay/push.py),
         its manifest (if sent) into the cache as if fetched (checked the same way), then the
-        version published (so the warmer finds the manifest there and asks for its packs)."""
+        version published (so the warmer finds the manifest there and asks for its packs,
+        joining those fetches)."""
+        self._expect_pushed(pushed, wanted=version > self.latest)
         if version > self.latest:
             now = time.monotonic()
             self._hints.update((c.key, (c, now)) for c in copies if c.key in COPIED)
@@ -204,6 +236,22 @@ class VersionFeed:
             return
         # Published in the order announced, each after its manifest landed.
         self._pending = asyncio.get_running_loop().create_task(self._land_then_publish(version, manifest, before))
+
+    def _expect_pushed(self, pushed: list[pb.PushedObject], *, wanted: bool) -> None:
+        """(Loop) A fetch of each pushed pack this relay lacks (of a version ``wanted``: newer
+        than any known), reading the push (a reader of it joins that fetch); the bytes of the
+        others let go of."""
+        pushes = self.pushes
+        if pushes is None:
+            return
+        for obj in pushed:
+            key = obj.key
+            if (not wanted or self.fetches is None or self.cache is None
+                    or self.cache.lookup(key, touch=False) is not None or key in self.fetches.inflight):
+                pushes.discard(key)
+                continue
+            flight = self.fetches.fetch(key, warm=True, size_hint=obj.size, source=pushes)
+            flight.task.add_done_callback(functools.partial(_discard, pushes, key))
 
     async def _land_then_publish(self, version: int, manifest: pb.UpstreamCopy | None,
                                  before: asyncio.Task[None] | None) -> None:
@@ -298,12 +346,22 @@ class VersionFeed:
     def _follow(self) -> None:
         """(Thread) Relay the upstream relay's Watch stream until it fails or the feed closes."""
         assert isinstance(self.upstream, GrpcStore) and self._loop is not None
-        watch = self.upstream.watch(self.latest)
+        pushes = self.pushes
+        if pushes is None:
+            watch = self.upstream.watch(self.latest)
+        else:
+            watch = self.upstream.watch(self.latest, push_bytes=pushes.limit, on_piece=pushes.piece, on_end=pushes.end)
         self._watch = watch
         if self._closed:
             watch.close()
         for version in watch:
-            self._loop.call_soon_threadsafe(self._announced, version, watch.copies)
+            # Expected before the next message is read: the pushed bytes follow the event.
+            pushed = pushes.expect(watch.pushed) if pushes is not None else []
+            self._loop.call_soon_threadsafe(self._announced, version, watch.copies, pushed)
+
+
+def _discard(pushes: PushedPacks, key: str, _done: object) -> None:
+    pushes.discard(key)
 
 
 class Warmer:

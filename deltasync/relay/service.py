@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
@@ -21,7 +21,7 @@ import grpc
 
 from ..errors import CorruptObjectError, ObjectNotFoundError, ObjectRangeError
 from ..repo.repository import LATEST
-from ..storage import Store, check_key
+from ..storage import GrpcStore, Store, check_key
 from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, UPLOAD_CHECKS, status_code
 from ..v1 import relay_pb2 as pb
 from .auth import HANDLER_FACTORIES, check_served, check_writable
@@ -29,6 +29,7 @@ from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, ca
 from .config import RelayConfig
 from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
+from .push import PushedPacks
 from .shares import PEER_METADATA
 from .uploads import SESSION_IDLE_SECONDS, Budget, Refused, SendCredit, Session, Uploads, piece_data
 
@@ -57,11 +58,14 @@ class RelayService:
             "uploads": 0, "uploaded_bytes": 0, "uploads_refused": 0, "deletes": 0,
             "streamed": 0, "fetch_errors": 0,
             "warmed_versions": 0, "warm_fetches": 0, "warm_skipped": 0, "warm_errors": 0,
+            "pushed_bytes": 0,
         }
         self.fetches = Fetches(upstream, cache, config, self.in_thread, self.counters)
         self.warmer = Warmer(self.fetches, upstream_url, config, self.counters)
         self.feed = VersionFeed(upstream, self.in_thread, lambda: self.counters["watchers"], config, self.warmer.warm_new,
                                 fetches=self.fetches, on_manifest=self.warmer.land)
+        if isinstance(upstream, GrpcStore) and config.push_bytes and config.warm and config.cluster_relays is None:
+            self.feed.pushes = PushedPacks(upstream, config.push_bytes)
         self.uploads = Uploads(upstream, cache, config, self.in_thread)
         # A publish through this relay ends with the latest ref: its watchers hear of the
         # version from that write, not a poll later.
@@ -108,6 +112,9 @@ class RelayService:
             fetching=len(self.fetches.inflight),
             following_upstream=int(self.feed.running),
         )
+        pushes = self.feed.pushes
+        if pushes is not None:  # packs the upstream relay pushed: taken from the push, or read after all
+            out.update(push_landed=pushes.landed, push_missed=pushes.missed)
         return out
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -204,28 +211,41 @@ class RelayService:
             except Exception as e:
                 await self._abort(context, e, key)
             return
+        position = offset
         try:
-            position, end = offset, offset + length
-            while True:
-                n = min(CHUNK_BYTES, end - position)
-                if source.flight is not None:  # still arriving: wait until these bytes are in
-                    landing = await source.flight.covering(position + n)
-                    if landing.error is not None:
-                        await self._abort(context, landing.error, key, fetch=True, sent=position - offset)
-                    if landing.verified:
-                        source.flight = None
-                piece = await self.in_thread(os.pread, source.fd, n, position) if n else b""
-                if len(piece) != n:  # the file was damaged under us: refetch next time
-                    if source.entry is not None:
-                        self.cache.forget(key, source.entry)
-                    await context.abort(grpc.StatusCode.DATA_LOSS, f"relay cache file of {key} is truncated")
-                self.counters["served_bytes"] += n
+            async for piece in self._pieces_of(source, offset, length):
+                self.counters["served_bytes"] += len(piece)
                 yield pb.GetChunk(data=piece, total_bytes=length if position == offset else 0)
-                position += n
-                if position >= end:
-                    break
+                position += len(piece)
+        except FetchFailed as e:
+            await self._abort(context, e.cause, key, fetch=True, sent=position - offset)
+        except _Truncated as e:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
         finally:
             source.close(self.cache)
+
+    async def _pieces_of(self, source: Source, offset: int, length: int) -> AsyncIterator[bytes]:
+        """``length`` bytes of ``source`` from ``offset``, a piece (1 MiB) at a time, each once it
+        has arrived (an object still being fetched). FetchFailed: its fetch failed; _Truncated:
+        the cache file was damaged under us (forgotten: fetched again next time)."""
+        position, end = offset, offset + length
+        while True:
+            n = min(CHUNK_BYTES, end - position)
+            if source.flight is not None:  # still arriving: wait until these bytes are in
+                landing = await source.flight.covering(position + n)
+                if landing.error is not None:
+                    raise FetchFailed(landing.error)
+                if landing.verified:
+                    source.flight = None
+            piece = await self.in_thread(os.pread, source.fd, n, position) if n else b""
+            if len(piece) != n:
+                if source.entry is not None:
+                    self.cache.forget(source.key, source.entry)
+                raise _Truncated(f"relay cache file of {source.key} is truncated")
+            yield piece
+            position += n
+            if position >= end:
+                return
 
     async def stat(self, request: pb.StatRequest, context: Any) -> pb.StatResponse:
         self.counters["requests"] += 1
@@ -398,8 +418,13 @@ class RelayService:
                 caught_up = caught_up or feed.succeeded
                 for version in new:
                     copies = await asyncio.shield(feed.copies(version)) if version == feed.latest else []
-                    yield pb.VersionEvent(version=version, latest=feed.latest, copies=copies)
+                    pushed = await asyncio.shield(feed.push_plan(version)) if copies and request.push_bytes else []
+                    if sum(p.size for p in pushed) > request.push_bytes:
+                        pushed = []
+                    yield pb.VersionEvent(version=version, latest=feed.latest, copies=copies, pushed=pushed)
                     last = version
+                    async for piece in self._push(pushed):
+                        yield pb.VersionEvent(version=0, latest=feed.latest, piece=piece)
                     sent_at = time.monotonic()
                 wait = self.config.keepalive_interval - (time.monotonic() - sent_at)
                 if wait <= 0:
@@ -410,6 +435,36 @@ class RelayService:
                     await asyncio.wait_for(changed.wait(), wait)
         finally:
             self.counters["watchers"] -= 1
+
+    async def _push(self, objects: Sequence[pb.PushedObject]) -> AsyncIterator[pb.PushedPiece]:
+        """The pieces of ``objects`` (a version's packs, pushed to a relay watching: feed.py),
+        from the cache, each pack as it arrives when still being fetched; a pack that cannot be
+        sent whole is sent as dropped (the watcher reads it as before)."""
+        for obj in objects:
+            key, sent = obj.key, 0
+            try:
+                source = await self.fetches.open_cached(key)
+            except Exception as e:
+                log.info("not pushing %s to a watching relay: %s", key, e)
+                yield pb.PushedPiece(key=key, dropped=True)
+                continue
+            try:
+                if source.size != obj.size:
+                    raise CorruptObjectError(key, f"{source.size} bytes, its manifest names {obj.size}")
+                async for data in self._pieces_of(source, 0, source.size):
+                    yield pb.PushedPiece(key=key, offset=sent, data=data)
+                    sent += len(data)
+                    self.counters["served_bytes"] += len(data)
+                    self.counters["pushed_bytes"] += len(data)
+            except (FetchFailed, _Truncated, CorruptObjectError) as e:
+                log.info("not pushing %s to a watching relay: %s", key, e)
+                yield pb.PushedPiece(key=key, offset=sent, dropped=True)
+            finally:
+                source.close(self.cache)
+
+
+class _Truncated(Exception):
+    """A cache file shorter than its object (damaged under the relay)."""
 
 
 async def _pieces(messages: AsyncIterator[Any], data_of: Callable[[Any], memoryview]) -> AsyncIterator[memoryview]:

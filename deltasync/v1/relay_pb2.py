@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltasync/v1/relay.proto\x12\x0c\x64\x65ltasync.v1\"L\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x11\n\thas_range\x18\x04 \x01(\x08\"-\n\x08GetChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x1a\n\x0bStatRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1c\n\x0cStatResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"\x1d\n\x0bListRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"\x1c\n\x0cListResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"%\n\x0cWatchRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"[\n\x0cVersionEvent\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06latest\x18\x02 \x01(\x04\x12*\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x1a.deltasync.v1.UpstreamCopy\"G\n\x0cUpstreamCopy\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x61\x62sent\x18\x03 \x01(\x08\x12\x0c\n\x04keys\x18\x04 \x03(\t\"]\n\x08PutChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x11\n\tif_absent\x18\x03 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\r\n\x0bPutResponse\"2\n\x0cUploadCredit\x12\x12\n\nsend_until\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x01(\x04\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65leteResponse2\x91\x04\n\x05Relay\x12\x39\n\x03Get\x12\x18.deltasync.v1.GetRequest\x1a\x16.deltasync.v1.GetChunk0\x01\x12=\n\x04Stat\x12\x19.deltasync.v1.StatRequest\x1a\x1a.deltasync.v1.StatResponse\x12?\n\x04List\x12\x19.deltasync.v1.ListRequest\x1a\x1a.deltasync.v1.ListResponse0\x01\x12\x41\n\x05Watch\x12\x1a.deltasync.v1.WatchRequest\x1a\x1a.deltasync.v1.VersionEvent0\x01\x12:\n\x03Put\x12\x16.deltasync.v1.PutChunk\x1a\x19.deltasync.v1.PutResponse(\x01\x12@\n\x06Upload\x12\x16.deltasync.v1.PutChunk\x1a\x1a.deltasync.v1.UploadCredit(\x01\x30\x01\x12G\n\rUploadSession\x12\x16.deltasync.v1.PutChunk\x1a\x1a.deltasync.v1.UploadCredit(\x01\x30\x01\x12\x43\n\x06\x44\x65lete\x12\x1b.deltasync.v1.DeleteRequest\x1a\x1c.deltasync.v1.DeleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65ltasync/v1/relay.proto\x12\x0c\x64\x65ltasync.v1\"L\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x11\n\thas_range\x18\x04 \x01(\x08\"-\n\x08GetChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x1a\n\x0bStatRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1c\n\x0cStatResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"\x1d\n\x0bListRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"\x1c\n\x0cListResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"9\n\x0cWatchRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\x12\x12\n\npush_bytes\x18\x02 \x01(\x04\"\xb1\x01\n\x0cVersionEvent\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06latest\x18\x02 \x01(\x04\x12*\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x1a.deltasync.v1.UpstreamCopy\x12*\n\x06pushed\x18\x04 \x03(\x0b\x32\x1a.deltasync.v1.PushedObject\x12(\n\x05piece\x18\x05 \x01(\x0b\x32\x19.deltasync.v1.PushedPiece\")\n\x0cPushedObject\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"I\n\x0bPushedPiece\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x08\"G\n\x0cUpstreamCopy\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x61\x62sent\x18\x03 \x01(\x08\x12\x0c\n\x04keys\x18\x04 \x03(\t\"]\n\x08PutChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x11\n\tif_absent\x18\x03 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\r\n\x0bPutResponse\"2\n\x0cUploadCredit\x12\x12\n\nsend_until\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x01(\x04\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65leteResponse2\x91\x04\n\x05Relay\x12\x39\n\x03Get\x12\x18.deltasync.v1.GetRequest\x1a\x16.deltasync.v1.GetChunk0\x01\x12=\n\x04Stat\x12\x19.deltasync.v1.StatRequest\x1a\x1a.deltasync.v1.StatResponse\x12?\n\x04List\x12\x19.deltasync.v1.ListRequest\x1a\x1a.deltasync.v1.ListResponse0\x01\x12\x41\n\x05Watch\x12\x1a.deltasync.v1.WatchRequest\x1a\x1a.deltasync.v1.VersionEvent0\x01\x12:\n\x03Put\x12\x16.deltasync.v1.PutChunk\x1a\x19.deltasync.v1.PutResponse(\x01\x12@\n\x06Upload\x12\x16.deltasync.v1.PutChunk\x1a\x1a.deltasync.v1.UploadCredit(\x01\x30\x01\x12G\n\rUploadSession\x12\x16.deltasync.v1.PutChunk\x1a\x1a.deltasync.v1.UploadCredit(\x01\x30\x01\x12\x43\n\x06\x44\x65lete\x12\x1b.deltasync.v1.DeleteRequest\x1a\x1c.deltasync.v1.DeleteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,21 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTRESPONSE']._serialized_start=256
   _globals['_LISTRESPONSE']._serialized_end=284
   _globals['_WATCHREQUEST']._serialized_start=286
-  _globals['_WATCHREQUEST']._serialized_end=323
-  _globals['_VERSIONEVENT']._serialized_start=325
-  _globals['_VERSIONEVENT']._serialized_end=416
-  _globals['_UPSTREAMCOPY']._serialized_start=418
-  _globals['_UPSTREAMCOPY']._serialized_end=489
-  _globals['_PUTCHUNK']._serialized_start=491
-  _globals['_PUTCHUNK']._serialized_end=584
-  _globals['_PUTRESPONSE']._serialized_start=586
-  _globals['_PUTRESPONSE']._serialized_end=599
-  _globals['_UPLOADCREDIT']._serialized_start=601
-  _globals['_UPLOADCREDIT']._serialized_end=651
-  _globals['_DELETEREQUEST']._serialized_start=653
-  _globals['_DELETEREQUEST']._serialized_end=681
-  _globals['_DELETERESPONSE']._serialized_start=683
-  _globals['_DELETERESPONSE']._serialized_end=699
-  _globals['_RELAY']._serialized_start=702
-  _globals['_RELAY']._serialized_end=1231
+  _globals['_WATCHREQUEST']._serialized_end=343
+  _globals['_VERSIONEVENT']._serialized_start=346
+  _globals['_VERSIONEVENT']._serialized_end=523
+  _globals['_PUSHEDOBJECT']._serialized_start=525
+  _globals['_PUSHEDOBJECT']._serialized_end=566
+  _globals['_PUSHEDPIECE']._serialized_start=568
+  _globals['_PUSHEDPIECE']._serialized_end=641
+  _globals['_UPSTREAMCOPY']._serialized_start=643
+  _globals['_UPSTREAMCOPY']._serialized_end=714
+  _globals['_PUTCHUNK']._serialized_start=716
+  _globals['_PUTCHUNK']._serialized_end=809
+  _globals['_PUTRESPONSE']._serialized_start=811
+  _globals['_PUTRESPONSE']._serialized_end=824
+  _globals['_UPLOADCREDIT']._serialized_start=826
+  _globals['_UPLOADCREDIT']._serialized_end=876
+  _globals['_DELETEREQUEST']._serialized_start=878
+  _globals['_DELETEREQUEST']._serialized_end=906
+  _globals['_DELETERESPONSE']._serialized_start=908
+  _globals['_DELETERESPONSE']._serialized_end=924
+  _globals['_RELAY']._serialized_start=927
+  _globals['_RELAY']._serialized_end=1456
 # @@protoc_insertion_point(module_scope)

@@ -51,20 +51,46 @@ class ListResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("after_version",)
+    __slots__ = ("after_version", "push_bytes")
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
     after_version: int
-    def __init__(self, after_version: _Optional[int] = ...) -> None: ...
+    push_bytes: int
+    def __init__(self, after_version: _Optional[int] = ..., push_bytes: _Optional[int] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
-    __slots__ = ("version", "latest", "copies")
+    __slots__ = ("version", "latest", "copies", "pushed", "piece")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     version: int
     latest: int
     copies: _containers.RepeatedCompositeFieldContainer[UpstreamCopy]
-    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[UpstreamCopy, _Mapping]]] = ...) -> None: ...
+    pushed: _containers.RepeatedCompositeFieldContainer[PushedObject]
+    piece: PushedPiece
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[UpstreamCopy, _Mapping]]] = ..., pushed: _Optional[_Iterable[_Union[PushedObject, _Mapping]]] = ..., piece: _Optional[_Union[PushedPiece, _Mapping]] = ...) -> None: ...
+
+class PushedObject(_message.Message):
+    __slots__ = ("key", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class PushedPiece(_message.Message):
+    __slots__ = ("key", "offset", "data", "dropped")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    data: bytes
+    dropped: bool
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class UpstreamCopy(_message.Message):
     __slots__ = ("key", "data", "absent", "keys")

@@ -84,7 +84,7 @@ def _reader_reads(store: GrpcStore, version: int) -> None:
         assert len(store.get(p.key)) == p.size
 
 
-@pytest.mark.parametrize("tree", [{}], indirect=True)
+@pytest.mark.parametrize("tree", [{"push_bytes": 0}], indirect=True)  # (pushed packs: test_relay_push.py)
 def test_a_new_version_costs_the_cluster_relay_its_manifest_and_packs_only(tree: Any) -> None:
     repo, counted, cluster = tree
     pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
