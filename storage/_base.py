@@ -99,6 +99,14 @@ class Store(ABC):
         right before its commit (publish/commit.py)."""
         return False
 
+    @property
+    def orders_references(self) -> bool:
+        """Whether, besides :attr:`checks_references`, the store waits before that check for
+        its uploads in progress of what the manifest names (a writable relay that says so): a
+        publisher may then put its manifest while its last packs are still on their way,
+        without waiting a round trip for their answers first (publish/commit.py)."""
+        return False
+
     def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.
 
@@ -228,6 +236,10 @@ class WrappingStore(Store):
     @property
     def checks_references(self) -> bool:
         return self.inner.checks_references
+
+    @property
+    def orders_references(self) -> bool:
+        return self.inner.orders_references
 
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         return self.inner.get(key, byte_range)

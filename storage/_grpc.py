@@ -247,6 +247,7 @@ class _Relay:
         # The relay refuses a manifest whose packs, blobs or parent are missing (learnt from
         # its upload sessions; a relay before that check never says so).
         self.checks_references = False
+        self.orders_references = False
         self._sessions: list[UploadSession] = []  # open upload sessions, shared by this store's uploads
         self._sessions_lock = threading.Lock()
 
@@ -264,8 +265,9 @@ class _Relay:
             self._sessions.append(session)
             return session
 
-    def _checks(self) -> None:
+    def _checks(self, waits: bool) -> None:
         self.checks_references = True
+        self.orders_references = waits
 
     def close_sessions(self) -> None:
         with self._sessions_lock:
@@ -342,6 +344,12 @@ class GrpcStore(Store):
         parent are missing (a relay says so on each upload session: a publisher learns it from
         its pack uploads, before its commit)."""
         return self._write_token is not None and all(r.checks_references for r in self._relays)
+
+    @property
+    def orders_references(self) -> bool:
+        """Whether every relay named has also said it waits, before checking a manifest, for
+        its uploads in progress of what the manifest names (:data:`~.wire.UPLOAD_WAITS`)."""
+        return self.checks_references and all(r.orders_references for r in self._relays)
 
     @property
     def addresses(self) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from ..v1 import relay_pb2 as pb
-from .wire import CHUNK_BYTES, UPLOAD_CHECKS
+from .wire import CHUNK_BYTES, UPLOAD_CHECKS, UPLOAD_WAITS
 
 #: Opens a call given its request iterator (a bound client-streaming or bidi method).
 OpenCall = Callable[[Iterator[pb.PutChunk]], Any]
@@ -41,10 +41,13 @@ _REFUSALS = frozenset({
 })
 #: Sessions an object is sent on that the relay ends before answering, then Upload.
 SESSION_TRIES = 3
-def _checks_references(metadata: Any) -> bool:
-    """Whether a relay's initial metadata says :data:`~.wire.UPLOAD_CHECKS`."""
+def _checks_references(metadata: Any) -> tuple[bool, bool]:
+    """Whether a relay's initial metadata says :data:`~.wire.UPLOAD_CHECKS`, and whether it also
+    says :data:`~.wire.UPLOAD_WAITS`."""
     key, value = UPLOAD_CHECKS
-    return any(k == key and set(value.split(",")) <= set(str(v).split(",")) for k, v in metadata or ())
+    said = [set(str(v).split(",")) for k, v in metadata or () if k == key]
+    checks = any(set(value.split(",")) <= s for s in said)
+    return checks, checks and any(UPLOAD_WAITS in s for s in said)
 
 
 class Credit:
@@ -144,9 +147,11 @@ class UploadSession:
     credit still bounds the bytes on their way. Its answers are read on a helper thread; the
     request iterator runs on grpc's."""
 
-    def __init__(self, open_call: OpenCall, read: ReadAnswers, on_checks: Callable[[], None] | None = None) -> None:
+    def __init__(self, open_call: OpenCall, read: ReadAnswers,
+                 on_checks: Callable[[bool], None] | None = None) -> None:
         """``on_checks``: called once the relay says (in the call's initial metadata) that it
-        refuses a manifest whose packs, blobs or delta parent are missing."""
+        refuses a manifest whose packs, blobs or delta parent are missing; with True when it
+        also waits for the uploads of those it is receiving (:data:`~.wire.UPLOAD_WAITS`)."""
         self._on_checks = on_checks
         self._jobs: queue.SimpleQueue[tuple[pb.PutChunk, memoryview] | None] = queue.SimpleQueue()
         self._credit = Credit()
@@ -176,8 +181,9 @@ class UploadSession:
     def _read(self, read: ReadAnswers) -> None:
         error: grpc.RpcError | None = None
         try:
-            if self._on_checks is not None and _checks_references(self._call.initial_metadata()):
-                self._on_checks()
+            checks, waits = _checks_references(self._call.initial_metadata())
+            if self._on_checks is not None and checks:
+                self._on_checks(waits)
             for answer in read(self._call):
                 self._credit.grant(answer.send_until)
                 with self._changed:

@@ -37,6 +37,10 @@ UNCREDITED_BYTES = 256 << 10
 #: manifest whose packs or blobs, or whose delta parent's manifest, are missing: a publisher
 #: then skips its own check right before its commit (``Store.checks_references``).
 UPLOAD_CHECKS = ("deltasync-upload-checks", "references,parent")
+#: Also in that metadata's value, from a relay that, before it checks a manifest, waits for the
+#: uploads it is receiving right then of the packs and blobs the manifest names: a publisher may
+#: then send its manifest without waiting for its last packs' answers (``Store.orders_references``).
+UPLOAD_WAITS = "inflight"
 
 UNARY, SERVER_STREAM, CLIENT_STREAM, BIDI_STREAM = "unary", "server_stream", "client_stream", "bidi_stream"
 

@@ -38,7 +38,7 @@ from ..repo.repository import Repository, blob_key
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
 from .config import PublisherConfig
-from .encode import Encoded, SourceTensor, abandon, same_version
+from .encode import Encoded, SourceTensor, abandon, same_version, settle
 from .packs import Packer
 from .result import PublishResult
 
@@ -129,6 +129,7 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
     checked: list[list[str] | BaseException] = []
     while True:
         if not by_store:
+            _settle_or_abandon(repo, encoded)
             encoded = _check_before_commit(repo, draft, encoded, restore)
         manifest = build_manifest(repo, config.codec, draft, encoded)
 
@@ -147,10 +148,24 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
         except MissingReferencesError as e:
             if not by_store:
                 raise
+            if encoded.uploading:
+                # Sent while the last packs were on their way (Store.orders_references): one
+                # whose upload had not begun at the relay was missing to its check. Once they
+                # are all stored (or one failed: raised here), the put goes again.
+                log.debug("version %d: the manifest went ahead of a pack (%s); again once they are stored", version, e)
+                _settle_or_abandon(repo, encoded)
+                continue
             log.info("version %d: the manifest put was refused (%s); checking what it names", version, e)
             by_store = False
             continue
+        except BaseException:
+            _settle_or_abandon(repo, encoded)  # a failed upload is the cause to report, if there is one
+            raise
         break
+    try:
+        settle(encoded)  # stored: the relay found every pack it names there
+    except Exception as e:  # (an upload whose answer was lost, say): the version is committed as checked
+        log.debug("version %d: an upload failed after its pack was found stored: %s", version, e)
     result = checked[0] if checked else missing_objects(repo.store, files, encoded)
     if isinstance(result, BaseException):
         raise result
@@ -162,6 +177,16 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
                          "published as a snapshot (--no-cache)")
     return PublishResult(version, kind="snapshot" if draft.snapshot else "delta", parent=parent, raw_bytes=encoded.raw,
                          stored_bytes=manifest.stored_bytes, seconds=time.monotonic() - start)
+
+
+def _settle_or_abandon(repo: Repository, encoded: Encoded) -> None:
+    """Wait for the uploads ``encoded`` has still going; one failed: what it uploaded is
+    removed (nothing is committed) and the failure raised, as when encoding waited for them."""
+    try:
+        settle(encoded)
+    except BaseException:
+        abandon(repo.store, encoded)
+        raise
 
 
 def _check_before_commit(repo: Repository, draft: Draft, encoded: Encoded, restore: Restore | None) -> Encoded:

@@ -22,7 +22,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,8 @@ class Encoded:
     stored: int
     raw: int
     created: set[str]  # pack keys this attempt wrote (the only ones an abandon may delete)
+    uploading: list[Future[None]] = field(default_factory=list)
+    """Uploads of its packs still going (encode's ``overlap_commit``); :func:`settle` waits."""
 
 
 @dataclass
@@ -193,8 +195,13 @@ def encode(
     limit: int | None = None,
     keep: dict[str, Bits] | None = None,
     base_arrays: Mapping[str, Bits] | None = None,
+    overlap_commit: bool = False,
 ) -> Encoded:
-    """Encode every chunk of ``sources`` (against ``bases`` where present) into durable packs.
+    r"""Encode every chunk of ``sources`` (against ``bases`` where present) into durable packs.
+
+    With ``overlap_commit``, where the store orders a manifest after the uploads it is
+    receiving (``store.orders_references``), the last uploads may still be going on return
+    (``Encoded.uploading``): the caller commits meanwhile, then :func:`settle`\ s them.
 
     Raises :class:`DeltaTooLarge` once the payload passes ``limit``; whatever it uploaded is
     removed. With ``keep``, each tensor's bits are copied into ``keep[key]`` (reusing
@@ -258,7 +265,7 @@ def encode(
                 drain_one()
         while window:
             drain_one()
-        packer.finish()
+        uploading = packer.finish(settle=not (overlap_commit and store.orders_references))
     except BaseException:
         for _, fut in window:
             fut.cancel()
@@ -270,11 +277,30 @@ def encode(
     for f in files:
         if f.kind == pb.File.SAFETENSORS:
             f.digest = file_digests[f.path].digest()
-    return Encoded(tensors, packer.packs, packer.stored, raw_total, set(packer.created))
+    # The packer's own set while uploads go on: they add the keys they write to it.
+    return Encoded(tensors, packer.packs, packer.stored, raw_total,
+                   packer.created if uploading else set(packer.created), uploading)
+
+
+def settle(encoded: Encoded) -> None:
+    """Wait for the uploads ``encoded`` has still going (see :class:`Encoded`), raising the
+    first failure; afterwards it has none."""
+    going, encoded.uploading = encoded.uploading, []
+    error: BaseException | None = None
+    for future in going:
+        try:
+            future.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def abandon(store: Store, encoded: Encoded) -> None:
-    """Remove the packs this attempt created (a committed version may share the others)."""
+    """Remove the packs this attempt created (a committed version may share the others),
+    once its uploads still going have ended."""
+    with contextlib.suppress(Exception):
+        settle(encoded)
     for key in encoded.created:
         with contextlib.suppress(Exception):
             store.delete(key)

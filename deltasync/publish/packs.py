@@ -20,7 +20,9 @@ already closed into packs), capped at ``pack_bytes``, and a packer makes at most
 packs of 2 MiB. Where the link is the bottleneck (a snapshot over a slow link) every stream
 is busy, no early flush happens, and packs are full size. Packs stay content-addressed
 (named by the xxh3-128 of their bytes) and all are durable before :meth:`Packer.finish`
-returns, i.e. before any manifest names them.
+returns, i.e. before any manifest names them; except where the store orders a manifest after
+the uploads it is receiving (``store.orders_references``: a writable relay), where the last
+uploads may still be going when the manifest is sent (``finish(settle=False)``).
 
 **Over several relays** (``store.upload_targets`` = ``n`` > 1: a ``grpc://`` URL naming several
 writable relays, each behind a link of its own). Each pack goes to the relay with the fewest
@@ -160,7 +162,11 @@ class Packer:
             return  # content-addressed: these very bytes are stored, maybe for a committed version
         self.created.add(key)
 
-    def finish(self) -> None:
+    def finish(self, *, settle: bool = True) -> list[Future[None]]:
+        """Close the last pack(s) and wait until every upload is stored (raising the first
+        failure). With ``settle`` false, the uploads still going are returned instead of
+        waited for (a store that orders a manifest after them, ``store.orders_references``:
+        the commit sends it meanwhile and waits for them after; :func:`~.encode.settle`)."""
         groups = self._tail_groups()
         if len(groups) > 1:
             held = list(zip(self._parts, self._chunks, strict=True))
@@ -171,10 +177,16 @@ class Packer:
                 self.flush()
         self.flush()
         try:
-            while self._uploads:
+            while self._uploads and (settle or self._uploads[0][0].done()):
                 self._collect()
-        finally:
+        except BaseException:
             self._pool.shutdown(wait=True)
+            raise
+        going = [f for f, _ in self._uploads]
+        self._uploads.clear()
+        self._held = 0
+        self._pool.shutdown(wait=not going)  # (the threads end with their uploads)
+        return going
 
     def _tail_groups(self) -> list[slice]:
         """The open pack's parts cut into runs of about equal bytes, one pack each (module

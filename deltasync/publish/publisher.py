@@ -356,8 +356,11 @@ class Publisher:
 
     def _attempt(self, draft: Draft, source: _Source, limit: int | None, lease: Lease,
                  confirm: _Confirm | None = None) -> PublishResult:
+        # Over a writable relay that orders a manifest after the uploads it is receiving, the
+        # last packs are still on their way when the commit sends the manifest (commit.py).
         encoded = encode(self.repo.store, self.config, source.tensors, draft.files, source.bases,
-                         label=f"publish v{draft.version}", limit=limit, keep=source.keep, base_arrays=source.base_arrays)
+                         label=f"publish v{draft.version}", limit=limit, keep=source.keep, base_arrays=source.base_arrays,
+                         overlap_commit=True)
         if confirm is not None:
             draft = confirm(draft, encoded)
             lease.what = f"publish of version {draft.version}"

