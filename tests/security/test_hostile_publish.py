@@ -233,12 +233,13 @@ class GcBeforeCommit:
         self.deleted: list[list[str]] = []  # what each gc pass deleted
         original = packs_mod.Packer.finish
 
-        def finish(packer: packs_mod.Packer) -> None:
-            original(packer)
+        def finish(packer: packs_mod.Packer, **kw: Any) -> Any:
+            going = original(packer, **kw)
             if len(self.deleted) < self.times:
                 collect(self.url, keep_last=1000, grace_seconds=0)
                 report = collect(self.url, keep_last=1000, grace_seconds=0)
                 self.deleted.append(report.packs_deleted + report.blobs_deleted)
+            return going
 
         monkeypatch.setattr(packs_mod.Packer, "finish", finish)
 
@@ -382,9 +383,10 @@ def test_a_parent_deleted_while_publishing_fails_the_publish(tmp_path: Path, mon
     Publisher(url, config()).publish_dir(ckpts[0], cache_dir=tmp_path / "cache")
     original = packs_mod.Packer.finish
 
-    def finish(packer: packs_mod.Packer) -> None:
-        original(packer)
+    def finish(packer: packs_mod.Packer, **kw: Any) -> Any:
+        going = original(packer, **kw)
         Repository(url).store.delete(manifest_key(1))  # what a gc of version 1 does first
+        return going
 
     monkeypatch.setattr(packs_mod.Packer, "finish", finish)
     with pytest.raises(StoreError, match="its parent version 1 was deleted while publishing"):
@@ -401,10 +403,11 @@ def test_cli_gc_on_every_attempt_is_one_error_line(tmp_path: Path) -> None:
         from deltasync.ops.retention import collect
         r.read_leases = lambda store: ([], [])  # a gc that reads no leases (older deltasync)
         original = e.Packer.finish
-        def finish(packer):
-            original(packer)
+        def finish(packer, **kw):
+            going = original(packer, **kw)
             for _ in range(2):
                 collect({str(tmp_path / "repo")!r}, keep_last=1000, grace_seconds=0)
+            return going
         e.Packer.finish = finish
     """
     r = run_cli(tmp_path, "publish", ckpts[1], "--repo", "repo", prelude=gc_every_time)
