@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from .. import _lazy
 from ..errors import UsageError
-from ._base import Store, WrappingStore, check_key, read_held, read_limit
+from ._base import Store, WrappingStore, check_key, read_held, read_limit, valid_key
 from ._local import LocalStore, TempFile, is_temp_name
 from ._memory import MemoryStore
 from ._throttle import ThrottledStore
@@ -23,7 +23,7 @@ from ._throttle import ThrottledStore
 # GrpcStore, S3Store, VersionWatch and Download (one checked ranged read) are importable by name too (lazily, below), but are
 # left out of __all__: a star import must work where their extras are not installed.
 __all__ = ["LocalStore", "MemoryStore", "Store", "TempFile", "ThrottledStore", "WrappingStore", "check_key", "is_temp_name",
-           "open_store", "read_held", "read_limit"]
+           "open_store", "read_held", "read_limit", "valid_key"]
 
 #: Backends whose dependencies are extras: imported on first use (``deltasync.storage.S3Store``).
 _LAZY: _lazy.Table = {"S3Store": "_s3", "GrpcStore": "_grpc", "VersionWatch": "_grpc", "Download": "_grpc"}

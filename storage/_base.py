@@ -64,6 +64,15 @@ def check_key(key: str) -> str:
     return key
 
 
+def valid_key(key: str) -> bool:
+    """Whether :func:`check_key` accepts ``key`` (for keys a peer named: skipped, not raised)."""
+    try:
+        check_key(key)
+    except UsageError:
+        return False
+    return True
+
+
 class Store(ABC):
     """Immutable objects by key. ``put(if_absent=True)`` is the commit primitive."""
 

@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..retry import Backoff
 from . import _base
-from ._base import Store, check_key, listing_too_long, read_limit, too_large
+from ._base import Store, check_key, listing_too_long, read_limit, too_large, valid_key
 
 MiB = 1024 * 1024
 _MIN_PART = 5 * MiB  # S3's minimum for every part but the last
@@ -282,7 +282,7 @@ class S3Store(Store):
                     key = obj["Key"][len(self._root) :]
                     # Objects a Store cannot have written (e.g. console "folder/" markers) are
                     # skipped rather than handed out as keys that get() would reject.
-                    if _valid_key(key):
+                    if valid_key(key):
                         count += 1
                         yield key, int(obj.get("Size", 0))
                 if count > _base.MAX_LIST_KEYS:  # checked per page: an endless listing stops here
@@ -489,11 +489,3 @@ class S3Store(Store):
         if isinstance(e, EndpointConnectionError):
             return StoreError(f"cannot reach S3 endpoint {self._client.meta.endpoint_url} to {action} {where}")
         return StoreError(f"cannot {action} {where}: {e}")
-
-
-def _valid_key(key: str) -> bool:
-    try:
-        check_key(key)
-    except UsageError:
-        return False
-    return True

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..storage import Store, WrappingStore, check_key
+from ..storage import Store, WrappingStore, valid_key
 from ..v1 import relay_pb2 as pb
 from .cache import content_problem
 
@@ -71,7 +71,7 @@ class PushedPacks(WrappingStore):
                 self._miss(pushed, "a newer version's event came first")
             keys = {o.key for o in named}
             if (sum(o.size for o in named) > self.limit or len(keys) != len(named)
-                    or not all(o.key.startswith("packs/") and _valid(o.key) for o in named)):
+                    or not all(o.key.startswith("packs/") and valid_key(o.key) for o in named)):
                 if named:
                     log.warning("the upstream relay's push names %d objects, %d bytes, not the packs asked for "
                                 "(at most %d bytes): reading them as before", len(named), sum(o.size for o in named),
@@ -146,11 +146,3 @@ class PushedPacks(WrappingStore):
     def _get(self, key: str, byte_range: tuple[int, int] | None) -> bytes:
         data = self._whole(key, byte_range)
         return super()._get(key, byte_range) if data is None else data
-
-
-def _valid(key: str) -> bool:
-    try:
-        check_key(key)
-    except Exception:
-        return False
-    return True
