@@ -299,9 +299,13 @@ class Refused(Exception):
         self.message = message
 
 
-def referenced(key: str, data: bytes | bytearray | memoryview) -> tuple[manifest_pb.Manifest, list[str]] | None:
+#: A manifest or squash as uploaded: it parsed, and the keys of the packs and blobs it names, sorted.
+Referenced = tuple[manifest_pb.Manifest, list[str]]
+
+
+def referenced(key: str, data: bytes | bytearray | memoryview) -> Referenced | None:
     """(Thread) For a manifest or squash: it parsed, and the keys of the packs and blobs it
-    names, sorted (Refused: not a manifest, or an invalid key); None for any other object."""
+    names (Refused: not a manifest, or an invalid key); None for any other object."""
     if not _MANIFEST_KEY.match(key):
         return None
     try:
@@ -318,12 +322,12 @@ def referenced(key: str, data: bytes | bytearray | memoryview) -> tuple[manifest
     return manifest, keys
 
 
-def missing_references(upstream: Store, key: str, data: bytes | bytearray | memoryview) -> list[str]:
-    """(Thread) For a manifest or squash: the packs and blobs it names that ``upstream``
-    lacks, and for a delta's manifest its parent's manifest, so a broken or hostile publisher
-    cannot commit a version that cannot be pulled (nor one a concurrent gc took the base of:
-    the check right before the write, the publisher's own check before its commit)."""
-    parsed = referenced(key, data)
+def missing_references(upstream: Store, key: str, parsed: Referenced | None) -> list[str]:
+    """(Thread) For a manifest or squash (``parsed``: :func:`referenced`): the packs and blobs
+    it names that ``upstream`` lacks, and for a delta's manifest its parent's manifest, so a
+    broken or hostile publisher cannot commit a version that cannot be pulled (nor one a
+    concurrent gc took the base of: the check right before the write, the publisher's own
+    check before its commit)."""
     if parsed is None:
         return []
     manifest, keys = parsed
@@ -422,16 +426,14 @@ class Uploads:
             if not waits and self.receiving.get(first.key) is waits:
                 del self.receiving[first.key]
 
-    async def references_landed(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    async def references_landed(self, keys: list[str]) -> None:
         """Before a manifest's check (:func:`missing_references`): wait for the uploads being
-        received right now of the packs and blobs it names, so that a publisher may send its
-        manifest while its last packs are still on their way (``wire.UPLOAD_WAITS``) and the
-        check still finds them. Each such upload holds its turn and has its own deadlines; a
-        pack whose upload has not begun, or that fails, is missing to the check as before."""
-        if not _MANIFEST_KEY.match(key) or not self.receiving:
-            return
-        parsed = await self.in_thread(referenced, key, data)
-        waits = [f for k in (parsed[1] if parsed is not None else ()) for f in self.receiving.get(k, ())]
+        received right now of the packs and blobs it names (``keys``), so that a publisher may
+        send its manifest while its last packs are still on their way (``wire.UPLOAD_WAITS``)
+        and the check still finds them. Each such upload holds its turn and has its own
+        deadlines; a pack whose upload has not begun, or that fails, is missing to the check as
+        before."""
+        waits = [f for k in keys for f in self.receiving.get(k, ())]
         if waits:
             self.waited += 1
             await asyncio.wait(waits)
@@ -549,37 +551,40 @@ class Uploads:
         if received != size:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
         if data is not None:  # the bytearray itself: a copy would double the memory an upload holds
-            await self.references_landed(key, data)
-            await self.in_thread(self._store_upload, key, data, first.if_absent, bytes(first.digest))
+            await self._store(key, data, first.if_absent, bytes(first.digest))
         else:
             assert spool is not None
-            if _MANIFEST_KEY.match(key):  # (a manifest of a very large model)
-                view = spool.view()
-                try:
-                    await self.references_landed(key, view)
-                finally:
-                    with contextlib.suppress(BufferError):
-                        view.release()
-            await self.in_thread(self._store_spooled, key, spool, first.if_absent, bytes(first.digest))
+            view = await self.in_thread(spool.view)
+            try:
+                await self._store(key, view, first.if_absent, bytes(first.digest))
+            finally:
+                with contextlib.suppress(BufferError):
+                    view.release()
         if self.on_stored is not None:
             self.on_stored(key)
 
-    def _store_spooled(self, key: str, spool: Spool, if_absent: bool, announced: bytes) -> None:
-        view = spool.view()
-        try:
-            self._store_upload(key, view, if_absent, announced)
-        finally:
-            with contextlib.suppress(BufferError):
-                view.release()
+    async def _store(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool, announced: bytes) -> None:
+        """Check a complete upload (:meth:`_checked`), wait for the uploads being received of
+        what a manifest names (:meth:`references_landed`), then write it (:meth:`_write`)."""
+        parsed = await self.in_thread(self._checked, key, data, announced)
+        if parsed is not None:
+            await self.references_landed(parsed[1])
+        await self.in_thread(self._write, key, data, if_absent, parsed)
 
-    def _store_upload(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool, announced: bytes) -> None:
-        """(Thread) Check a complete upload, then write it upstream in one atomic put."""
+    def _checked(self, key: str, data: bytes | bytearray | memoryview, announced: bytes) -> Referenced | None:
+        """(Thread) Refused unless ``data`` is the object its header announced and its key names;
+        for a manifest or squash, what it names (:func:`referenced`)."""
         if announced and digest(data) != announced:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} does not match the digest its header announced")
         problem = content_problem(key, data)
         if problem is not None:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} refused: {problem}")
-        missing = missing_references(self.upstream, key, data)
+        return referenced(key, data)
+
+    def _write(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool, parsed: Referenced | None) -> None:
+        """(Thread) Write a checked upload upstream in one atomic put, a manifest only if every
+        object it names is there."""
+        missing = missing_references(self.upstream, key, parsed)
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise Refused(
