@@ -51,7 +51,9 @@ class Counted:
 
 
 @pytest.fixture
-def tree(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path, Counted, Any]]:
+def tree(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path, Counted, Any, Any]]:
+    """A repository, a root relay over it, and a cluster relay over the root (``request.param``:
+    its options), the cluster relay's reads of the root counted: (repo, counted, cluster, root)."""
     repo = tmp_path / "origin"
     Repository(str(repo)).create()
     top = build_server(str(repo), "127.0.0.1:0", tmp_path / "cache-root").start()
@@ -59,7 +61,7 @@ def tree(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path,
     counted = Counted(upstream)
     cluster = build_server(upstream, "127.0.0.1:0", tmp_path / "cache-cluster", **request.param).start()
     try:
-        yield repo, counted, cluster
+        yield repo, counted, cluster, top
     finally:
         cluster.stop(grace=0)
         top.stop(grace=0)
@@ -86,7 +88,7 @@ def _reader_reads(store: GrpcStore, version: int) -> None:
 
 @pytest.mark.parametrize("tree", [{"push_bytes": 0}], indirect=True)  # (pushed packs: test_relay_push.py)
 def test_a_new_version_costs_the_cluster_relay_its_manifest_and_packs_only(tree: Any) -> None:
-    repo, counted, cluster = tree
+    repo, counted, cluster, _ = tree
     pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
     reader = GrpcStore(f"grpc://{cluster.address}")
     watch = reader.watch(0)
@@ -113,7 +115,7 @@ def test_a_new_version_costs_the_cluster_relay_its_manifest_and_packs_only(tree:
 
 @pytest.mark.parametrize("tree", [{"hint_ttl": 0.0}], indirect=True)
 def test_without_hints_the_reads_go_upstream_as_before(tree: Any) -> None:
-    repo, counted, cluster = tree
+    repo, counted, cluster, _ = tree
     pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
     reader = GrpcStore(f"grpc://{cluster.address}")
     watch = reader.watch(0)
@@ -131,7 +133,7 @@ def test_without_hints_the_reads_go_upstream_as_before(tree: Any) -> None:
 
 @pytest.mark.parametrize("tree", [{}], indirect=True)
 def test_a_pin_moved_is_served_from_the_upstream_once_the_hints_expire(tree: Any) -> None:
-    repo, _, cluster = tree
+    repo, _, cluster, _ = tree
     cluster_cfg_ttl = 3.0
     pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
     reader = GrpcStore(f"grpc://{cluster.address}")
@@ -151,7 +153,7 @@ def test_a_pin_moved_is_served_from_the_upstream_once_the_hints_expire(tree: Any
 def test_a_ref_read_naming_a_newer_version_starts_its_warming(tree: Any) -> None:
     # A polling reader learns of a version before any Watch event: its manifest and packs are
     # fetched from the moment the relay passes the ref on, the reader's reads joining them.
-    repo, counted, cluster = tree
+    repo, counted, cluster, _ = tree
     pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
     pub.publish(_state(1))
     reader = GrpcStore(f"grpc://{cluster.address}")

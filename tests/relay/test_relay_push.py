@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_relay_hints import Counted, _next_version, _reader_reads, _state
+from test_relay import wait_until
+from test_relay_hints import (
+    Counted,
+    _next_version,
+    _reader_reads,
+    _state,
+    tree as tree,  # the fixture
+)
 
 import deltasync
 from deltasync.format.digest import digest
-from deltasync.relay import build_server, push
+from deltasync.relay import push
 from deltasync.relay.push import PushedPacks
 from deltasync.repo.repository import Repository
 from deltasync.storage import MemoryStore
@@ -27,49 +33,36 @@ from deltasync.v1 import relay_pb2 as pb
 MiB = 1 << 20
 
 
-@pytest.fixture
-def tree(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path, Counted, Any, Any]]:
-    repo = tmp_path / "origin"
-    Repository(str(repo)).create()
-    top = build_server(str(repo), "127.0.0.1:0", tmp_path / "cache-root").start()
-    upstream = GrpcStore(f"grpc://{top.address}")
-    counted = Counted(upstream)
-    cluster = build_server(upstream, "127.0.0.1:0", tmp_path / "cache-cluster", **request.param).start()
+def _second_version(repo: Path, reader: GrpcStore, counted: Counted, root: Any) -> int:
+    """Versions 1 and 2 published and read through the cluster relay, as an agent reads them;
+    the link's reads counted from version 2 only (the cluster relay may learn of version 1
+    from its first poll, of version 2 from the stream it follows). The root relay's
+    ``pushed_bytes`` before version 2."""
+    pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
+    watch = reader.watch(0)
     try:
-        yield repo, counted, cluster, top
+        pub.publish(_state(1))
+        _next_version(watch, 1)
+        _reader_reads(reader, 1)
+        counted.take()
+        before = int(root.metrics()["pushed_bytes"])
+        pub.publish(_state(2))
+        _next_version(watch, 2)
+        _reader_reads(reader, 2)  # each pack read whole through the cluster relay, sizes checked
     finally:
-        cluster.stop(grace=0)
-        top.stop(grace=0)
-
-
-def _wait_for(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+        watch.close()
+    return before
 
 
 @pytest.mark.parametrize("tree", [{}], indirect=True)
 def test_a_new_versions_packs_come_with_its_event(tree: Any) -> None:
     repo, counted, cluster, top = tree
-    pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
     reader = GrpcStore(f"grpc://{cluster.address}")
-    watch = reader.watch(0)
-    try:
-        pub.publish(_state(1))
-        _next_version(watch, 1)  # (the cluster relay may learn of this one from its first poll)
-        _reader_reads(reader, 1)
-        counted.take()
-        pushed_before = top.metrics()["pushed_bytes"]
-        pub.publish(_state(2))  # announced on the stream the cluster relay follows
-        _next_version(watch, 2)
-        _reader_reads(reader, 2)  # each pack read whole through the cluster relay, sizes checked
-        packs = Repository(str(repo)).manifest(2).pb.packs
-        for p in packs:  # the bytes the reader gets are the pack's own
-            assert f"packs/{digest(reader.get(p.key)).hex()}.pack" == p.key
-        _wait_for(lambda: cluster.metrics()["push_landed"] >= len(packs), "the pushes landed")
-    finally:
-        watch.close()
+    pushed_before = _second_version(repo, reader, counted, top)
+    packs = Repository(str(repo)).manifest(2).pb.packs
+    for p in packs:  # the bytes the reader gets are the pack's own
+        assert f"packs/{digest(reader.get(p.key)).hex()}.pack" == p.key
+    wait_until(lambda: cluster.metrics()["push_landed"] >= len(packs), timeout=10)
     crossed = [k for op, k in counted.take() if op == "get" and k.startswith("packs/")]
     assert crossed == []  # no pack was asked for across the link: all came on the stream
     assert cluster.metrics()["push_missed"] == 0
@@ -83,19 +76,7 @@ def test_a_new_versions_packs_come_with_its_event(tree: Any) -> None:
 @pytest.mark.parametrize("tree", [{"push_bytes": 1 * MiB}], indirect=True)
 def test_packs_over_the_push_size_are_read_as_before(tree: Any) -> None:
     repo, counted, cluster, top = tree
-    pub = deltasync.Publisher(str(repo), deltasync.PublisherConfig(progress=False))
-    reader = GrpcStore(f"grpc://{cluster.address}")
-    watch = reader.watch(0)
-    try:
-        pub.publish(_state(1))
-        _next_version(watch, 1)
-        _reader_reads(reader, 1)
-        counted.take()
-        pub.publish(_state(2))  # packs of over the 1 MiB asked for
-        _next_version(watch, 2)
-        _reader_reads(reader, 2)
-    finally:
-        watch.close()
+    _second_version(repo, GrpcStore(f"grpc://{cluster.address}"), counted, top)  # packs of over the 1 MiB asked for
     assert any(op == "get" and k.startswith("packs/") for op, k in counted.take())
     assert top.metrics()["pushed_bytes"] == 0
     assert cluster.metrics()["push_landed"] == 0
