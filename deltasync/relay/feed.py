@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import CorruptObjectError, DeltasyncError, ObjectNotFoundError, ObjectTooLargeError
 from ..format.manifest import BLOB_PART_SIZE, manifest_key, parse_manifest
@@ -35,10 +35,12 @@ from .fetch import Fetches, InThread
 from .push import PushedPacks
 
 log = logging.getLogger("deltasync.relay")
+T = TypeVar("T")
 
 _RECENT = 4096  # versions a feed remembers, to send each new one to watchers in order
 _IDLE_STOP = 30.0  # seconds without watchers after which a feed stops polling the upstream
 _WARM_BACKLOG = 8  # newest versions of one feed update that are warmed (older ones: on demand)
+_PER_VERSION = 8  # versions whose event copies and push plans are kept, for watchers behind
 #: What an event for a new version carries copies of (module doc): objects, and listed prefixes.
 COPIED = (PIN, LATEST, MARKER, SQUASHES)
 _COPY_BYTES = 64 << 10  # a larger ref or marker is not copied (readers ask for it as before)
@@ -142,25 +144,13 @@ class VersionFeed:
         """(Loop) The copies to send with the event for ``version``, gathered once per version
         for every watcher: the upstream relay's (fresh, as they came), else, over a
         repository, read there now; none over a relay that sent none."""
-        task = self._copies.get(version)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._gather(version))
-            self._copies[version] = task
-            for old in sorted(self._copies)[:-8]:
-                del self._copies[old]
-        return task
+        return _once(self._copies, version, self._gather)
 
     def push_plan(self, version: int) -> asyncio.Task[list[pb.PushedObject]]:
         """(Loop) The packs of ``version`` to push after its event to a relay that asks
         (relay/push.py): those its manifest names, when the event carries that manifest;
         worked out once per version for every watcher."""
-        task = self._plans.get(version)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._plan(version))
-            self._plans[version] = task
-            for old in sorted(self._plans)[:-8]:
-                del self._plans[old]
-        return task
+        return _once(self._plans, version, self._plan)
 
     async def _plan(self, version: int) -> list[pb.PushedObject]:
         key = manifest_key(version)
@@ -358,6 +348,19 @@ class VersionFeed:
             # Expected before the next message is read: the pushed bytes follow the event.
             pushed = pushes.expect(watch.pushed) if pushes is not None else []
             self._loop.call_soon_threadsafe(self._announced, version, watch.copies, pushed)
+
+
+def _once(tasks: dict[int, asyncio.Task[T]], version: int,
+          work: Callable[[int], Coroutine[Any, Any, T]]) -> asyncio.Task[T]:
+    """(Loop) ``work(version)`` begun once for every watcher, kept in ``tasks`` for the newest
+    :data:`_PER_VERSION` versions."""
+    task = tasks.get(version)
+    if task is None:
+        task = asyncio.get_running_loop().create_task(work(version))
+        tasks[version] = task
+        for old in sorted(tasks)[:-_PER_VERSION]:
+            del tasks[old]
+    return task
 
 
 def _discard(pushes: PushedPacks, key: str, _done: object) -> None:
