@@ -202,6 +202,10 @@ if dist.get_rank() == 0:
     torch.save(full, {final!r})
 kinds = sorted({{type(v).__name__ for v in sd.values()}})
 print(f"rank {{dist.get_rank()}} kinds {{kinds}} published {{[int(r) for r in cb.results]}}", flush=True)  # one write
+# both ranks leave together and close their groups: a gloo rank whose peer has already exited can abort
+# in its threads at interpreter exit ("terminate called without an active exception")
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
