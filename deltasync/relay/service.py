@@ -40,7 +40,7 @@ from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
 from .push import PushedPacks
 from .shares import PEER_METADATA
-from .uploads import SESSION_IDLE_SECONDS, Budget, Refused, SendCredit, Session, Uploads, piece_data
+from .uploads import SESSION_IDLE_SECONDS, Budget, MissingReferences, Refused, SendCredit, Session, Uploads, piece_data
 
 log = logging.getLogger("deltasync.relay")
 
@@ -122,6 +122,7 @@ class RelayService:
             following_upstream=int(self.feed.running),
         )
         out["manifest_waits"] = self.uploads.waited  # manifests whose check waited for their packs' uploads
+        out["manifest_rechecks"] = self.uploads.rechecked  # checked again after another upload ended
         pushes = self.feed.pushes
         if pushes is not None:  # packs the upstream relay pushed: taken from the push, or read after all
             out.update(push_landed=pushes.landed, push_missed=pushes.missed)
@@ -383,7 +384,11 @@ class RelayService:
                 await self.uploads.take(first, _pieces(messages, data_of), send_credit, session)
             except Refused as e:
                 self.counters["uploads_refused"] += 1
-                log.warning("refused upload of %s: %s", key or "?", e.message)
+                # A manifest that came ahead of a pack it names (which a publisher sends while
+                # its last packs are on their way, wire.UPLOAD_WAITS) is put again once they are
+                # stored: the publisher raises if the pack never comes. Not a warning here.
+                log.log(logging.INFO if isinstance(e, MissingReferences) else logging.WARNING,
+                        "refused upload of %s: %s", key or "?", e.message)
                 await context.abort(e.code, e.message)
             except Exception as e:
                 await self._abort(context, e, key or None)

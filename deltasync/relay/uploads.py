@@ -54,6 +54,11 @@ from .fetch import InThread
 _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
 
 
+MANIFEST_WAIT_SECONDS = 10.0
+"""How long a manifest whose packs are missing may wait, holding its turn, for the uploads this
+relay is receiving meanwhile to bring them (:meth:`Uploads._another_landed`) before it is
+refused."""
+
 #: Uploads larger than this are always spooled to a file as they arrive (a pack, typically).
 SPOOL_BYTES = 4 << 20
 UPLOAD_WINDOW_BYTES = 32 << 20
@@ -299,6 +304,16 @@ class Refused(Exception):
         self.message = message
 
 
+class MissingReferences(Refused):
+    """A manifest or squash that names objects the repository lacks (``missing``)."""
+
+    def __init__(self, key: str, missing: list[str]) -> None:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"{key} names objects the repository lacks ({missing[0]}{more}): upload them before the manifest")
+        self.missing = missing
+
+
 #: A manifest or squash as uploaded: it parsed, and the keys of the packs and blobs it names, sorted.
 Referenced = tuple[manifest_pb.Manifest, list[str]]
 
@@ -407,6 +422,7 @@ class Uploads:
         self.receiving: dict[str, list[asyncio.Future[None]]] = {}
         """Keys being received (holding their turn), each done when its upload ends, stored or not."""
         self.waited = 0
+        self.rechecked = 0  # manifests checked again after another upload ended (_another_landed)
         """Manifests whose check waited for the uploads of objects they name (references_landed)."""
 
     def start(self) -> None:
@@ -567,9 +583,36 @@ class Uploads:
         """Check a complete upload (:meth:`_checked`), wait for the uploads being received of
         what a manifest names (:meth:`references_landed`), then write it (:meth:`_write`)."""
         parsed = await self.in_thread(self._checked, key, data, announced)
-        if parsed is not None:
-            await self.references_landed(parsed[1])
-        await self.in_thread(self._write, key, data, if_absent, parsed)
+        if parsed is None:
+            await self.in_thread(self._write, key, data, if_absent, None)
+            return
+        await self.references_landed(parsed[1])
+        until = asyncio.get_running_loop().time() + MANIFEST_WAIT_SECONDS
+        while True:
+            try:
+                await self.in_thread(self._write, key, data, if_absent, parsed)
+                return
+            except MissingReferences as e:
+                if not await self._another_landed(key, e.missing, until):
+                    raise
+
+    async def _another_landed(self, key: str, missing: list[str], until: float) -> bool:
+        """A manifest (``key``) whose check found ``missing``: whether to check it again, once
+        another of the uploads this relay is receiving has ended (before ``until``). A pack it
+        names may be queued behind that one on its upload session, its header not read yet
+        (objects of a session are taken in order): it begins when the one before it ends, and
+        :meth:`references_landed` then waits for it. False at once when nothing else is being
+        received (the manifest is refused as before); only uploads that hold their turn are
+        waited for, so manifests waiting cannot hold up the packs they wait for."""
+        loop = asyncio.get_running_loop()
+        others = [f for k, waits in self.receiving.items() if k != key for f in waits]
+        if not others or loop.time() >= until:
+            return False
+        self.rechecked += 1
+        await asyncio.wait(others, timeout=until - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0)  # the session behind it takes its next header meanwhile
+        await self.references_landed(missing)
+        return True
 
     def _checked(self, key: str, data: bytes | bytearray | memoryview, announced: bytes) -> Referenced | None:
         """(Thread) Refused unless ``data`` is the object its header announced and its key names;
@@ -586,11 +629,7 @@ class Uploads:
         object it names is there."""
         missing = missing_references(self.upstream, key, parsed)
         if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{key} names objects the repository lacks ({missing[0]}{more}): upload them before the manifest",
-            )
+            raise MissingReferences(key, missing)
         if self.quota is None:
             self.upstream.put(key, data, if_absent=if_absent)
         else:

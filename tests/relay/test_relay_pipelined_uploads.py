@@ -11,7 +11,9 @@
   publisher committed meanwhile, removes what it uploaded and commits a snapshot on the latest.
 * A relay that says it waits for the uploads it is receiving of what a manifest names gets the
   manifest while the last packs are still on their way: it checks once they are stored; one
-  that fails makes the publish fail with nothing visible and the attempt's packs removed.
+  that fails makes the publish fail with nothing visible and the attempt's packs removed. A
+  manifest whose pack has not begun is checked again when another upload being received ends:
+  written when the pack came meanwhile, refused when it never came.
 """
 
 from __future__ import annotations
@@ -386,3 +388,54 @@ def test_a_pack_failing_while_its_manifest_waits_is_sent_again_or_fails_the_publ
     store.close()
     assert not origin.exists(manifest_key(2))  # nothing visible
     assert set(origin.list("packs/")) == before  # the attempt's packs removed
+
+
+@pytest.mark.parametrize("pack_comes", [True, False])
+def test_a_manifest_is_checked_again_when_another_upload_ends_and_refused_if_its_pack_never_came(
+        tmp_path: Path, start_relay: StartRelay, pack_comes: bool) -> None:
+    # The manifest comes while another upload is being received and its own pack has not begun
+    # (queued behind that one on its session, say): the relay checks it again once that upload
+    # ends, so it is written when its pack came meanwhile, and refused when it did not.
+    from deltasync.errors import StoreError
+
+    origin = _GatedStore(tmp_path / "origin")
+    relay = start_relay(origin)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    try:
+        other, data = os.urandom(CHUNK_BYTES), b"the manifest's pack"
+        key = manifest_key(1)
+        manifest = _manifest(1, packs=[manifest_pb.Pack(key=pack_key(data), size=len(data))])
+        held = threading.Thread(target=store.put, args=(pack_key(other), other))
+        held.start()  # its write waits for the gate: the relay is receiving it meanwhile
+        wait_until(lambda: pack_key(other) in _service(relay).uploads.receiving)  # type: ignore[attr-defined]
+        outcome: list[BaseException | None] = []
+
+        def put_manifest() -> None:
+            try:
+                store.put(key, manifest, if_absent=True)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        putter = threading.Thread(target=put_manifest)
+        putter.start()
+        wait_until(lambda: relay.metrics()["manifest_rechecks"] == 1)  # missing; waiting for the other to end
+        assert not origin.exists(key) and not outcome
+        pack = threading.Thread(target=store.put, args=(pack_key(data), data), kwargs={"if_absent": True})
+        if pack_comes:  # it begins while the manifest waits, its write held at the gate too
+            pack.start()
+            wait_until(lambda: pack_key(data) in _service(relay).uploads.receiving)  # type: ignore[attr-defined]
+        origin.gate.set()
+        held.join()
+        putter.join()
+        if pack_comes:
+            pack.join()
+            assert outcome == [None], outcome
+            assert origin.get(key) == manifest
+        else:
+            assert isinstance(outcome[0], StoreError) and "names objects the repository lacks" in str(outcome[0])
+            assert not origin.exists(key)
+            assert relay.metrics()["manifest_rechecks"] == 1  # once: nothing else was being received
+    finally:
+        origin.gate.set()
+        store.close()
