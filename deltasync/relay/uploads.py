@@ -422,8 +422,9 @@ class Uploads:
         self.receiving: dict[str, list[asyncio.Future[None]]] = {}
         """Keys being received (holding their turn), each done when its upload ends, stored or not."""
         self.waited = 0
-        self.rechecked = 0  # manifests checked again after another upload ended (_another_landed)
         """Manifests whose check waited for the uploads of objects they name (references_landed)."""
+        self.rechecked = 0
+        """Manifests checked again once another upload ended (_another_landed)."""
 
     def start(self) -> None:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
@@ -593,19 +594,20 @@ class Uploads:
                 await self.in_thread(self._write, key, data, if_absent, parsed)
                 return
             except MissingReferences as e:
-                if not await self._another_landed(key, e.missing, until):
+                if not await self._another_landed(e.missing, until):
                     raise
 
-    async def _another_landed(self, key: str, missing: list[str], until: float) -> bool:
-        """A manifest (``key``) whose check found ``missing``: whether to check it again, once
+    async def _another_landed(self, missing: list[str], until: float) -> bool:
+        """A manifest whose check found ``missing``: whether to check it again, once
         another of the uploads this relay is receiving has ended (before ``until``). A pack it
         names may be queued behind that one on its upload session, its header not read yet
         (objects of a session are taken in order): it begins when the one before it ends, and
-        :meth:`references_landed` then waits for it. False at once when nothing else is being
-        received (the manifest is refused as before); only uploads that hold their turn are
-        waited for, so manifests waiting cannot hold up the packs they wait for."""
+        :meth:`references_landed` then waits for it. False at once when no pack or blob is
+        being received (the manifest is refused as before). Only such uploads are waited for:
+        each holds its turn and ends by its own deadlines, and none of them waits for a
+        manifest, so manifests waiting at once cannot wait for each other."""
         loop = asyncio.get_running_loop()
-        others = [f for k, waits in self.receiving.items() if k != key for f in waits]
+        others = [f for k, waits in self.receiving.items() if not _MANIFEST_KEY.match(k) for f in waits]
         if not others or loop.time() >= until:
             return False
         self.rechecked += 1

@@ -439,3 +439,43 @@ def test_a_manifest_is_checked_again_when_another_upload_ends_and_refused_if_its
     finally:
         origin.gate.set()
         store.close()
+
+
+def test_manifests_being_received_are_not_waited_for(tmp_path: Path, start_relay: StartRelay) -> None:
+    # Another manifest still on its way (its client stalled mid-upload) is no reason to check a
+    # manifest missing a pack again: only packs and blobs are waited for, so two manifests
+    # cannot wait for each other. The complete one is refused at once.
+    import grpc
+
+    from deltasync.errors import StoreError
+    from deltasync.v1 import relay_pb2 as pb
+
+    origin = LocalStore(tmp_path / "origin")
+    relay = start_relay(origin)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    channel = grpc.insecure_channel(relay.address)
+    put = channel.stream_unary("/deltasync.v1.Relay/Put", request_serializer=pb.PutChunk.SerializeToString,
+                               response_deserializer=pb.PutResponse.FromString)
+    stalled = _manifest(2, packs=[manifest_pb.Pack(key=pack_key(b"other"), size=5)])
+    go = threading.Event()
+
+    def requests() -> Iterator[pb.PutChunk]:
+        yield pb.PutChunk(key=manifest_key(2), total_bytes=len(stalled), data=stalled[:10])
+        go.wait(30)
+        yield pb.PutChunk(data=stalled[10:])
+
+    call = put.future(requests(), metadata=[("authorization", f"Bearer {WRITE}")], timeout=60)
+    try:
+        wait_until(lambda: manifest_key(2) in _service(relay).uploads.receiving)  # type: ignore[attr-defined]
+        manifest = _manifest(1, packs=[manifest_pb.Pack(key=pack_key(b"missing"), size=7)])
+        with pytest.raises(StoreError, match="names objects the repository lacks"):
+            store.put(manifest_key(1), manifest, if_absent=True)
+        assert relay.metrics()["manifest_rechecks"] == 0
+        assert manifest_key(2) in _service(relay).uploads.receiving  # type: ignore[attr-defined]  # still stalled
+    finally:
+        go.set()
+        with contextlib.suppress(grpc.RpcError):
+            call.result()  # refused in its turn: its pack is missing too
+        channel.close()
+        store.close()
+    assert not origin.exists(manifest_key(1)) and not origin.exists(manifest_key(2))
