@@ -218,11 +218,12 @@ def test_old_puts_past_the_budget_are_refused_not_parked(start: Callable[..., _R
         go.wait(60)
         yield pb.PutChunk(data=held[MIB:])
 
-    first = put.future(stalled(), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=60)
+    first = put.future(stalled(), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=60, wait_for_ready=True)
     try:
         deadline = time.monotonic() + 30
         errors: list[str] = []
         while time.monotonic() < deadline:  # until the first call holds its window
+            assert not first.done(), f"the held Put ended early: {first.exception()}"
             errors.clear()
             _upload(relay.address, os.urandom(MIB), errors)
             if errors:
