@@ -118,6 +118,10 @@ def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool
     server = build_server(source, listen, cache, **options).start()  # the defaults fill a long link
     conn.send(server.address)
     conn.recv()
+    counts = server.metrics()
+    if counts.get("uploads_refused"):  # manifests that came ahead of a pack (logged at info): counted here
+        print(f"  relay {server.address}: {counts['uploads_refused']} uploads refused, "
+              f"{counts['manifest_rechecks']} manifests checked again", flush=True)
     server.stop(grace=0)
 
 
