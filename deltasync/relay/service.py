@@ -40,7 +40,7 @@ from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
 from .push import PushedPacks
 from .shares import PEER_METADATA
-from .uploads import SESSION_IDLE_SECONDS, Budget, MissingReferences, Refused, SendCredit, Session, Uploads, piece_data
+from .uploads import SESSION_IDLE_SECONDS, Budget, Refused, SendCredit, Session, Uploads, piece_data
 
 log = logging.getLogger("deltasync.relay")
 
@@ -384,11 +384,7 @@ class RelayService:
                 await self.uploads.take(first, _pieces(messages, data_of), send_credit, session)
             except Refused as e:
                 self.counters["uploads_refused"] += 1
-                # A manifest that came ahead of a pack it names (which a publisher sends while
-                # its last packs are on their way, wire.UPLOAD_WAITS) is put again once they are
-                # stored: the publisher raises if the pack never comes. Not a warning here.
-                log.log(logging.INFO if isinstance(e, MissingReferences) else logging.WARNING,
-                        "refused upload of %s: %s", key or "?", e.message)
+                log.log(e.log_level, "refused upload of %s: %s", key or "?", e.message)
                 await context.abort(e.code, e.message)
             except Exception as e:
                 await self._abort(context, e, key or None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import mmap
 import os
 import re
@@ -298,6 +299,9 @@ class Spool:
 class Refused(Exception):
     """An upload the relay will not write, with the status code that says why."""
 
+    log_level = logging.WARNING
+    """How the relay logs it."""
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
@@ -306,6 +310,11 @@ class Refused(Exception):
 
 class MissingReferences(Refused):
     """A manifest or squash that names objects the repository lacks (``missing``)."""
+
+    # One that came ahead of a pack it names (a publisher sends it while its last packs are on
+    # their way, wire.UPLOAD_WAITS) is put again once they are stored; the publisher raises
+    # if the pack never comes. Not a warning.
+    log_level = logging.INFO
 
     def __init__(self, key: str, missing: list[str]) -> None:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

@@ -45,7 +45,7 @@ from deltasync.relay.server import RelayServer
 from deltasync.storage import LocalStore, Store, WrappingStore
 from deltasync.storage._grpc import GrpcStore
 from deltasync.storage._grpc_upload import UploadSession
-from deltasync.storage.wire import CHUNK_BYTES
+from deltasync.storage.wire import CHUNK_BYTES, method_path
 from deltasync.v1 import manifest_pb2 as manifest_pb
 
 LAYOUT = (("model.embed.weight", (256, 256), torch.bfloat16), ("model.norm.bias", (256,), torch.float32))
@@ -454,7 +454,7 @@ def test_manifests_being_received_are_not_waited_for(tmp_path: Path, start_relay
     relay = start_relay(origin)
     store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
     channel = grpc.insecure_channel(relay.address)
-    put = channel.stream_unary("/deltasync.v1.Relay/Put", request_serializer=pb.PutChunk.SerializeToString,
+    put = channel.stream_unary(method_path("Put"), request_serializer=pb.PutChunk.SerializeToString,
                                response_deserializer=pb.PutResponse.FromString)
     stalled = _manifest(2, packs=[manifest_pb.Pack(key=pack_key(b"other"), size=5)])
     go = threading.Event()
