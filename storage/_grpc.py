@@ -91,6 +91,8 @@ FAILOVER_CODES = frozenset(
 WRITE_FAILOVER_CODES = FAILOVER_CODES - {grpc.StatusCode.RESOURCE_EXHAUSTED}
 #: Keys whose reads are spread over the relays named by their hash (immutable objects).
 _SHARDED_READS = ("packs/", "blobs/", "manifests/", "squashes/")
+#: Keys of objects that name others, which a relay checks are there (``references_pending``).
+_REFERRING = ("manifests/", "squashes/")
 #: Uploads a writable store keeps in flight per relay named (threads; they pipeline on its
 #: upload sessions, so the bytes they hold, not their count, is what fills a long link).
 UPLOADS_PER_RELAY = 8
@@ -458,9 +460,14 @@ class GrpcStore(Store):
             for offset in range(CHUNK_BYTES, size, CHUNK_BYTES):
                 yield pb.PutChunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
 
-        # A small object goes whole in the header, before any credit: one round trip.
+        # A small object goes whole in the header, before any credit: one round trip. A manifest
+        # put while this store's other uploads are on their way (a publisher sends it beside its
+        # last packs, Store.orders_references) says so: a relay then waits for what it names to
+        # land, here or through another relay, rather than refusing it at once.
+        with self._sending_lock:
+            pending = key.startswith(_REFERRING) and any(self._sending)
         header = pb.PutChunk(key=key, total_bytes=size, if_absent=if_absent, digest=announced,
-                             data=bytes(view) if size <= UNCREDITED_BYTES else b"")
+                             data=bytes(view) if size <= UNCREDITED_BYTES else b"", references_pending=pending)
         tries = 0
 
         def attempt(relay: _Relay) -> None:

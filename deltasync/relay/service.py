@@ -40,7 +40,7 @@ from .feed import VersionFeed, Warmer
 from .fetch import Fetches, FetchFailed, Source
 from .push import PushedPacks
 from .shares import PEER_METADATA
-from .uploads import SESSION_IDLE_SECONDS, Budget, Refused, SendCredit, Session, Uploads, piece_data
+from .uploads import SESSION_IDLE_SECONDS, Budget, Refused, SendCredit, Session, Turn, Uploads, piece_data
 
 log = logging.getLogger("deltasync.relay")
 
@@ -123,6 +123,7 @@ class RelayService:
         )
         out["manifest_waits"] = self.uploads.waited  # manifests whose check waited for their packs' uploads
         out["manifest_rechecks"] = self.uploads.rechecked  # checked again after another upload ended
+        out["manifest_pending_waits"] = self.uploads.pending_waited  # waited for packs said to be on their way
         pushes = self.feed.pushes
         if pushes is not None:  # packs the upstream relay pushed: taken from the push, or read after all
             out.update(push_landed=pushes.landed, push_missed=pushes.missed)
@@ -371,8 +372,8 @@ class RelayService:
         assert self.uploads.turn is not None
         key = ""
         size = 0
-        turn = self.uploads.turn
-        await self.uploads.budget.turn(turn)  # bounds the spool: max_uploads objects received at once
+        turn = Turn(self.uploads.turn, self.uploads.budget)
+        await turn.take()  # bounds the spool: max_uploads objects received at once
         try:
             try:
                 messages = aiter(requests)
@@ -381,7 +382,7 @@ class RelayService:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload (no header)")
                 first = head if isinstance(head, pb.PutChunk) else _header(head)
                 key, size = first.key, first.total_bytes
-                await self.uploads.take(first, _pieces(messages, data_of), send_credit, session)
+                await self.uploads.take(first, _pieces(messages, data_of), send_credit, session, turn)
             except Refused as e:
                 self.counters["uploads_refused"] += 1
                 log.log(e.log_level, "refused upload of %s: %s", key or "?", e.message)
@@ -389,7 +390,7 @@ class RelayService:
             except Exception as e:
                 await self._abort(context, e, key or None)
         finally:
-            turn.release()
+            turn.give()
         return size
 
     async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:

@@ -56,9 +56,14 @@ _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$
 
 
 MANIFEST_WAIT_SECONDS = 10.0
-"""How long a manifest whose packs are missing may wait, holding its turn, for the uploads this
-relay is receiving meanwhile to bring them (:meth:`Uploads._another_landed`) before it is
-refused."""
+"""How long a manifest whose packs are missing may wait for them before it is refused: holding
+its turn, for the uploads this relay is receiving meanwhile (:meth:`Uploads._another_landed`);
+or, when its header says they are on their way (``references_pending``), without its turn, for
+them to land here or in the repository through another relay (:meth:`Uploads._pending_landed`)."""
+PENDING_POLL_SECONDS = (0.005, 0.05)
+"""How often a manifest whose packs are on their way looks for them in the repository (they may
+come through another relay): first after 5 ms, then each time twice as long, at most every 50 ms
+(on S3, a request per missing object each time)."""
 
 #: Uploads larger than this are always spooled to a file as they arrive (a pack, typically).
 SPOOL_BYTES = 4 << 20
@@ -140,6 +145,35 @@ class Budget:
         for waiter in waiters:  # each looks again; those that still do not fit wait again
             if not waiter.done():
                 waiter.set_result(None)
+
+
+class Turn:
+    """(Loop) One upload's place among the ``max_uploads`` received at once (``places``): taken
+    before its header is read, given back when it ends, and lent while a manifest waits for
+    packs on their way (:meth:`lent`), which may need a place to arrive."""
+
+    def __init__(self, places: asyncio.Semaphore, budget: Budget) -> None:
+        self.places = places
+        self.budget = budget
+        self.held = False
+
+    async def take(self) -> None:
+        await self.budget.turn(self.places)
+        self.held = True
+
+    def give(self) -> None:
+        if self.held:
+            self.held = False
+            self.places.release()
+
+    @contextlib.asynccontextmanager
+    async def lent(self) -> AsyncIterator[None]:
+        """Without the place meanwhile; taken again after, unless what ran without it raised
+        (the upload ends: there is nothing to give back then, nor after a cancellation while
+        it waits for the place again)."""
+        self.give()
+        yield
+        await self.take()
 
 
 class Credit:
@@ -434,23 +468,35 @@ class Uploads:
         """Manifests whose check waited for the uploads of objects they name (references_landed)."""
         self.rechecked = 0
         """Manifests checked again once another upload ended (_another_landed)."""
+        self.pending_waited = 0
+        """Manifests whose packs were on their way and missing at first (_pending_landed)."""
+        self._moved: asyncio.Event | None = None  # set (and replaced) when an upload begins or ends here
 
     def start(self) -> None:
         self.turn = asyncio.Semaphore(self.config.max_uploads)
 
     async def take(self, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
-                   send_credit: SendCredit | None = None, session: Session | None = None) -> None:
-        """:meth:`_take`, the key counted among those :attr:`receiving` meanwhile."""
+                   send_credit: SendCredit | None = None, session: Session | None = None,
+                   turn: Turn | None = None) -> None:
+        """:meth:`_take`, the key counted among those :attr:`receiving` meanwhile. ``turn``: the
+        upload's place, held (lent while a manifest waits for packs on their way)."""
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waits = self.receiving.setdefault(first.key, [])
         waits.append(ended)
+        self._move()
         try:
-            await self._take(first, requests, send_credit, session)
+            await self._take(first, requests, send_credit, session, turn)
         finally:
             ended.set_result(None)
             waits.remove(ended)
             if not waits and self.receiving.get(first.key) is waits:
                 del self.receiving[first.key]
+            self._move()
+
+    def _move(self) -> None:
+        if self._moved is not None:
+            self._moved.set()
+            self._moved = None
 
     async def references_landed(self, keys: list[str]) -> None:
         """Before a manifest's check (:func:`missing_references`): wait for the uploads being
@@ -465,7 +511,8 @@ class Uploads:
             await asyncio.wait(waits)
 
     async def _take(self, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
-                    send_credit: SendCredit | None = None, session: Session | None = None) -> None:
+                    send_credit: SendCredit | None = None, session: Session | None = None,
+                    turn: Turn | None = None) -> None:
         """Check an upload's header (``first``), take its pieces (``requests``: the data of
         each message after the header), check and store it. Refused
         (or the store's error) when it cannot be written. Call holding :attr:`turn`. With
@@ -492,7 +539,7 @@ class Uploads:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"upload of {key} sent {len(first.data):,} bytes before any credit")
         if session is not None:
-            await self._take_in_session(key, size, first, requests, session, whole)
+            await self._take_in_session(key, size, first, requests, session, whole, turn)
             return
         # Created and removed on the event loop itself (a file open and an unlink): an
         # executor job can be cancelled before it runs when the client cancels the
@@ -510,7 +557,7 @@ class Uploads:
             elif credit is not None:
                 granter = asyncio.get_running_loop().create_task(
                     credit.keep_granting(self.budget, size, self.config.upload_window))
-            await self._receive(key, size, first, requests, spool, credit)
+            await self._receive(key, size, first, requests, spool, credit, None, turn)
             if granter is not None:
                 await granter  # done: every byte was granted (its last credit message may be on its way)
                 granter = None
@@ -525,7 +572,8 @@ class Uploads:
                 self.budget.give(size)
 
     async def _take_in_session(self, key: str, size: int, first: pb.PutChunk,
-                               requests: AsyncIterator[bytes | memoryview], session: Session, whole: bool) -> None:
+                               requests: AsyncIterator[bytes | memoryview], session: Session, whole: bool,
+                               turn: Turn | None = None) -> None:
         """An object of an UploadSession: its bytes come under the session's credit, which
         stays taken while they are in memory (a small object, until it is written) and goes
         back as a spooled one's pieces land on disk."""
@@ -535,7 +583,7 @@ class Uploads:
         in_memory = whole or size <= min(SPOOL_BYTES, self.config.upload_window)
         spool = None if in_memory else Spool(self.cache.root / "tmp")
         try:
-            await self._receive(key, size, first, requests, spool, None, session)
+            await self._receive(key, size, first, requests, spool, None, session, turn)
         finally:
             if spool is not None:
                 spool.close()
@@ -544,7 +592,8 @@ class Uploads:
             session.landed_piece(session.received - session.landed)  # what this object held, freed
 
     async def _receive(self, key: str, size: int, first: pb.PutChunk, requests: AsyncIterator[bytes | memoryview],
-                       spool: Spool | None, credit: Credit | None, session: Session | None = None) -> None:
+                       spool: Spool | None, credit: Credit | None, session: Session | None = None,
+                       turn: Turn | None = None) -> None:
         """Take an upload's pieces (into memory, or into ``spool``), then check and store it.
         With ``credit``, a spooled piece's credit goes back to the budget once it is written."""
         data = bytearray(first.data) if spool is None else None
@@ -577,34 +626,78 @@ class Uploads:
         if received != size:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
         if data is not None:  # the bytearray itself: a copy would double the memory an upload holds
-            await self._store(key, data, first.if_absent, bytes(first.digest))
+            await self._store(key, data, first, turn)
         else:
             assert spool is not None
             view = await self.in_thread(spool.view)
             try:
-                await self._store(key, view, first.if_absent, bytes(first.digest))
+                await self._store(key, view, first, turn)
             finally:
                 with contextlib.suppress(BufferError):
                     view.release()
         if self.on_stored is not None:
             self.on_stored(key)
 
-    async def _store(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool, announced: bytes) -> None:
+    async def _store(self, key: str, data: bytes | bytearray | memoryview, first: pb.PutChunk,
+                     turn: Turn | None = None) -> None:
         """Check a complete upload (:meth:`_checked`), wait for the uploads being received of
-        what a manifest names (:meth:`references_landed`), then write it (:meth:`_write`)."""
-        parsed = await self.in_thread(self._checked, key, data, announced)
+        what a manifest names (:meth:`references_landed`), then write it (:meth:`_write`); a
+        manifest missing some is checked again when they may have come (:meth:`_pending_landed`
+        when its header says they are on their way, else :meth:`_another_landed`)."""
+        if_absent = first.if_absent
+        parsed = await self.in_thread(self._checked, key, data, bytes(first.digest))
         if parsed is None:
             await self.in_thread(self._write, key, data, if_absent, None)
             return
         await self.references_landed(parsed[1])
         until = asyncio.get_running_loop().time() + MANIFEST_WAIT_SECONDS
+        pending = first.references_pending
         while True:
             try:
                 await self.in_thread(self._write, key, data, if_absent, parsed)
                 return
             except MissingReferences as e:
+                if pending:
+                    pending = False  # once: after the wait, only what this relay receives is waited for
+                    if await self._pending_landed(e.missing, until, turn):
+                        continue
                 if not await self._another_landed(e.missing, until):
                     raise
+
+    async def _pending_landed(self, missing: list[str], until: float, turn: Turn | None) -> bool:
+        """A manifest whose header says the packs and blobs it names are on their way, and whose
+        check found ``missing``: wait (before ``until``) until each is in the repository,
+        brought by an upload here (:meth:`references_landed`, looked at again whenever an upload
+        begins or ends here) or through another relay of the same repository (looked for there
+        every :data:`PENDING_POLL_SECONDS`). True once they all are (the manifest is then
+        checked whole again), False at ``until``. A missing manifest (a delta's parent) is
+        not on its way: False at once. Its turn is lent meanwhile, so waiting manifests never
+        keep their own packs from a place."""
+        if any(_MANIFEST_KEY.match(k) for k in missing):
+            return False
+        loop = asyncio.get_running_loop()
+        self.pending_waited += 1
+        poll, most = PENDING_POLL_SECONDS
+        left = missing
+        async with turn.lent() if turn is not None else contextlib.nullcontext():
+            while left:
+                remaining = until - loop.time()
+                if remaining <= 0:
+                    return False
+                if self._moved is None:
+                    self._moved = asyncio.Event()
+                moved = self._moved
+                if not any(k in self.receiving for k in left):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(moved.wait(), min(poll, remaining))
+                    poll = min(2 * poll, most)
+                await self.references_landed(left)
+                left = await self.in_thread(self._absent, left)
+        return True
+
+    def _absent(self, keys: list[str]) -> list[str]:
+        """(Thread) Those of ``keys`` the repository lacks."""
+        return [k for k in keys if not self.upstream.exists(k)]
 
     async def _another_landed(self, missing: list[str], until: float) -> bool:
         """A manifest whose check found ``missing``: whether to check it again, once

@@ -105,18 +105,20 @@ class UpstreamCopy(_message.Message):
     def __init__(self, key: _Optional[str] = ..., data: _Optional[bytes] = ..., absent: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutChunk(_message.Message):
-    __slots__ = ("key", "total_bytes", "if_absent", "digest", "data")
+    __slots__ = ("key", "total_bytes", "if_absent", "digest", "data", "references_pending")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     IF_ABSENT_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_PENDING_FIELD_NUMBER: _ClassVar[int]
     key: str
     total_bytes: int
     if_absent: bool
     digest: bytes
     data: bytes
-    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., if_absent: _Optional[bool] = ..., digest: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    references_pending: bool
+    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., if_absent: _Optional[bool] = ..., digest: _Optional[bytes] = ..., data: _Optional[bytes] = ..., references_pending: _Optional[bool] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ()

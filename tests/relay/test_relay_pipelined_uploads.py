@@ -14,6 +14,9 @@
   that fails makes the publish fail with nothing visible and the attempt's packs removed. A
   manifest whose pack has not begun is checked again when another upload being received ends:
   written when the pack came meanwhile, refused when it never came.
+* A manifest whose header says its packs are on their way (the publisher's store has uploads in
+  flight) waits for them, a bounded time and without its turn, to land in the repository, here
+  or through another relay of the same repository: written once they have, refused if not.
 """
 
 from __future__ import annotations
@@ -401,6 +404,9 @@ def test_a_manifest_is_checked_again_when_another_upload_ends_and_refused_if_its
     origin = _GatedStore(tmp_path / "origin")
     relay = start_relay(origin)
     store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    # The manifest from a store of its own, which has nothing else on its way: its header does
+    # not say its packs are (references_pending; the next test has that).
+    committer = GrpcStore(relay.url, write_token=WRITE, timeout=30)
     try:
         other, data = os.urandom(CHUNK_BYTES), b"the manifest's pack"
         key = manifest_key(1)
@@ -412,7 +418,7 @@ def test_a_manifest_is_checked_again_when_another_upload_ends_and_refused_if_its
 
         def put_manifest() -> None:
             try:
-                store.put(key, manifest, if_absent=True)
+                committer.put(key, manifest, if_absent=True)
                 outcome.append(None)
             except BaseException as e:
                 outcome.append(e)
@@ -436,6 +442,71 @@ def test_a_manifest_is_checked_again_when_another_upload_ends_and_refused_if_its
             assert isinstance(outcome[0], StoreError) and "names objects the repository lacks" in str(outcome[0])
             assert not origin.exists(key)
             assert relay.metrics()["manifest_rechecks"] == 1  # once: nothing else was being received
+        assert relay.metrics()["manifest_pending_waits"] == 0
+    finally:
+        origin.gate.set()
+        store.close()
+        committer.close()
+
+
+@pytest.mark.parametrize("pack_comes", [True, False])
+def test_a_manifest_whose_packs_are_on_their_way_waits_for_them_through_another_relay(
+        tmp_path: Path, start_relay: StartRelay, monkeypatch: pytest.MonkeyPatch, pack_comes: bool) -> None:
+    # Two writable relays of one repository; a publisher's store names both. Its pack goes to
+    # one (its write held there), so its manifest goes to the other, saying its packs are on
+    # their way: that relay waits for the pack to land in the repository through the first
+    # (written then), or refuses the manifest once it has waited its bound (the pack never
+    # came). While it waits it holds no turn: with one place, another upload gets through it.
+    from deltasync.errors import StoreError
+    from deltasync.relay import uploads
+
+    monkeypatch.setattr(uploads, "MANIFEST_WAIT_SECONDS", 30.0 if pack_comes else 1.0)
+    origin = _GatedStore(tmp_path / "origin")
+    relays = [start_relay(origin, max_uploads=1), start_relay(origin, max_uploads=1)]
+    store = GrpcStore(f"grpc://{relays[0].address},{relays[1].address}", write_token=WRITE, timeout=30)
+    try:
+        data = os.urandom(CHUNK_BYTES)
+        named = data if pack_comes else b"a pack never uploaded"
+        key = manifest_key(1)
+        manifest = _manifest(1, packs=[manifest_pb.Pack(key=pack_key(named), size=len(named))])
+        pack = threading.Thread(target=store.put, args=(pack_key(data), data), kwargs={"if_absent": True})
+        pack.start()  # its write waits for the gate
+        wait_until(lambda: any(pack_key(data) in _service(r).uploads.receiving for r in relays))  # type: ignore[attr-defined]
+        there = next(r for r in relays if pack_key(data) in _service(r).uploads.receiving)  # type: ignore[attr-defined]
+        here = relays[1 - relays.index(there)]
+        outcome: list[BaseException | None] = []
+
+        def put_manifest() -> None:
+            try:
+                store.put(key, manifest, if_absent=True)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        putter = threading.Thread(target=put_manifest)
+        putter.start()
+        wait_until(lambda: here.metrics()["manifest_pending_waits"] == 1)
+        # Its turn is lent while it waits: another client's write gets the relay's one place.
+        other = GrpcStore(here.url, write_token=WRITE, timeout=30)
+        try:
+            other.put("refs/pin", b"7")
+        finally:
+            other.close()
+        assert origin.get("refs/pin") == b"7"
+        if pack_comes:
+            assert not outcome and not origin.exists(key)
+            origin.gate.set()  # the pack lands through the other relay
+            putter.join()
+            pack.join()
+            assert outcome == [None], outcome
+            assert origin.get(key) == manifest
+        else:
+            putter.join()  # refused after its wait, the pack it names never having come
+            assert isinstance(outcome[0], StoreError) and "names objects the repository lacks" in str(outcome[0])
+            assert not origin.exists(key)
+            origin.gate.set()
+            pack.join()
+        assert here.metrics()["manifest_rechecks"] == 0 and there.metrics()["manifest_pending_waits"] == 0
     finally:
         origin.gate.set()
         store.close()
