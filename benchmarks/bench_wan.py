@@ -119,9 +119,11 @@ def _relay(upstream: str, cache: str, writable: bool, warm: bool, baseline: bool
     conn.send(server.address)
     conn.recv()
     counts = server.metrics()
-    if counts.get("uploads_refused"):  # manifests that came ahead of a pack (logged at info): counted here
+    if counts.get("uploads_refused") or counts.get("manifest_pending_waits"):
+        # manifests that came ahead of a pack: waited for it, or refused (logged at info)
         print(f"  relay {server.address}: {counts['uploads_refused']} uploads refused, "
-              f"{counts['manifest_rechecks']} manifests checked again", flush=True)
+              f"{counts['manifest_pending_waits']} manifests waited for packs on their way, "
+              f"{counts['manifest_rechecks']} checked again", flush=True)
     server.stop(grace=0)
 
 

@@ -251,14 +251,27 @@ class _Relay:
         self.checks_references = False
         self.orders_references = False
         self._sessions: list[UploadSession] = []  # open upload sessions, shared by this store's uploads
+        self._committing: list[UploadSession] = []  # open upload sessions that carry only manifests
         self._sessions_lock = threading.Lock()
 
-    def take_session(self) -> UploadSession:
+    def take_session(self, referring: bool = False) -> UploadSession:
         """The upload session an object goes on: an open one with nothing waiting for an answer,
         else a new one, up to :data:`SESSIONS_PER_RELAY` (the relay stores a session's objects
         one after another: several calls store in parallel), else the open one with the fewest
-        bytes waiting, the object pipelined behind them."""
+        bytes waiting, the object pipelined behind them.
+
+        ``referring``: a manifest whose packs are still on their way, which the relay may hold
+        until they land: it goes on a session of manifests only, with nothing waiting for an
+        answer (else a new one), so no pack it names can be queued behind it."""
         with self._sessions_lock:
+            if referring:
+                self._committing = [s for s in self._committing if s.alive]
+                idle = next((s for s in self._committing if s.pending_bytes == 0 and not s.taken), None)
+                if idle is None:
+                    idle = UploadSession(self.upload_session, _Stream, self._checks)
+                    self._committing.append(idle)
+                idle.taken = True  # until its put counts its bytes (UploadSession.put)
+                return idle
             self._sessions = [s for s in self._sessions if s.alive]
             least = min(self._sessions, key=lambda s: s.pending_bytes, default=None)
             if least is not None and (least.pending_bytes == 0 or len(self._sessions) >= SESSIONS_PER_RELAY):
@@ -273,7 +286,7 @@ class _Relay:
 
     def close_sessions(self) -> None:
         with self._sessions_lock:
-            sessions, self._sessions = self._sessions, []
+            sessions, self._sessions, self._committing = self._sessions + self._committing, [], []
         for session in sessions:
             session.close()
 
@@ -515,7 +528,7 @@ class GrpcStore(Store):
         relay predates UploadSession, or ended the sessions it was sent on before answering
         (idle, or its credit wanted): it was not written, and goes by Upload."""
         for _ in range(SESSION_TRIES):
-            session = relay.take_session()
+            session = relay.take_session(header.references_pending)
             try:
                 stored = session.put(header, view, self.timeout)
             except grpc.RpcError as e:

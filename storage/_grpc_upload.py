@@ -163,6 +163,7 @@ class UploadSession:
         self._error: grpc.RpcError | None = None
         self._closed_here = False  # ended by close() (a deadline, or the store closing), not by the relay
         self.pending_bytes = 0  # bytes of objects put and not yet answered
+        self.taken = False  # handed out for a put that has not counted its bytes yet (GrpcStore)
         self.most_pending = 0  # for tests: the most objects put and not yet answered at once
         self.headers_sent = 0  # for tests: headers sent, and of them those with credit already there
         self.headers_with_credit = 0
@@ -235,7 +236,8 @@ class UploadSession:
                 return False
             place = self._queued  # answered once the relay has stored place + 1 objects
             self._queued += 1
-            self.pending_bytes += size
+            self.pending_bytes += size + 1  # never 0 while it waits, even for an empty object
+            self.taken = False
             self.most_pending = max(self.most_pending, self._queued - self._stored)
             self._jobs.put((header, view))  # under the lock: the queue's order is the places' order
         try:
@@ -263,7 +265,7 @@ class UploadSession:
                     error = None
         finally:
             with self._changed:
-                self.pending_bytes -= size
+                self.pending_bytes -= size + 1
         if not over:
             self.close()
             raise SessionFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout:g} s")

@@ -206,6 +206,28 @@ def test_a_wrong_guess_of_the_latest_version_commits_a_snapshot_and_leaves_no_pa
     _assert_pulled(repo, 3, state)
 
 
+def test_a_manifest_whose_packs_are_on_their_way_goes_on_a_session_of_manifests_only(
+        relay_store: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
+    # A relay may hold such a manifest until its packs land; a pack queued behind it on its
+    # session would never begin. So it goes on a session no pack is given, idle when it is
+    # taken (reused once answered), and never one of those the packs share.
+    from deltasync.format.digest import digest
+    from deltasync.storage._grpc import SESSIONS_PER_RELAY
+    from deltasync.v1 import relay_pb2 as pb
+
+    store, _, origin = relay_store
+    relay = store._relays[0]
+    committing = relay.take_session(referring=True)
+    assert committing not in relay._sessions
+    assert relay.take_session(referring=True) is not committing  # taken: a second manifest gets another
+    assert all(relay.take_session() is not committing for _ in range(2 * SESSIONS_PER_RELAY))
+    data = os.urandom(100)
+    header = pb.PutChunk(key=pack_key(data), total_bytes=len(data), digest=digest(data), data=data)
+    assert committing.put(header, memoryview(data), 30)
+    assert origin.get(pack_key(data)) == data
+    assert relay.take_session(referring=True) is committing  # answered: idle again
+
+
 def test_a_refused_object_fails_alone_and_those_pipelined_behind_it_are_sent_again(
         relay_store: tuple[GrpcStore, RelayServer, LocalStore]) -> None:
     # The relay ends a session on the object it refuses (here a conditional put of a key it
