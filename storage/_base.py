@@ -116,6 +116,22 @@ class Store(ABC):
         without waiting a round trip for their answers first (publish/commit.py)."""
         return False
 
+    @property
+    def commits_refs(self) -> bool:
+        """Whether :meth:`put_commit` may do a commit's last round where the repository is (a
+        writable relay that says so): a publisher of an unsigned repository then sends no
+        requests of its own after its manifest (Repository.commit)."""
+        return False
+
+    def put_commit(self, key: str, data: bytes | bytearray | memoryview, *, release: str | None = None) -> list[str] | None:
+        """Put a version's manifest as ``put(key, data, if_absent=True)`` does. Where the store
+        can (:attr:`commits_refs`), it then also points ``refs/latest`` at the version (plain:
+        unsigned) unless a newer one is listed, deletes ``release`` (the publish's lease), and
+        checks every pack and blob the manifest names again after the write: the keys of those
+        missing are returned. None: none of that was done here (the caller does it)."""
+        self.put(key, data, if_absent=True)
+        return None
+
     def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_bytes: int | None = None) -> bytes:
         """Bytes of ``key``; ``byte_range=(offset, length)`` reads a slice.
 

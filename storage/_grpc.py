@@ -46,7 +46,7 @@ from ..errors import (
 from ..format.digest import digest
 from ..v1 import relay_pb2 as pb
 from . import _base
-from ._base import Store, listing_too_long, read_limit, too_large
+from ._base import Store, check_key, listing_too_long, read_limit, too_large
 from ._grpc_upload import SESSION_TRIES, UploadSession, upload
 from .wire import (
     BIDI_STREAM,
@@ -250,6 +250,7 @@ class _Relay:
         # its upload sessions; a relay before that check never says so).
         self.checks_references = False
         self.orders_references = False
+        self.commits_refs = False  # and commits a manifest sent with commit_latest (wire.UPLOAD_COMMITS)
         self._sessions: list[UploadSession] = []  # open upload sessions, shared by this store's uploads
         self._committing: list[UploadSession] = []  # open upload sessions that carry only manifests
         self._sessions_lock = threading.Lock()
@@ -280,9 +281,10 @@ class _Relay:
             self._sessions.append(session)
             return session
 
-    def _checks(self, waits: bool) -> None:
+    def _checks(self, waits: bool, commits: bool) -> None:
         self.checks_references = True
         self.orders_references = waits
+        self.commits_refs = commits
 
     def close_sessions(self) -> None:
         with self._sessions_lock:
@@ -359,6 +361,12 @@ class GrpcStore(Store):
         parent are missing (a relay says so on each upload session: a publisher learns it from
         its pack uploads, before its commit)."""
         return self._write_token is not None and all(r.checks_references for r in self._relays)
+
+    @property
+    def commits_refs(self) -> bool:
+        """Every relay named has said that it commits a manifest sent with ``commit_latest``
+        on an upload session (:meth:`put_commit`, :data:`~.wire.UPLOAD_COMMITS`)."""
+        return self.checks_references and all(r.commits_refs for r in self._relays)
 
     @property
     def orders_references(self) -> bool:
@@ -459,7 +467,23 @@ class GrpcStore(Store):
             "or publish to its upstream)"
         )
 
+    def put_commit(self, key: str, data: bytes | bytearray | memoryview, *, release: str | None = None) -> list[str] | None:
+        """A version's manifest, committed at the relay when every relay named commits
+        (:attr:`commits_refs`) and it goes on an upload session; None when it went otherwise
+        (Upload or Put, or answered only on a retry: then the caller does what remains)."""
+        if not self.commits_refs:
+            return super().put_commit(key, data, release=release)
+        check_key(key)
+        return self._write(key, data, True, release or "")
+
     def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        self._write(key, data, if_absent)
+
+    def _write(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool,
+               release: str | None = None) -> list[str] | None:
+        """Write ``key``; with ``release`` (a manifest committed at the relay: the lease to
+        delete, or ""), the objects the relay's answer names gone, or None when it was not
+        committed there (:meth:`put_commit`)."""
         if self._write_token is None:
             raise self._read_only("write", key)
         view = memoryview(data).cast("B")
@@ -480,14 +504,19 @@ class GrpcStore(Store):
         with self._sending_lock:
             pending = key.startswith(_REFERRING) and any(self._sending)
         header = pb.PutChunk(key=key, total_bytes=size, if_absent=if_absent, digest=announced,
-                             data=bytes(view) if size <= UNCREDITED_BYTES else b"", references_pending=pending)
+                             data=bytes(view) if size <= UNCREDITED_BYTES else b"", references_pending=pending,
+                             commit_latest=release is not None, release=release or "")
         tries = 0
+        gone: list[list[str]] = []  # the relay's answer to a commit on a session, on the first try
 
         def attempt(relay: _Relay) -> None:
             nonlocal tries
             tries += 1
             try:
-                if not relay.legacy_put and not relay.legacy_upload and self._in_session(relay, header, view):
+                answer = self._in_session(relay, header, view) if not relay.legacy_put and not relay.legacy_upload else None
+                if answer is not None:
+                    if tries == 1:
+                        gone.append(answer)
                     return
                 if not relay.legacy_put:
                     try:
@@ -511,6 +540,7 @@ class GrpcStore(Store):
         finally:
             with self._sending_lock:
                 self._sending[start] -= size
+        return gone[0] if release is not None and gone else None
 
     def _upload_start(self, key: str, size: int) -> int:
         """The relay an upload starts at: the one with the fewest bytes of this store's uploads
@@ -523,22 +553,23 @@ class GrpcStore(Store):
             self._sending[start] += size
             return start
 
-    def _in_session(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> bool:
-        """Write one object on an upload session of ``relay`` (True once stored); False when the
-        relay predates UploadSession, or ended the sessions it was sent on before answering
-        (idle, or its credit wanted): it was not written, and goes by Upload."""
+    def _in_session(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> list[str] | None:
+        """Write one object on an upload session of ``relay``: once stored, the objects its
+        answer names gone (:meth:`.UploadSession.answered`); None when the relay predates
+        UploadSession, or ended the sessions it was sent on before answering (idle, or its
+        credit wanted): it was not written, and goes by Upload."""
         for _ in range(SESSION_TRIES):
-            session = relay.take_session(header.references_pending)
+            session = relay.take_session(header.references_pending or header.commit_latest)
             try:
-                stored = session.put(header, view, self.timeout)
+                answer = session.answered(header, view, self.timeout)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 relay.legacy_upload = True
-                return False
-            if stored:
-                return True
-        return False
+                return None
+            if answer is not None:
+                return answer
+        return None
 
     def _upload(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> None:
         """One Upload call (:func:`._grpc_upload.upload`); returns once it is stored."""

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from ..v1 import relay_pb2 as pb
-from .wire import CHUNK_BYTES, UPLOAD_CHECKS, UPLOAD_WAITS
+from .wire import CHUNK_BYTES, UPLOAD_CHECKS, UPLOAD_COMMITS, UPLOAD_WAITS
 
 #: Opens a call given its request iterator (a bound client-streaming or bidi method).
 OpenCall = Callable[[Iterator[pb.PutChunk]], Any]
@@ -41,13 +41,13 @@ _REFUSALS = frozenset({
 })
 #: Sessions an object is sent on that the relay ends before answering, then Upload.
 SESSION_TRIES = 3
-def _checks_references(metadata: Any) -> tuple[bool, bool]:
+def _checks_references(metadata: Any) -> tuple[bool, bool, bool]:
     """Whether a relay's initial metadata says :data:`~.wire.UPLOAD_CHECKS`, and whether it also
-    says :data:`~.wire.UPLOAD_WAITS`."""
+    says :data:`~.wire.UPLOAD_WAITS` and :data:`~.wire.UPLOAD_COMMITS`."""
     key, value = UPLOAD_CHECKS
     said = [set(str(v).split(",")) for k, v in metadata or () if k == key]
     checks = any(set(value.split(",")) <= s for s in said)
-    return checks, checks and any(UPLOAD_WAITS in s for s in said)
+    return checks, checks and any(UPLOAD_WAITS in s for s in said), checks and any(UPLOAD_COMMITS in s for s in said)
 
 
 class Credit:
@@ -148,10 +148,11 @@ class UploadSession:
     request iterator runs on grpc's."""
 
     def __init__(self, open_call: OpenCall, read: ReadAnswers,
-                 on_checks: Callable[[bool], None] | None = None) -> None:
+                 on_checks: Callable[[bool, bool], None] | None = None) -> None:
         """``on_checks``: called once the relay says (in the call's initial metadata) that it
-        refuses a manifest whose packs, blobs or delta parent are missing; with True when it
-        also waits for the uploads of those it is receiving (:data:`~.wire.UPLOAD_WAITS`)."""
+        refuses a manifest whose packs, blobs or delta parent are missing; with True first when
+        it also waits for the uploads of those it is receiving (:data:`~.wire.UPLOAD_WAITS`),
+        and second when it commits manifests sent so (:data:`~.wire.UPLOAD_COMMITS`)."""
         self._on_checks = on_checks
         self._jobs: queue.SimpleQueue[tuple[pb.PutChunk, memoryview] | None] = queue.SimpleQueue()
         self._credit = Credit()
@@ -159,6 +160,7 @@ class UploadSession:
         self._sent = 0  # credited bytes sent (header data aside)
         self._queued = 0  # objects handed to the request iterator
         self._stored = 0  # objects the relay answered stored
+        self._gone: dict[int, list[str]] = {}  # by answer (1: the first object's): a commit's missing objects
         self._over = False  # the call ended (OK: the relay ended it; else _error)
         self._error: grpc.RpcError | None = None
         self._closed_here = False  # ended by close() (a deadline, or the store closing), not by the relay
@@ -182,12 +184,14 @@ class UploadSession:
     def _read(self, read: ReadAnswers) -> None:
         error: grpc.RpcError | None = None
         try:
-            checks, waits = _checks_references(self._call.initial_metadata())
+            checks, waits, commits = _checks_references(self._call.initial_metadata())
             if self._on_checks is not None and checks:
-                self._on_checks(waits)
+                self._on_checks(waits, commits)
             for answer in read(self._call):
                 self._credit.grant(answer.send_until)
                 with self._changed:
+                    if answer.gone:
+                        self._gone[answer.stored] = list(answer.gone)
                     self._stored = max(self._stored, answer.stored)
                     self._changed.notify_all()
         except grpc.RpcError as e:
@@ -220,8 +224,14 @@ class UploadSession:
             del job, header, view
 
     def put(self, header: pb.PutChunk, view: memoryview, timeout: float) -> bool:
-        """Send one object (after those put before it) and wait for the relay's answer: True
-        once stored, False when the relay ended the call first (not written); its error,
+        """:meth:`answered`: whether it was stored."""
+        return self.answered(header, view, timeout) is not None
+
+    def answered(self, header: pb.PutChunk, view: memoryview, timeout: float) -> list[str] | None:
+        """Send one object (after those put before it) and wait for the relay's answer: once
+        stored, the objects its answer names gone (a manifest committed at the relay,
+        ``commit_latest``; else none), None when the relay ended the call first (not written,
+        "False" below); its error,
         raised, when the call failed on it. A call that fails ends on the first object not
         answered (the relay takes them in order): that one gets the error; when the relay
         refused it, those behind it were not written and get False (sent again on another
@@ -233,7 +243,7 @@ class UploadSession:
         size = len(view)
         with self._changed:
             if self._over:
-                return False
+                return None
             place = self._queued  # answered once the relay has stored place + 1 objects
             self._queued += 1
             self.pending_bytes += size + 1  # never 0 while it waits, even for an empty object
@@ -251,7 +261,7 @@ class UploadSession:
                         break
                     self._changed.wait(left)
                 if self._stored > place:
-                    return True
+                    return self._gone.pop(place + 1, [])
                 error, over, unknown = self._error, self._over, False
                 if over and self._closed_here:
                     # This side ended the call (another object's deadline, the store closing):
@@ -274,7 +284,7 @@ class UploadSession:
                                 "the upload session ended before this object's answer (it may be stored)")
         if error is not None:
             raise error
-        return False
+        return None
 
     def close(self) -> None:
         with self._changed:

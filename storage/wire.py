@@ -41,6 +41,11 @@ UPLOAD_CHECKS = ("deltasync-upload-checks", "references,parent")
 #: uploads it is receiving right then of the packs and blobs the manifest names: a publisher may
 #: then send its manifest without waiting for its last packs' answers (``Store.orders_references``).
 UPLOAD_WAITS = "inflight"
+#: Also in that value, from a relay that commits a version's manifest sent with
+#: ``commit_latest`` on an upload session: after writing it, it updates ``refs/latest``, deletes
+#: the publish's lease and checks the manifest's objects again, its answer naming any missing
+#: (``Store.commits_refs``): the publisher's round trip after its commit, saved.
+UPLOAD_COMMITS = "commit"
 
 UNARY, SERVER_STREAM, CLIENT_STREAM, BIDI_STREAM = "unary", "server_stream", "client_stream", "bidi_stream"
 

@@ -34,6 +34,7 @@ from ..format import dtypes
 from ..format.codec import SAME, PlanesZstdCodec
 from ..format.digest import digest, version_digest
 from ..format.manifest import FORMAT, key_of, manifest_key
+from ..repo.leases import Lease
 from ..repo.repository import Repository, blob_key
 from ..storage import Store
 from ..v1 import manifest_pb2 as pb
@@ -106,14 +107,15 @@ def build_manifest(repo: Repository, codec: PlanesZstdCodec, draft: Draft, encod
 
 
 def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Encoded,
-           restore: Restore | None = None, after_commit: Callable[[], None] | None = None) -> PublishResult:
+           restore: Restore | None = None, lease: Lease | None = None) -> PublishResult:
     """Commit ``encoded`` as ``draft.version`` (manifest, then the latest ref), or, with
     ``config.skip_unchanged`` and nothing different from the parent, commit nothing.
 
     Every object the version names must still exist (module docstring): ``restore`` stores
     missing ones again; without it, or after :data:`COMMIT_ATTEMPTS` checks, StoreError.
-    ``after_commit`` (the publish lease's release) runs once the manifest is written, beside
-    the ref update and the check after the commit (one round trip for the three)."""
+    ``lease`` (the publish's) is released once the manifest is written, beside the ref update
+    and the check after the commit (one round trip for the three), or by a writable relay that
+    does all three itself as it writes the manifest (Repository.commit: no round trip after)."""
     version, parent, files, start = draft.version, draft.parent, draft.files, draft.start
     if config.skip_unchanged and parent is not None and same_version(
         repo.manifest(parent), files, encoded.tensors, draft.metadata
@@ -142,9 +144,15 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
             except BaseException as e:  # raised below, on the publisher's thread
                 checked.append(e)
 
+        def checked_at_store(gone: list[str]) -> None:  # the relay did all three
+            checked.append(gone)
+            if lease is not None:
+                lease.forget()
+
         try:
-            repo.commit(manifest, alongside=[check_after, *([after_commit] if after_commit is not None else [])],
-                        known_latest=draft.latest)
+            repo.commit(manifest, alongside=[check_after, *([lease.release] if lease is not None else [])],
+                        known_latest=draft.latest, release=lease.key if lease is not None else None,
+                        checked_at_store=checked_at_store)
         except MissingReferencesError as e:
             if not by_store:
                 raise

@@ -284,8 +284,7 @@ class DistributedPublisher:
                 return missing
             draft = Draft(version=decision.version, parent=decision.parent, snapshot=not delta, files=[],
                           metadata=metadata, blob_bytes=0, start=start, latest=decision.latest)
-            return commit(self.repo, self.config, draft, merged,
-                          after_commit=self._lease.release if self._lease is not None else None)
+            return commit(self.repo, self.config, draft, merged, lease=self._lease)
         except CommittedError as e:
             return ("committed", e.version, str(e))  # the version exists: no rank may remove its packs
         except DeltasyncError as e:

@@ -371,7 +371,7 @@ class Publisher:
                 self._restore_blobs(source.blob_root, draft.files, missing)
             return restore_packs(self.repo.store, self.config, current, source.tensors, missing)
 
-        return commit(self.repo, self.config, draft, encoded, restore=restore, after_commit=lease.release)
+        return commit(self.repo, self.config, draft, encoded, restore=restore, lease=lease)
 
     def _restore_blobs(self, root: Path, files: list[pb.File], missing: set[str]) -> None:
         """Upload again the parts in ``missing`` of the blob ``files`` under ``root``."""

@@ -29,6 +29,7 @@ from ..storage.wire import (
     METHODS,
     SERVICE,
     UPLOAD_CHECKS,
+    UPLOAD_COMMITS,
     UPLOAD_WAITS,
     status_code,
 )
@@ -124,6 +125,7 @@ class RelayService:
         out["manifest_waits"] = self.uploads.waited  # manifests whose check waited for their packs' uploads
         out["manifest_rechecks"] = self.uploads.rechecked  # checked again after another upload ended
         out["manifest_pending_waits"] = self.uploads.pending_waited  # waited for packs said to be on their way
+        out["commits_here"] = self.uploads.committed  # manifests committed here: ref, lease, check after
         pushes = self.feed.pushes
         if pushes is not None:  # packs the upstream relay pushed: taken from the push, or read after all
             out.update(push_landed=pushes.landed, push_missed=pushes.missed)
@@ -338,7 +340,9 @@ class RelayService:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this relay does not accept writes")
         # What it checks (uploads.missing_references) and that it waits for the uploads it is
         # receiving of what a manifest names (uploads.Uploads.references_landed); before any credit.
-        await context.send_initial_metadata(((UPLOAD_CHECKS[0], f"{UPLOAD_CHECKS[1]},{UPLOAD_WAITS}"),))
+        # And that it commits a manifest sent with commit_latest (uploads.Uploads._commit_here).
+        await context.send_initial_metadata(
+            ((UPLOAD_CHECKS[0], f"{UPLOAD_CHECKS[1]},{UPLOAD_WAITS},{UPLOAD_COMMITS}"),))
         loop = asyncio.get_running_loop()
         budget = self.uploads.budget
         call = _SessionCall(context)

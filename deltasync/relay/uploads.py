@@ -36,6 +36,7 @@ import re
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -43,7 +44,7 @@ import grpc
 from ..errors import ObjectNotFoundError, UsageError
 from ..format.digest import digest
 from ..format.manifest import manifest_key
-from ..repo.repository import blob_key
+from ..repo.repository import LATEST, blob_key
 from ..storage import LocalStore, Store, check_key
 from ..storage.wire import CHUNK_BYTES, UNCREDITED_BYTES
 from ..v1 import manifest_pb2 as manifest_pb, relay_pb2 as pb
@@ -52,7 +53,13 @@ from .cache import ObjectCache, cacheable, content_problem, size_limit
 from .config import RelayConfig
 from .fetch import InThread
 
+log = logging.getLogger("deltasync.relay")
+
 _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
+_VERSION_KEY = re.compile(r"^manifests/(\d{20})\.pb$")
+_LEASE_KEY = re.compile(r"^leases/[0-9a-f]{32}\.json$")
+#: Threads one commit done here (``commit_latest``) checks its manifest's objects on.
+COMMIT_CHECKS = 16
 
 
 MANIFEST_WAIT_SECONDS = 10.0
@@ -239,6 +246,7 @@ class Session:
         self.stored = 0
         self.started = False  # no standing credit before the first object: it comes with its header
         self.progress = asyncio.Event()
+        self.gone: list[str] | None = None  # a manifest committed here (commit_latest): what is missing after
 
     @property
     def standing(self) -> int:
@@ -281,7 +289,8 @@ class Session:
 
     async def answer_stored(self) -> None:
         self.stored += 1
-        await self.send(pb.UploadCredit(send_until=self.granted, stored=self.stored))
+        gone, self.gone = self.gone or [], None
+        await self.send(pb.UploadCredit(send_until=self.granted, stored=self.stored, gone=gone))
 
 
 def piece_data(raw: bytes) -> memoryview:
@@ -470,6 +479,8 @@ class Uploads:
         """Manifests checked again once another upload ended (_another_landed)."""
         self.pending_waited = 0
         """Manifests whose packs were on their way and missing at first (_pending_landed)."""
+        self.committed = 0
+        """Versions committed here: refs/latest, the lease and the check after (_commit_here)."""
         self._moved: asyncio.Event | None = None  # set (and replaced) when an upload begins or ends here
 
     def start(self) -> None:
@@ -626,12 +637,12 @@ class Uploads:
         if received != size:
             raise Refused(grpc.StatusCode.DATA_LOSS, f"upload of {key} ended after {received:,} of {size:,} bytes")
         if data is not None:  # the bytearray itself: a copy would double the memory an upload holds
-            await self._store(key, data, first, turn)
+            await self._store(key, data, first, turn, session)
         else:
             assert spool is not None
             view = await self.in_thread(spool.view)
             try:
-                await self._store(key, view, first, turn)
+                await self._store(key, view, first, turn, session)
             finally:
                 with contextlib.suppress(BufferError):
                     view.release()
@@ -639,19 +650,39 @@ class Uploads:
             self.on_stored(key)
 
     async def _store(self, key: str, data: bytes | bytearray | memoryview, first: pb.PutChunk,
-                     turn: Turn | None = None) -> None:
+                     turn: Turn | None = None, session: Session | None = None) -> None:
         """Check a complete upload (:meth:`_checked`), wait for the uploads being received of
         what a manifest names (:meth:`references_landed`), then write it (:meth:`_write`); a
         manifest missing some is checked again when they may have come (:meth:`_pending_landed`
-        when its header says they are on their way, else :meth:`_another_landed`)."""
+        when its header says they are on their way, else :meth:`_another_landed`). A manifest
+        of an upload session whose header asks for it (``commit_latest``) is then committed
+        here (:meth:`_commit_here`), what it found missing left for the session's answer."""
         if_absent = first.if_absent
+        commit_here = first.commit_latest and session is not None
+        if commit_here and not _VERSION_KEY.match(key):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: only a version's manifest is committed here")
+        if commit_here and first.release and not _LEASE_KEY.match(first.release):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: the lease to release is not a lease's key "
+                          f"({first.release[:80]!r})")
         parsed = await self.in_thread(self._checked, key, data, bytes(first.digest))
         if parsed is None:
             await self.in_thread(self._write, key, data, if_absent, None)
             return
+        await self._write_manifest(key, data, if_absent, parsed, first.references_pending, turn)
+        if commit_here:
+            assert session is not None
+            session.gone = await self.in_thread(self._commit_here, parsed, first.release)
+            self.committed += 1
+            if self.on_stored is not None:
+                self.on_stored(LATEST)
+
+    async def _write_manifest(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool,
+                              parsed: Referenced, pending: bool, turn: Turn | None) -> None:
+        """Write a checked manifest once every object it names is there (Refused if they never
+        are): those being received are waited for first; ``pending``: its header says they are
+        on their way."""
         await self.references_landed(parsed[1])
         until = asyncio.get_running_loop().time() + MANIFEST_WAIT_SECONDS
-        pending = first.references_pending
         while True:
             try:
                 await self.in_thread(self._write, key, data, if_absent, parsed)
@@ -698,6 +729,35 @@ class Uploads:
     def _absent(self, keys: list[str]) -> list[str]:
         """(Thread) Those of ``keys`` the repository lacks."""
         return [k for k in keys if not self.upstream.exists(k)]
+
+    def _commit_here(self, parsed: Referenced, release: str) -> list[str]:
+        """(Thread) After a version's manifest is written, what its publisher would do next in a
+        round trip of its own (Repository.commit, publish/commit.py), done here: point
+        ``refs/latest`` at it unless a newer version is listed (the ref written first, then the
+        listing, so a newer commit racing it gets the ref back), delete the publish's lease
+        (``release``), and check again, after the write, that every pack and blob it names is
+        there. Returns those that are not (a concurrent gc deleted one at that moment: the
+        publisher fails naming it). The ref and the lease are best effort, as at a publisher:
+        the ref is a hint (readers list), and a lease left behind expires."""
+        manifest, keys = parsed
+        version = manifest.version
+        with ThreadPoolExecutor(max_workers=max(1, min(COMMIT_CHECKS, len(keys))),
+                                thread_name_prefix="deltasync-commit-check") as pool:
+            present = pool.map(self.upstream.exists, keys)
+            try:
+                self._write(LATEST, f"{version}\n".encode(), False, None)
+                newest = max((int(m.group(1)) for k in self.upstream.list("manifests/")
+                              if (m := _VERSION_KEY.match(k))), default=version)
+                if newest > version:
+                    self._write(LATEST, f"{newest}\n".encode(), False, None)
+            except Exception as e:  # committed: the ref is a hint
+                log.warning("version %d is committed, but refs/latest was not updated (%s)", version, e)
+            if release:
+                try:
+                    self.delete(release)
+                except Exception as e:  # left behind, it expires
+                    log.info("version %d: its lease %s was not deleted (%s)", version, release, e)
+            return [k for k, ok in zip(keys, present, strict=True) if not ok]
 
     async def _another_landed(self, missing: list[str], until: float) -> bool:
         """A manifest whose check found ``missing``: whether to check it again, once

@@ -139,6 +139,14 @@ class Lease:
         with contextlib.suppress(DeltasyncError):  # left behind, it expires
             self.store.delete(self.key)
 
+    def forget(self) -> None:
+        """Stop renewing, without deleting: the lease was deleted where the repository is (a
+        writable relay that committed the version, Repository.commit). A renewal on its way
+        at that moment may write it again: left behind so, it expires."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.release()

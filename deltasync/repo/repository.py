@@ -812,7 +812,8 @@ class Repository:
         return out
 
     def commit(self, manifest: pb.Manifest, *, alongside: Sequence[Callable[[], None]] = (),
-               known_latest: tuple[int | None] | None = None) -> ManifestInfo:
+               known_latest: tuple[int | None] | None = None, release: str | None = None,
+               checked_at_store: Callable[[list[str]], None] | None = None) -> ManifestInfo:
         """Commit a version whose packs and blobs are already durable.
 
         Of racing publishers of the same id exactly one succeeds; the others get
@@ -826,6 +827,14 @@ class Repository:
         ``known_latest``: (the latest version,) as the caller listed it before this commit
         began. When the version is the one after it, the history parent is that version, read
         without listing the manifests again (see :meth:`_seal_history`).
+
+        ``checked_at_store``: given, and the repository unsigned, a store that can
+        (``Store.commits_refs``: a writable relay) commits the manifest where the repository
+        is, in its one round trip: it updates ``refs/latest`` as :meth:`update_latest_ref`
+        does, deletes ``release`` (the publish's lease) and checks the manifest's packs and
+        blobs again after the write. ``checked_at_store`` is then handed the keys of those
+        missing, and neither ``alongside`` nor the ref update runs here (the caller's
+        ``alongside`` are the same check and the lease's release).
         """
         manifest.repository_id = self.identity() or b""
         self._seal_history(manifest, known_latest)
@@ -834,13 +843,21 @@ class Repository:
         data = seal(manifest)  # last: the whole-manifest digest covers the signature too
         # Never commit what we can't read (a signer not among our own trusted keys included).
         info = parse_manifest(data, expect_version=manifest.version, authenticate=self._authenticator(manifest.version))
+        at_store = checked_at_store is not None and self.signing_key is None and self.store.commits_refs
         try:
-            self.store.put(manifest_key(manifest.version), data, if_absent=True)
+            if at_store:
+                gone = self.store.put_commit(manifest_key(manifest.version), data, release=release)
+            else:
+                self.store.put(manifest_key(manifest.version), data, if_absent=True)
+                gone = None
         except ObjectExistsError:
             raise VersionConflictError(manifest.version) from None
         with self._lock:
             self._manifests[manifest.version] = info
             _trim(self._manifests)
+        if gone is not None and checked_at_store is not None:
+            checked_at_store(gone)
+            return info
         with ThreadPoolExecutor(max_workers=max(1, len(alongside)), thread_name_prefix="deltasync-commit") as pool:
             for fn in alongside:
                 pool.submit(fn)

@@ -105,32 +105,38 @@ class UpstreamCopy(_message.Message):
     def __init__(self, key: _Optional[str] = ..., data: _Optional[bytes] = ..., absent: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutChunk(_message.Message):
-    __slots__ = ("key", "total_bytes", "if_absent", "digest", "data", "references_pending")
+    __slots__ = ("key", "total_bytes", "if_absent", "digest", "data", "references_pending", "commit_latest", "release")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     IF_ABSENT_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_LATEST_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     key: str
     total_bytes: int
     if_absent: bool
     digest: bytes
     data: bytes
     references_pending: bool
-    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., if_absent: _Optional[bool] = ..., digest: _Optional[bytes] = ..., data: _Optional[bytes] = ..., references_pending: _Optional[bool] = ...) -> None: ...
+    commit_latest: bool
+    release: str
+    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., if_absent: _Optional[bool] = ..., digest: _Optional[bytes] = ..., data: _Optional[bytes] = ..., references_pending: _Optional[bool] = ..., commit_latest: _Optional[bool] = ..., release: _Optional[str] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class UploadCredit(_message.Message):
-    __slots__ = ("send_until", "stored")
+    __slots__ = ("send_until", "stored", "gone")
     SEND_UNTIL_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
     send_until: int
     stored: int
-    def __init__(self, send_until: _Optional[int] = ..., stored: _Optional[int] = ...) -> None: ...
+    gone: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, send_until: _Optional[int] = ..., stored: _Optional[int] = ..., gone: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("key",)

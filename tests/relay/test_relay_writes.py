@@ -652,12 +652,13 @@ def test_a_conditional_put_retried_after_a_lost_answer_is_ours(writer: tuple[Grp
 
     calls = []
 
-    def upload_then_lose(*args: Any) -> bool:
+    def upload_then_lose(*args: Any) -> list[str] | None:
         calls.append(1)
-        assert real(*args)
+        answer = real(*args)
+        assert answer is not None  # stored
         if len(calls) == 1:
             raise Lost()
-        return True
+        return answer
 
     store._in_session = upload_then_lose  # type: ignore[method-assign,assignment]
     key = "manifests/00000000000000000007.pb"
@@ -721,7 +722,9 @@ def test_writes_forward_through_a_tree_of_writable_relays(tmp_path: Path, start_
     for name, tensor in state.items():
         assert torch.equal(pulled[name].view(torch.int16 if tensor.dtype == torch.bfloat16 else tensor.dtype),
                            tensor.view(torch.int16 if tensor.dtype == torch.bfloat16 else tensor.dtype))
-    assert root.metrics()["uploads"] == edge.metrics()["uploads"] > 0
+    # Every upload forwarded, and the ref the edge wrote itself as it committed the version.
+    assert edge.metrics()["commits_here"] == 1
+    assert root.metrics()["uploads"] == edge.metrics()["uploads"] + 1 > 1
     store.close()
 
 
