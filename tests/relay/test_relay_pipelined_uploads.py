@@ -415,6 +415,22 @@ def test_a_pack_failing_while_its_manifest_waits_is_sent_again_or_fails_the_publ
     assert set(origin.list("packs/")) == before  # the attempt's packs removed
 
 
+def _putting(store: Store, key: str, data: bytes) -> tuple[threading.Thread, list[BaseException | None]]:
+    """A conditional put of ``data`` started on a thread, and where its outcome goes (None: stored)."""
+    outcome: list[BaseException | None] = []
+
+    def put() -> None:
+        try:
+            store.put(key, data, if_absent=True)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    putter = threading.Thread(target=put)
+    putter.start()
+    return putter, outcome
+
+
 @pytest.mark.parametrize("pack_comes", [True, False])
 def test_a_manifest_is_checked_again_when_another_upload_ends_and_refused_if_its_pack_never_came(
         tmp_path: Path, start_relay: StartRelay, pack_comes: bool) -> None:
@@ -436,17 +452,7 @@ def test_a_manifest_is_checked_again_when_another_upload_ends_and_refused_if_its
         held = threading.Thread(target=store.put, args=(pack_key(other), other))
         held.start()  # its write waits for the gate: the relay is receiving it meanwhile
         wait_until(lambda: pack_key(other) in _service(relay).uploads.receiving)  # type: ignore[attr-defined]
-        outcome: list[BaseException | None] = []
-
-        def put_manifest() -> None:
-            try:
-                committer.put(key, manifest, if_absent=True)
-                outcome.append(None)
-            except BaseException as e:
-                outcome.append(e)
-
-        putter = threading.Thread(target=put_manifest)
-        putter.start()
+        putter, outcome = _putting(committer, key, manifest)
         wait_until(lambda: relay.metrics()["manifest_rechecks"] == 1)  # missing; waiting for the other to end
         assert not origin.exists(key) and not outcome
         pack = threading.Thread(target=store.put, args=(pack_key(data), data), kwargs={"if_absent": True})
@@ -496,17 +502,7 @@ def test_a_manifest_whose_packs_are_on_their_way_waits_for_them_through_another_
         wait_until(lambda: any(pack_key(data) in _service(r).uploads.receiving for r in relays))  # type: ignore[attr-defined]
         there = next(r for r in relays if pack_key(data) in _service(r).uploads.receiving)  # type: ignore[attr-defined]
         here = relays[1 - relays.index(there)]
-        outcome: list[BaseException | None] = []
-
-        def put_manifest() -> None:
-            try:
-                store.put(key, manifest, if_absent=True)
-                outcome.append(None)
-            except BaseException as e:
-                outcome.append(e)
-
-        putter = threading.Thread(target=put_manifest)
-        putter.start()
+        putter, outcome = _putting(store, key, manifest)
         wait_until(lambda: here.metrics()["manifest_pending_waits"] == 1)
         # Its turn is lent while it waits: another client's write gets the relay's one place.
         other = GrpcStore(here.url, write_token=WRITE, timeout=30)
