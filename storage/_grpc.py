@@ -47,7 +47,7 @@ from ..format.digest import digest
 from ..v1 import relay_pb2 as pb
 from . import _base
 from ._base import Store, check_key, listing_too_long, read_limit, too_large
-from ._grpc_upload import SESSION_TRIES, UploadSession, upload
+from ._grpc_upload import SESSION_TRIES, Stored, UploadSession, upload
 from .wire import (
     BIDI_STREAM,
     CA_ENV as CA_ENV,
@@ -267,7 +267,8 @@ class _Relay:
         with self._sessions_lock:
             if referring:
                 self._committing = [s for s in self._committing if s.alive]
-                idle = next((s for s in self._committing if s.pending_bytes == 0 and not s.taken), None)
+                # taken first: a put raises pending_bytes before it clears taken
+                idle = next((s for s in self._committing if not s.taken and s.pending_bytes == 0), None)
                 if idle is None:
                     idle = UploadSession(self.upload_session, _Stream, self._checks)
                     self._committing.append(idle)
@@ -515,8 +516,8 @@ class GrpcStore(Store):
             try:
                 answer = self._in_session(relay, header, view) if not relay.legacy_put and not relay.legacy_upload else None
                 if answer is not None:
-                    if tries == 1:
-                        gone.append(answer)
+                    if tries == 1 and answer.checked:
+                        gone.append(answer.gone)
                     return
                 if not relay.legacy_put:
                     try:
@@ -553,7 +554,7 @@ class GrpcStore(Store):
             self._sending[start] += size
             return start
 
-    def _in_session(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> list[str] | None:
+    def _in_session(self, relay: _Relay, header: pb.PutChunk, view: memoryview) -> Stored | None:
         """Write one object on an upload session of ``relay``: once stored, the objects its
         answer names gone (:meth:`.UploadSession.answered`); None when the relay predates
         UploadSession, or ended the sessions it was sent on before answering (idle, or its

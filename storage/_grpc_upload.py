@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -137,6 +137,15 @@ class SessionFailed(grpc.RpcError):  # type: ignore[misc]
         return self._details
 
 
+class Stored(NamedTuple):
+    """A relay's answer to an object on an upload session: stored; for a manifest committed at
+    the relay (``commit_latest``), the packs and blobs it names found gone after the write,
+    unless ``checked`` is False (the relay could not look: the writer checks itself)."""
+
+    gone: list[str]
+    checked: bool = True
+
+
 class UploadSession:
     """One UploadSession call: objects sent one after another, their bytes under one
     :class:`Credit` counted over the call (header data aside). Several threads may
@@ -160,7 +169,7 @@ class UploadSession:
         self._sent = 0  # credited bytes sent (header data aside)
         self._queued = 0  # objects handed to the request iterator
         self._stored = 0  # objects the relay answered stored
-        self._gone: dict[int, list[str]] = {}  # by answer (1: the first object's): a commit's missing objects
+        self._gone: dict[int, list[str] | None] = {}  # by answer (1: the first's): a commit's missing objects (None: unchecked)
         self._over = False  # the call ended (OK: the relay ended it; else _error)
         self._error: grpc.RpcError | None = None
         self._closed_here = False  # ended by close() (a deadline, or the store closing), not by the relay
@@ -190,8 +199,8 @@ class UploadSession:
             for answer in read(self._call):
                 self._credit.grant(answer.send_until)
                 with self._changed:
-                    if answer.gone:
-                        self._gone[answer.stored] = list(answer.gone)
+                    if answer.gone or answer.unchecked:
+                        self._gone[answer.stored] = None if answer.unchecked else list(answer.gone)
                     self._stored = max(self._stored, answer.stored)
                     self._changed.notify_all()
         except grpc.RpcError as e:
@@ -227,7 +236,7 @@ class UploadSession:
         """:meth:`answered`: whether it was stored."""
         return self.answered(header, view, timeout) is not None
 
-    def answered(self, header: pb.PutChunk, view: memoryview, timeout: float) -> list[str] | None:
+    def answered(self, header: pb.PutChunk, view: memoryview, timeout: float) -> Stored | None:
         """Send one object (after those put before it) and wait for the relay's answer: once
         stored, the objects its answer names gone (a manifest committed at the relay,
         ``commit_latest``; else none), None when the relay ended the call first (not written,
@@ -261,7 +270,8 @@ class UploadSession:
                         break
                     self._changed.wait(left)
                 if self._stored > place:
-                    return self._gone.pop(place + 1, [])
+                    gone = self._gone.pop(place + 1, [])
+                    return Stored([], checked=False) if gone is None else Stored(gone)
                 error, over, unknown = self._error, self._over, False
                 if over and self._closed_here:
                     # This side ended the call (another object's deadline, the store closing):

@@ -144,10 +144,12 @@ def commit(repo: Repository, config: PublisherConfig, draft: Draft, encoded: Enc
             except BaseException as e:  # raised below, on the publisher's thread
                 checked.append(e)
 
-        def checked_at_store(gone: list[str]) -> None:  # the relay did all three
+        renewals = lease.renewals if lease is not None else 0  # before the relay deletes it
+
+        def checked_at_store(gone: list[str], renewals: int = renewals) -> None:  # the relay did all three
             checked.append(gone)
             if lease is not None:
-                lease.forget()
+                lease.forget(renewals)
 
         try:
             repo.commit(manifest, alongside=[check_after, *([lease.release] if lease is not None else [])],

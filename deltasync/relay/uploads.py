@@ -246,7 +246,8 @@ class Session:
         self.stored = 0
         self.started = False  # no standing credit before the first object: it comes with its header
         self.progress = asyncio.Event()
-        self.gone: list[str] | None = None  # a manifest committed here (commit_latest): what is missing after
+        self.gone: list[str] = []  # a manifest committed here (commit_latest): what is missing after
+        self.unchecked = False  # ... or that it could not be checked
 
     @property
     def standing(self) -> int:
@@ -289,8 +290,8 @@ class Session:
 
     async def answer_stored(self) -> None:
         self.stored += 1
-        gone, self.gone = self.gone or [], None
-        await self.send(pb.UploadCredit(send_until=self.granted, stored=self.stored, gone=gone))
+        gone, unchecked, self.gone, self.unchecked = self.gone, self.unchecked, [], False
+        await self.send(pb.UploadCredit(send_until=self.granted, stored=self.stored, gone=gone, unchecked=unchecked))
 
 
 def piece_data(raw: bytes) -> memoryview:
@@ -671,7 +672,8 @@ class Uploads:
         await self._write_manifest(key, data, if_absent, parsed, first.references_pending, turn)
         if commit_here:
             assert session is not None
-            session.gone = await self.in_thread(self._commit_here, parsed, first.release)
+            gone = await self.in_thread(self._commit_here, parsed, first.release)
+            session.gone, session.unchecked = gone or [], gone is None
             self.committed += 1
             if self.on_stored is not None:
                 self.on_stored(LATEST)
@@ -730,14 +732,15 @@ class Uploads:
         """(Thread) Those of ``keys`` the repository lacks."""
         return [k for k in keys if not self.upstream.exists(k)]
 
-    def _commit_here(self, parsed: Referenced, release: str) -> list[str]:
+    def _commit_here(self, parsed: Referenced, release: str) -> list[str] | None:
         """(Thread) After a version's manifest is written, what its publisher would do next in a
         round trip of its own (Repository.commit, publish/commit.py), done here: point
         ``refs/latest`` at it unless a newer version is listed (the ref written first, then the
         listing, so a newer commit racing it gets the ref back), delete the publish's lease
         (``release``), and check again, after the write, that every pack and blob it names is
         there. Returns those that are not (a concurrent gc deleted one at that moment: the
-        publisher fails naming it). The ref and the lease are best effort, as at a publisher:
+        publisher fails naming it), or None when the check failed (the publisher checks them
+        itself: the version is committed all the same). The ref and the lease are best effort, as at a publisher:
         the ref is a hint (readers list), and a lease left behind expires."""
         manifest, keys = parsed
         version = manifest.version
@@ -757,7 +760,12 @@ class Uploads:
                     self.delete(release)
                 except Exception as e:  # left behind, it expires
                     log.info("version %d: its lease %s was not deleted (%s)", version, release, e)
-            return [k for k, ok in zip(keys, present, strict=True) if not ok]
+            try:
+                return [k for k, ok in zip(keys, present, strict=True) if not ok]
+            except Exception as e:
+                log.warning("version %d is committed, but what it names could not be checked again here (%s): "
+                            "its publisher checks", version, e)
+                return None
 
     async def _another_landed(self, missing: list[str], until: float) -> bool:
         """A manifest whose check found ``missing``: whether to check it again, once

@@ -109,6 +109,8 @@ class Lease:
         self.started_unix = clock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.renewals = 0
+        """Renewals ended (written or not), counted as each ends (:meth:`forget`)."""
 
     def _write(self) -> None:
         body = {"format": 1, "kind": "publish", "what": self.what, "started_unix": self.started_unix,
@@ -127,6 +129,8 @@ class Lease:
                 self._write()
             except DeltasyncError as e:  # the next rewrite tries again; gc honours it LEASE_SKEW longer
                 log.warning("could not renew the publish lease %s (%s)", self.key, e)
+            finally:
+                self.renewals += 1
 
     def release(self) -> None:
         """Stop renewing and delete the lease (once; a publish calls it right after its commit,
@@ -139,13 +143,19 @@ class Lease:
         with contextlib.suppress(DeltasyncError):  # left behind, it expires
             self.store.delete(self.key)
 
-    def forget(self) -> None:
-        """Stop renewing, without deleting: the lease was deleted where the repository is (a
-        writable relay that committed the version, Repository.commit). A renewal on its way
-        at that moment may write it again: left behind so, it expires."""
+    def forget(self, renewals: int) -> None:
+        """Stop renewing: the lease was deleted where the repository is (a writable relay that
+        committed the version, Repository.commit), asked when :attr:`renewals` was
+        ``renewals``. A renewal that ended since may have written it again after that
+        deletion: it is then deleted here (else, left behind, it would expire)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self.renewals != renewals:
+            with contextlib.suppress(DeltasyncError):
+                self.store.delete(self.key)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -129,14 +129,16 @@ class PutResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class UploadCredit(_message.Message):
-    __slots__ = ("send_until", "stored", "gone")
+    __slots__ = ("send_until", "stored", "gone", "unchecked")
     SEND_UNTIL_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    UNCHECKED_FIELD_NUMBER: _ClassVar[int]
     send_until: int
     stored: int
     gone: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, send_until: _Optional[int] = ..., stored: _Optional[int] = ..., gone: _Optional[_Iterable[str]] = ...) -> None: ...
+    unchecked: bool
+    def __init__(self, send_until: _Optional[int] = ..., stored: _Optional[int] = ..., gone: _Optional[_Iterable[str]] = ..., unchecked: _Optional[bool] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("key",)

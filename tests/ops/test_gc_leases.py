@@ -140,6 +140,29 @@ def test_a_lease_is_renewed_while_its_publish_runs_and_removed_after_an_abandon(
     assert list(store.list(LEASES)) == []  # the lease goes with the failed publish; gc may collect its packs
 
 
+def test_a_lease_deleted_by_the_relay_and_renewed_since_is_deleted_again(tmp_path: Path) -> None:
+    # A relay committing the version deletes the lease (relay/uploads.py, _commit_here); the
+    # publisher then only stops renewing (Lease.forget). A renewal that ended after it asked
+    # may have written the lease again behind that deletion: forget deletes it then.
+    store = LocalStore(tmp_path / "repo")
+    with Lease(store, "a publish", ttl=0.2) as lease:
+        asked = lease.renewals
+        store.delete(lease.key)  # the relay's deletion
+        deadline = time.monotonic() + 10
+        while lease.renewals == asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.exists(lease.key)  # written again by the renewal
+        lease.forget(asked)
+        assert not store.exists(lease.key)
+    with Lease(store, "a publish", ttl=600) as lease:
+        asked = lease.renewals
+        store.delete(lease.key)
+        store.put(lease.key, b"{}")  # (what no renewal wrote: forget leaves it to the relay)
+        lease.forget(asked)
+        assert store.exists(lease.key)
+    store.delete(lease.key)
+
+
 def test_a_publish_through_a_writable_relay_writes_and_removes_its_lease(tmp_path: Path) -> None:
     key = f"{LEASES}{'a' * 32}.json"
     assert is_lease_key(key) and is_layout_key(key) and not is_layout_key(f"{LEASES}x.json")

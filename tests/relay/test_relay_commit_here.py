@@ -8,7 +8,8 @@ publish's last round), on real relays over loopback.
 * A manifest the relay refuses (a pack it names missing) moves no ref and keeps the lease;
   a lease key that is not one is refused before anything is written.
 * A pack deleted right as the manifest is written (a concurrent gc) comes back in the answer:
-  the publish fails naming it, the version committed.
+  the publish fails naming it, the version committed. A check the relay could not run is
+  said so, and the publisher runs its own.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from test_relay_writes import (
 )
 
 from deltasync import Publisher, PublisherConfig, Repository
-from deltasync.errors import CommittedError, MissingReferencesError, UsageError
+from deltasync.errors import CommittedError, MissingReferencesError, StoreError, UsageError
 from deltasync.format.manifest import manifest_key
 from deltasync.repo.repository import LATEST
 from deltasync.storage import LocalStore, Store, WrappingStore
@@ -147,5 +148,43 @@ def test_a_pack_deleted_as_the_manifest_is_written_fails_the_publish_naming_it(t
         assert origin.deleted and origin.deleted[0] in str(caught.value)
         assert origin.exists(manifest_key(2))  # committed: the error says so
         assert relay.metrics()["commits_here"] == 2
+    finally:
+        store.close()
+
+
+class _CheckFailsOnce(WrappingStore):
+    """The relay's repository: the first existence check after a version's manifest is written fails."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.armed = False
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        super()._put(key, data, if_absent)
+        self.armed = self.armed or (key.startswith("manifests/") and key != manifest_key(1))
+
+    def _size(self, key: str) -> int:
+        if self.armed and key.startswith("packs/"):
+            self.armed = False
+            raise StoreError("simulated: the repository failed the request")
+        return super()._size(key)
+
+
+def test_a_check_the_relay_could_not_run_is_run_by_the_publisher(tmp_path: Path, start_relay: StartRelay,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    origin = _CheckFailsOnce(LocalStore(tmp_path / "origin"))
+    relay = start_relay(origin)
+    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
+    try:
+        pub = Publisher(Repository(store), CONFIG)
+        state = make_state(1)
+        pub.publish(state)
+        log = _calls(monkeypatch)
+        assert pub.publish(step_state(state, seed=2)).version == 2  # committed, checked by the publisher
+        manifest_done = next(end for _, end, what, key in log if what == "_write" and key == manifest_key(2))
+        checked = {key for start, _, what, key in log if start >= manifest_done and what == "_size"}
+        named = {p.key for p in Repository(origin).manifest(2).pb.packs}
+        assert named and checked >= named
+        assert origin.get(LATEST) == b"2\n"
     finally:
         store.close()

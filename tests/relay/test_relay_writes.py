@@ -652,7 +652,7 @@ def test_a_conditional_put_retried_after_a_lost_answer_is_ours(writer: tuple[Grp
 
     calls = []
 
-    def upload_then_lose(*args: Any) -> list[str] | None:
+    def upload_then_lose(*args: Any) -> object:
         calls.append(1)
         answer = real(*args)
         assert answer is not None  # stored
