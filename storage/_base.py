@@ -120,7 +120,8 @@ class Store(ABC):
     def commits_refs(self) -> bool:
         """Whether :meth:`put_commit` may do a commit's last round where the repository is (a
         writable relay that says so): a publisher of an unsigned repository then sends no
-        requests of its own after its manifest (Repository.commit)."""
+        requests of its own after its manifest (Repository.commit). A :class:`WrappingStore`
+        does not pass it on: its puts are its own, and the commit goes through them."""
         return False
 
     def put_commit(self, key: str, data: bytes | bytearray | memoryview, *, release: str | None = None) -> list[str] | None:
