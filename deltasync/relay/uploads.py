@@ -43,7 +43,8 @@ import grpc
 
 from ..errors import ObjectNotFoundError, UsageError
 from ..format.digest import digest
-from ..format.manifest import manifest_key
+from ..format.manifest import manifest_key, version_from_key
+from ..repo.leases import is_lease_key
 from ..repo.repository import LATEST, blob_key
 from ..storage import LocalStore, Store, check_key
 from ..storage.wire import CHUNK_BYTES, UNCREDITED_BYTES
@@ -56,8 +57,6 @@ from .fetch import InThread
 log = logging.getLogger("deltasync.relay")
 
 _MANIFEST_KEY = re.compile(r"^(manifests/\d{20}\.pb|squashes/\d{20}-\d{20}\.pb)$")
-_VERSION_KEY = re.compile(r"^manifests/(\d{20})\.pb$")
-_LEASE_KEY = re.compile(r"^leases/[0-9a-f]{32}\.json$")
 #: Threads one commit done here (``commit_latest``) checks its manifest's objects on.
 COMMIT_CHECKS = 16
 
@@ -660,9 +659,9 @@ class Uploads:
         here (:meth:`_commit_here`), what it found missing left for the session's answer."""
         if_absent = first.if_absent
         commit_here = first.commit_latest and session is not None
-        if commit_here and not _VERSION_KEY.match(key):
+        if commit_here and version_from_key(key) is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: only a version's manifest is committed here")
-        if commit_here and first.release and not _LEASE_KEY.match(first.release):
+        if commit_here and first.release and not is_lease_key(first.release):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: the lease to release is not a lease's key "
                           f"({first.release[:80]!r})")
         parsed = await self.in_thread(self._checked, key, data, bytes(first.digest))
@@ -749,8 +748,8 @@ class Uploads:
             present = pool.map(self.upstream.exists, keys)
             try:
                 self._write(LATEST, f"{version}\n".encode(), False, None)
-                newest = max((int(m.group(1)) for k in self.upstream.list("manifests/")
-                              if (m := _VERSION_KEY.match(k))), default=version)
+                newest = max((v for k in self.upstream.list("manifests/") if (v := version_from_key(k)) is not None),
+                             default=version)
                 if newest > version:
                     self._write(LATEST, f"{newest}\n".encode(), False, None)
             except Exception as e:  # committed: the ref is a hint
