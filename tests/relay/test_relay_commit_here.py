@@ -119,19 +119,30 @@ def test_a_refused_manifest_moves_no_ref_and_keeps_the_lease(tmp_path: Path, sta
         store.close()
 
 
-class _GcAtTheCommit(WrappingStore):
-    """The relay's repository: as a manifest is written, a concurrent gc deletes a pack it names."""
+class _AfterTheFirstVersion(WrappingStore):
+    """The relay's repository: :meth:`written` is called once each version's manifest after
+    the first is written."""
+
+    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
+        super()._put(key, data, if_absent)
+        if key.startswith("manifests/") and key != manifest_key(1):
+            self.written(manifest_pb.Manifest.FromString(bytes(data)))
+
+    def written(self, manifest: manifest_pb.Manifest) -> None:
+        raise NotImplementedError
+
+
+class _GcAtTheCommit(_AfterTheFirstVersion):
+    """As a manifest is written, a concurrent gc deletes a pack it names."""
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
         self.deleted: list[str] = []
 
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        super()._put(key, data, if_absent)
-        if key.startswith("manifests/") and key != manifest_key(1):
-            victim = manifest_pb.Manifest.FromString(bytes(data)).packs[0].key
-            self.inner.delete(victim)
-            self.deleted.append(victim)
+    def written(self, manifest: manifest_pb.Manifest) -> None:
+        victim = manifest.packs[0].key
+        self.inner.delete(victim)
+        self.deleted.append(victim)
 
 
 def test_a_pack_deleted_as_the_manifest_is_written_fails_the_publish_naming_it(tmp_path: Path,
@@ -152,16 +163,15 @@ def test_a_pack_deleted_as_the_manifest_is_written_fails_the_publish_naming_it(t
         store.close()
 
 
-class _CheckFailsOnce(WrappingStore):
-    """The relay's repository: the first existence check after a version's manifest is written fails."""
+class _CheckFailsOnce(_AfterTheFirstVersion):
+    """The first existence check of a pack after a version's manifest is written fails."""
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
         self.armed = False
 
-    def _put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool) -> None:
-        super()._put(key, data, if_absent)
-        self.armed = self.armed or (key.startswith("manifests/") and key != manifest_key(1))
+    def written(self, manifest: manifest_pb.Manifest) -> None:
+        self.armed = True
 
     def _size(self, key: str) -> int:
         if self.armed and key.startswith("packs/"):
