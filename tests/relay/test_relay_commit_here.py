@@ -14,7 +14,9 @@ publish's last round), on real relays over loopback.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from test_relay_writes import (
 from deltasync import Publisher, PublisherConfig, Repository
 from deltasync.errors import CommittedError, MissingReferencesError, StoreError, UsageError
 from deltasync.format.manifest import manifest_key
+from deltasync.relay.server import RelayServer
 from deltasync.repo.repository import LATEST
 from deltasync.storage import LocalStore, Store, WrappingStore
 from deltasync.storage._grpc import GrpcStore
@@ -59,15 +62,25 @@ def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float, str, str
     return log
 
 
-def test_a_publish_sends_nothing_after_its_manifest(tmp_path: Path, start_relay: StartRelay,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    origin = LocalStore(tmp_path / "origin")
+@contextlib.contextmanager
+def _first_version(origin: Store, start_relay: StartRelay) -> Iterator[tuple[RelayServer, GrpcStore, Publisher, Any]]:
+    """A writable relay on ``origin``, a publisher through it, and the first version it published
+    (the publisher has learnt from it that the relay commits): the relay, store, publisher, state."""
     relay = start_relay(origin)
     store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
     try:
         pub = Publisher(Repository(store), CONFIG)
         state = make_state(1)
-        pub.publish(state)  # learns that the relay commits (its sessions say so)
+        pub.publish(state)
+        yield relay, store, pub, state
+    finally:
+        store.close()
+
+
+def test_a_publish_sends_nothing_after_its_manifest(tmp_path: Path, start_relay: StartRelay,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    origin = LocalStore(tmp_path / "origin")
+    with _first_version(origin, start_relay) as (relay, store, pub, state):
         assert store.commits_refs
         log = _calls(monkeypatch)
         state = step_state(state, seed=2)
@@ -78,8 +91,6 @@ def test_a_publish_sends_nothing_after_its_manifest(tmp_path: Path, start_relay:
         assert origin.get(LATEST) == b"2\n"
         assert list(origin.list("leases/")) == []  # both leases deleted by the relay
         assert relay.metrics()["commits_here"] == 2
-    finally:
-        store.close()
 
 
 def test_the_ref_goes_to_a_newer_version_listed_and_the_lease_is_deleted(tmp_path: Path,
@@ -148,19 +159,12 @@ class _GcAtTheCommit(_AfterTheFirstVersion):
 def test_a_pack_deleted_as_the_manifest_is_written_fails_the_publish_naming_it(tmp_path: Path,
                                                                                start_relay: StartRelay) -> None:
     origin = _GcAtTheCommit(LocalStore(tmp_path / "origin"))
-    relay = start_relay(origin)
-    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
-    try:
-        pub = Publisher(Repository(store), CONFIG)
-        state = make_state(1)
-        pub.publish(state)
+    with _first_version(origin, start_relay) as (relay, _, pub, state):
         with pytest.raises(CommittedError, match="deleted by a concurrent gc") as caught:
             pub.publish(step_state(state, seed=2))
         assert origin.deleted and origin.deleted[0] in str(caught.value)
         assert origin.exists(manifest_key(2))  # committed: the error says so
         assert relay.metrics()["commits_here"] == 2
-    finally:
-        store.close()
 
 
 class _CheckFailsOnce(_AfterTheFirstVersion):
@@ -183,12 +187,7 @@ class _CheckFailsOnce(_AfterTheFirstVersion):
 def test_a_check_the_relay_could_not_run_is_run_by_the_publisher(tmp_path: Path, start_relay: StartRelay,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     origin = _CheckFailsOnce(LocalStore(tmp_path / "origin"))
-    relay = start_relay(origin)
-    store = GrpcStore(relay.url, write_token=WRITE, timeout=30)
-    try:
-        pub = Publisher(Repository(store), CONFIG)
-        state = make_state(1)
-        pub.publish(state)
+    with _first_version(origin, start_relay) as (_, _, pub, state):
         log = _calls(monkeypatch)
         assert pub.publish(step_state(state, seed=2)).version == 2  # committed, checked by the publisher
         manifest_done = next(end for _, end, what, key in log if what == "_write" and key == manifest_key(2))
@@ -196,5 +195,3 @@ def test_a_check_the_relay_could_not_run_is_run_by_the_publisher(tmp_path: Path,
         named = {p.key for p in Repository(origin).manifest(2).pb.packs}
         assert named and checked >= named
         assert origin.get(LATEST) == b"2\n"
-    finally:
-        store.close()
