@@ -771,14 +771,19 @@ def _clean_update_bytes(run: Run, tmp_path: Path, version: int) -> int:
     return store.fetched_bytes
 
 
-def _interrupt_midway(cmd: list[str], out: Path, sig: int, fraction: float) -> subprocess.Popen[str]:
+def _interrupt_midway(cmd: list[str], out: Path, sig: int, fraction: float) -> subprocess.Popen[str] | None:
+    """Start ``cmd`` and send it ``sig`` once its update has done ``fraction`` of its chunks;
+    None when the command ended first (a loaded machine can miss a short update's window)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60  # bounds a failure only
     while True:
         w = _wip(out)
         if w is not None and w[0] >= fraction * w[1]:
             break
-        assert p.poll() is None, f"finished before it could be interrupted: {p.communicate()}"
+        if p.poll() is not None:
+            _, stderr = p.communicate()
+            assert p.returncode == 0, stderr
+            return None
         assert time.monotonic() < deadline
         time.sleep(0.005)
     p.send_signal(sig)
@@ -832,10 +837,16 @@ def test_sigkill_at_random_points_ends_at_the_exact_target_without_starting_over
     assert r.returncode == 0, r.stderr
     assert tree_digests(out) == run.digests(len(run.ckpts))
 
-    # Killed with a good part of an update done, the next run does not start over.
-    v = run.publish()
-    clean = _clean_update_bytes(run, tmp_path, v)
-    p = _interrupt_midway(cmd, out, signal.SIGKILL, 0.5)
+    # Killed with a good part of an update done, the next run does not start over. An update
+    # that ended before it could be killed is tried again on a new version (at most 5 times).
+    for _ in range(5):
+        v = run.publish()
+        clean = _clean_update_bytes(run, tmp_path, v)
+        p = _interrupt_midway(cmd, out, signal.SIGKILL, 0.5)
+        if p is not None:
+            break
+        assert tree_digests(out) == run.digests(v)
+    assert p is not None, "every update ended before it could be killed"
     p.wait()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -854,6 +865,7 @@ def test_sigterm_stops_cleanly_and_the_next_run_resumes(slow_run: tuple[Run, lis
     clean = _clean_update_bytes(run, tmp_path, v)
     cmd = [*driver, "subscribe", "--repo", run.repo, "--out", str(out), "--follow", "--poll-interval", "0.1"]
     p = _interrupt_midway(cmd, out, signal.SIGTERM, 0.4)
+    assert p is not None  # --follow does not end by itself
     stdout, stderr = p.communicate(timeout=60)
     assert p.returncode == 0, stderr
     assert "stopped at version 1" in stdout
