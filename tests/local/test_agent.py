@@ -842,12 +842,12 @@ def test_sigkill_at_random_points_ends_at_the_exact_target_without_starting_over
     for _ in range(5):
         v = run.publish()
         clean = _clean_update_bytes(run, tmp_path, v)
-        p = _interrupt_midway(cmd, out, signal.SIGKILL, 0.5)
-        if p is not None:
+        killed = _interrupt_midway(cmd, out, signal.SIGKILL, 0.5)
+        if killed is not None:
             break
         assert tree_digests(out) == run.digests(v)
-    assert p is not None, "every update ended before it could be killed"
-    p.wait()
+    assert killed is not None, "every update ended before it could be killed"
+    killed.wait()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert tree_digests(out) == run.digests(v)
