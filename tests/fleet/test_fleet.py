@@ -196,12 +196,8 @@ def test_agents_report_and_pin_wait_names_the_node_held_back(
     assert waited.returncode == 0, waited.stderr
     assert "3/3 reporting engines serve version 2" in waited.stdout
     # The relay reads the repository's refs at most once a second: the pin shows within that.
-    deadline = time.monotonic() + 10
-    while True:
-        rc, view = _fleet_json(url)
-        if {n["state"] for n in view["nodes"]} == {"pinned"} or time.monotonic() > deadline:  # type: ignore[attr-defined]
-            break
-        time.sleep(0.2)
+    _wait_states(url, {f"n{i}": (2, "pinned") for i in range(3)})
+    rc, view = _fleet_json(url)
     assert rc == 0 and {n["state"] for n in view["nodes"]} == {"pinned"}, view  # type: ignore[attr-defined]
 
     # One node held back: its agent stopped. A pin back to 1 cannot be confirmed by all.
